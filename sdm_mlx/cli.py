@@ -1,0 +1,152 @@
+"""``sdm-mlx <verb>``: the command-line entry point.
+
+Each verb lives in ``sdm_mlx/commands/<verb>.py`` and exposes ``HELP`` (one
+line), ``add_arguments(parser)`` and ``run(args) -> int``.  Command modules keep
+heavy imports (mlx, mlx-lm) inside ``run`` so ``--help`` stays fast.
+
+Every verb accepts ``--config file.yaml``: its keys are the verb's option names
+(hyphens or underscores); precedence is CLI > YAML > defaults and unknown keys
+are rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from . import __version__
+
+#: verb -> module name under sdm_mlx.commands, in the order shown by --help.
+VERBS = {
+    "train": "train",
+    "predict": "predict",
+    "recalibrate": "recalibrate",
+    "evaluate": "evaluate",
+    "demo": "demo",
+    "embed": "embed",
+    "make-verification-data": "make_verification_data",
+    "api-features": "api_features",
+    "network-train": "network_train",
+    "generate": "generate",
+    "chat": "chat",
+}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as ``sdm-mlx <verb>: error: ...`` with exit code 2."""
+
+
+def require(args: argparse.Namespace, *names: str) -> None:
+    """Fail with a clear message if any option (given on the CLI or in YAML) is missing."""
+    missing = [n for n in names if getattr(args, n, None) in (None, "", [])]
+    if missing:
+        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
+        raise CLIError(f"missing required option(s): {flags} (on the command line or in --config)")
+
+
+def _load_yaml_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise CLIError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise CLIError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CLIError(f"config file {path} must hold a mapping of option names to values")
+    known = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    out, unknown = {}, []
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            unknown.append(str(key))
+        else:
+            out[dest] = value
+    if unknown:
+        raise CLIError(
+            f"unknown key(s) in {path}: {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(sorted(k.replace('_', '-') for k in known))}"
+        )
+    return out
+
+
+def _available_verbs() -> dict:
+    mods = {}
+    for verb, name in VERBS.items():
+        try:
+            mods[verb] = importlib.import_module(f"sdm_mlx.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"sdm_mlx.commands.{name}":
+                raise
+    return mods
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(
+        prog="sdm-mlx",
+        description="SDM activations, calibration and verified generation in MLX.",
+    )
+    parser.add_argument("--version", action="version", version=f"sdm-mlx {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="<verb>")
+    mods = _available_verbs()
+    subparsers = {}
+    for verb, mod in mods.items():
+        p = sub.add_parser(
+            verb,
+            help=mod.HELP,
+            description=mod.HELP,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        p.add_argument("--config", default=None, help="YAML file of option values (CLI > YAML > defaults)")
+        mod.add_arguments(p)
+        subparsers[verb] = (p, mod)
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    from_console = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if from_console:
+        from .blas import reexec_with_openblas
+
+        reexec_with_openblas(argv)
+    parser, subparsers = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help(sys.stderr)
+        return 2
+    sub_parser, mod = subparsers[args.verb]
+    try:
+        if args.config:
+            sub_parser.set_defaults(**_load_yaml_config(args.config, sub_parser))
+            args = parser.parse_args(argv)
+        from .blas import maybe_warn_slow_blas
+
+        maybe_warn_slow_blas()
+        rc = mod.run(args)
+    except CLIError as e:
+        print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        if os.environ.get("SDM_MLX_DEBUG"):
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"sdm-mlx {args.verb}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sdm-mlx {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``sdm-mlx`` verb (see ``sdm_mlx.cli``)."""
