@@ -1,0 +1,245 @@
+"""Datasets: JSONL reading/validation and the embedded factcheck data.
+
+JSONL rows: ``id`` (required, unique), ``label`` (int 0..C−1; required for
+training, calibration and evaluation), ``embedding`` and/or ``attributes``
+(lists of floats), optional ``document``.  Feature selection (``features``):
+``"embedding"``, ``"attributes"``, ``"embedding+attributes"`` (concatenated,
+embedding first) or ``"auto"`` (whichever the file has; both ⇒ concatenated).
+Every problem raises ``ValueError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from importlib import resources
+
+import numpy as np
+
+FEATURE_CHOICES = ("auto", "embedding", "attributes", "embedding+attributes")
+
+
+@dataclass
+class Dataset:
+    """Features ``X`` [N, D] float32, labels ``y`` [N] int64 (or None), ids and documents."""
+
+    ids: list
+    X: np.ndarray
+    y: np.ndarray | None = None
+    documents: list = field(default_factory=list)
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.documents:
+            self.documents = [None] * len(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, index) -> "Dataset":
+        index = np.asarray(index, dtype=np.int64)
+        return Dataset(
+            ids=[self.ids[i] for i in index],
+            X=self.X[index],
+            y=None if self.y is None else self.y[index],
+            documents=[self.documents[i] for i in index],
+            source=self.source,
+        )
+
+    @staticmethod
+    def concat(parts: list["Dataset"]) -> "Dataset":
+        return Dataset(
+            ids=[i for p in parts for i in p.ids],
+            X=np.concatenate([p.X for p in parts]),
+            y=None if any(p.y is None for p in parts) else np.concatenate([p.y for p in parts]),
+            documents=[d for p in parts for d in p.documents],
+            source="+".join(p.source for p in parts),
+        )
+
+
+def _row_features(row: dict, features: str, where: str) -> list:
+    has_e, has_a = "embedding" in row, "attributes" in row
+    if features == "auto":
+        features = "embedding+attributes" if has_e and has_a else "embedding" if has_e else "attributes"
+    parts = []
+    for name in features.split("+"):
+        if name not in row:
+            raise ValueError(f"{where}: missing field {name!r} (features={features!r})")
+        value = row[name]
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{where}: field {name!r} must be a non-empty list of numbers")
+        parts.extend(value)
+    return parts
+
+
+def parse_rows(rows, source: str, features: str = "auto", require_labels: bool = True) -> Dataset:
+    """Build a validated :class:`Dataset` from an iterable of (line_number, dict)."""
+    if features not in FEATURE_CHOICES:
+        raise ValueError(f"features must be one of {FEATURE_CHOICES}, got {features!r}")
+    ids, feats, labels, docs, seen = [], [], [], [], {}
+    width = None
+    for line_no, row in rows:
+        where = f"{source}:{line_no}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        if "id" not in row:
+            raise ValueError(f"{where}: missing field 'id'")
+        rid = row["id"]
+        key = json.dumps(rid, sort_keys=True)
+        if key in seen:
+            raise ValueError(f"{where}: duplicate id {rid!r} (first seen on line {seen[key]})")
+        seen[key] = line_no
+        vec = _row_features(row, features, where)
+        if width is None:
+            width = len(vec)
+        elif len(vec) != width:
+            raise ValueError(f"{where}: feature vector has {len(vec)} values, earlier rows have {width}")
+        try:
+            arr = np.asarray(vec, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: features must be numbers") from None
+        if not np.isfinite(arr).all():
+            raise ValueError(f"{where}: features contain NaN or Inf (id {rid!r})")
+        if require_labels or "label" in row:
+            if "label" not in row:
+                raise ValueError(f"{where}: missing field 'label'")
+            lab = row["label"]
+            if isinstance(lab, bool) or not isinstance(lab, int):
+                raise ValueError(f"{where}: label must be an integer class index, got {lab!r}")
+            labels.append(lab)
+        ids.append(rid)
+        feats.append(arr)
+        docs.append(row.get("document"))
+    if not ids:
+        raise ValueError(f"{source}: no rows")
+    if labels and len(labels) != len(ids):
+        raise ValueError(f"{source}: some rows have a 'label' and others do not")
+    return Dataset(
+        ids=ids,
+        X=np.stack(feats),
+        y=np.asarray(labels, dtype=np.int64) if labels else None,
+        documents=docs,
+        source=source,
+    )
+
+
+def iter_jsonl(path_or_lines, source: str | None = None):
+    """Yield (line_number, parsed object) for non-blank lines; malformed JSON raises ValueError."""
+    if isinstance(path_or_lines, (str, os.PathLike)):
+        source = source or str(path_or_lines)
+        if not os.path.exists(path_or_lines):
+            raise FileNotFoundError(f"input file not found: {path_or_lines}")
+        fh = open(path_or_lines, encoding="utf-8")
+    else:
+        fh = path_or_lines
+        source = source or "<lines>"
+    try:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}:{line_no}: malformed JSON ({e.msg}); is the file truncated?") from None
+    finally:
+        if isinstance(path_or_lines, (str, os.PathLike)):
+            fh.close()
+
+
+def read_jsonl(path, features: str = "auto", require_labels: bool = True) -> Dataset:
+    """Read and validate a JSONL file of rows (see module docstring)."""
+    return parse_rows(iter_jsonl(path), str(path), features, require_labels)
+
+
+def check_labels(y: np.ndarray, num_classes: int, name: str) -> None:
+    """Labels must be integers in 0..C−1."""
+    y = np.asarray(y)
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any():
+        raise ValueError(
+            f"{name}: labels must be in 0..{num_classes - 1}, found {sorted(set(y[bad].tolist()))[:5]}"
+        )
+
+
+def check_features(X: np.ndarray, name: str, dim: int | None = None) -> np.ndarray:
+    """Features must be a finite 2-D float array (of width ``dim`` when given)."""
+    X = np.asarray(X, dtype=np.float32)
+    if X.ndim != 2:
+        raise ValueError(f"{name}: features must be 2-D [rows, dim], got shape {X.shape}")
+    if X.shape[0] == 0:
+        raise ValueError(f"{name}: no rows")
+    if dim is not None and X.shape[1] != dim:
+        raise ValueError(f"{name}: features have dimension {X.shape[1]}, the model expects {dim}")
+    if not np.isfinite(X).all():
+        rows = np.flatnonzero(~np.isfinite(X).all(axis=1))[:5].tolist()
+        raise ValueError(f"{name}: features contain NaN or Inf (rows {rows})")
+    return X
+
+
+def write_jsonl_atomic(path, rows) -> None:
+    """Write rows (dicts) as JSONL to ``path`` atomically (temp file + rename)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded factcheck data (real Mixtral-8x7B-Instruct features; see data/FACTCHECK_README.md)
+# --------------------------------------------------------------------------------------------
+FACTCHECK_ZIP = "saplma_true_false_data_with_mixtral_instruct_v0.1.zip"
+FACTCHECK_TOPICS = ("animals", "cities", "companies", "elements", "facts", "inventions")
+FACTCHECK_SHIFTED = ("generated",)
+FACTCHECK_CITATION = (
+    "Azaria & Mitchell (2023), 'The Internal State of an LLM Knows When It's Lying'; features from "
+    "ReexpressAI/Example_Data (tutorial7_factcheck), Apache-2.0."
+)
+FACTCHECK_CLASS_NAMES = ("false", "true")
+
+
+def load_factcheck(topics=FACTCHECK_TOPICS) -> Dataset:
+    """The embedded true/false statements with 32 Mixtral-8x7B attributes (label 1 = true).
+
+    ``topics``: any of ``FACTCHECK_TOPICS`` (the paper's training/calibration pool) and
+    ``"generated"`` (245 LLM-generated statements: the shifted test set).
+    """
+    if isinstance(topics, str):
+        topics = (topics,)
+    unknown = set(topics) - set(FACTCHECK_TOPICS + FACTCHECK_SHIFTED)
+    if unknown:
+        raise ValueError(f"unknown factcheck topic(s) {sorted(unknown)}")
+    blob = resources.files("sdm_mlx").joinpath("data", FACTCHECK_ZIP).read_bytes()
+    parts = []
+    with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+        for topic in topics:
+            name = f"{topic}_true_false.csv.attributes.jsonl"
+            with zf.open(name) as fh:
+                text = io.TextIOWrapper(fh, encoding="utf-8")
+                parts.append(parse_rows(iter_jsonl(text, f"{FACTCHECK_ZIP}/{name}"), topic, "attributes"))
+    return Dataset.concat(parts)
+
+
+def stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Split row indices per class: ``floor(n_c·fraction)`` of each class to the first part."""
+    y = np.asarray(y)
+    first, second = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        cut = int(np.floor(idx.size * fraction))
+        first.append(idx[:cut])
+        second.append(idx[cut:])
+    return np.sort(np.concatenate(first)), np.sort(np.concatenate(second))
+
+
+def factcheck_splits(heldout_fraction: float = 0.15, seed: int = 0) -> tuple[Dataset, Dataset, Dataset]:
+    """(pool for train+calibration, held-out topic statements, shifted ``generated`` statements)."""
+    topics = load_factcheck(FACTCHECK_TOPICS)
+    heldout_idx, pool_idx = stratified_split(topics.y, heldout_fraction, np.random.default_rng(seed))
+    return topics.subset(pool_idx), topics.subset(heldout_idx), load_factcheck("generated")

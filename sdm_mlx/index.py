@@ -1,0 +1,330 @@
+"""Support index over training exemplar vectors h', and the Similarity q.
+
+Two interchangeable backends share one small interface:
+
+* :class:`ExactIndex` (default) — exact squared L2 by tiled MLX matmuls,
+  ``‖a‖² + ‖b‖² − 2a·bᵀ`` after centring every vector on support row 0,
+  clamped at 0; neighbours ordered by (distance, support index); near-ties are
+  re-ranked in float64 on the host.
+* :class:`HnswIndex` — hnswlib HNSW graph (approximate, opt-in, for large
+  support sets). Its neighbours, and therefore q, may differ from exact.
+
+Both expose ``search(queries, n, exclude=None)`` (top-n neighbours) and
+``similarity(queries, y_hat, good_by_class, k, exclude=None)`` returning the
+Similarity q (``eq:similarity`` in the paper) and d0, the squared L2 distance
+to the nearest support vector.
+
+Similarity q of a query with prediction ŷ: the number of its nearest
+neighbours, in order, that are correctly predicted and share the prediction
+(``label_j == pred_j == ŷ``); the first neighbour failing this ends the count.
+It is capped at k.  Training queries exclude their own support index *before*
+the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+#: Bytes the exact index may use for one block of query × support distances.
+DISTANCE_BLOCK_BYTES = 256 * 1024 * 1024
+
+
+def good_neighbours_by_class(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """[C, N_support] bool: support j counts towards q of class c iff label_j == pred_j == c."""
+    labels = np.asarray(labels)
+    predictions = np.asarray(predictions)
+    correct = labels == predictions
+    return np.stack([correct & (predictions == c) for c in range(num_classes)])
+
+
+def similarity_from_neighbours(neighbour_idx: np.ndarray, y_hat: np.ndarray, good_by_class: np.ndarray) -> np.ndarray:
+    """q from sorted neighbour lists (``eq:similarity``): length of the leading run of good neighbours.
+
+    ``neighbour_idx`` is [N, k] sorted nearest first; entries < 0 are padding (end the run).
+    """
+    neighbour_idx = np.asarray(neighbour_idx)
+    if neighbour_idx.shape[1] == 0:
+        return np.zeros(neighbour_idx.shape[0], dtype=np.int64)
+    valid = neighbour_idx >= 0
+    good = good_by_class[np.asarray(y_hat)[:, None], np.where(valid, neighbour_idx, 0)] & valid
+    return np.cumprod(good, axis=1).sum(axis=1).astype(np.int64)
+
+
+def _as_float32_matrix(x, name: str) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array [rows, dim], got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return a
+
+
+def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
+    if exclude is None:
+        return None
+    ex = np.asarray(exclude, dtype=np.int64).reshape(-1)
+    if ex.shape[0] != n_queries:
+        raise ValueError(f"exclude must hold one support index per query ({n_queries}), got {ex.shape[0]}")
+    return ex
+
+
+@mx.compile
+def _similarity_block(qc, support, support_sq, good_by_class, y_hat, exclude, tol):
+    """Fused q/d0 kernel for one query block (see :meth:`ExactIndex.similarity`)."""
+    q_sq = (qc * qc).sum(axis=1)
+    dist = mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0)
+    cols = mx.arange(support.shape[0])
+    excluded = cols[None, :] == exclude[:, None]
+    good = good_by_class[y_hat] & ~excluded
+    bad = ~good & ~excluded
+    inf = mx.array(float("inf"), dtype=dist.dtype)
+    first_bad_d = mx.where(bad, dist, inf).min(axis=1, keepdims=True)
+    first_bad_i = mx.where(bad & (dist == first_bad_d), cols[None, :], support.shape[0]).min(axis=1, keepdims=True)
+    before = (dist < first_bad_d) | ((dist == first_bad_d) & (cols[None, :] < first_bad_i))
+    count = (good & before).sum(axis=1)
+    # float32 error of the norm expansion is ~ eps·(‖q‖² + ‖s‖²): rows with a good/bad pair that
+    # close to the first-bad distance are re-ranked exactly in float64 on the host
+    band = tol * (q_sq[:, None] + support_sq[None, :]) + 1e-30
+    near = (mx.abs(dist - first_bad_d) <= band) & ~excluded
+    ambiguous = (near & good).any(axis=1)
+    d0 = mx.where(excluded, inf, dist).min(axis=1)
+    return count, d0, ambiguous, first_bad_d
+
+
+def _near_tie_rows(qc, support, support_sq, good_by_class, y_hat, exclude, first_bad_d, tol):
+    """(dist, good, near) for the few query rows that need an exact float64 re-rank."""
+    q_sq = (qc * qc).sum(axis=1)
+    dist = mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0)
+    excluded = mx.arange(support.shape[0])[None, :] == exclude[:, None]
+    good = good_by_class[y_hat] & ~excluded
+    band = tol * (q_sq[:, None] + support_sq[None, :]) + 1e-30
+    near = (mx.abs(dist - first_bad_d) <= band) & ~excluded
+    return dist, good, near
+
+
+class ExactIndex:
+    """Exact squared-L2 nearest neighbours over a support set, computed with MLX matmuls.
+
+    Parameters
+    ----------
+    support : [N_s, M] float array of exemplar vectors.
+    block_bytes : memory budget for one query-block × support distance matrix.
+    """
+
+    backend = "exact"
+
+    def __init__(self, support, block_bytes: int = DISTANCE_BLOCK_BYTES):
+        s = _as_float32_matrix(support, "support")
+        if s.shape[0] == 0:
+            raise ValueError("support set is empty")
+        self.size, self.dim = s.shape
+        self._center = s[0].copy()
+        self._support_np = s - self._center  # centred float32 (host), used for float64 re-ranking
+        self._support = mx.array(self._support_np)
+        self._support_sq = (self._support * self._support).sum(axis=1)
+        self._max_support_sq = float(self._support_sq.max().item())
+        self.block_rows = max(1, min(4096, block_bytes // (4 * self.size)))
+
+    # -- distances -----------------------------------------------------------------------------
+    def _centre_queries(self, queries) -> np.ndarray:
+        qn = _as_float32_matrix(queries, "queries")
+        if qn.shape[1] != self.dim:
+            raise ValueError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+        return qn - self._center
+
+    def _block_distances(self, qc: mx.array) -> tuple[mx.array, mx.array]:
+        """Squared L2 [b, N_s] between centred queries and the centred support, clamped at 0."""
+        q_sq = (qc * qc).sum(axis=1)
+        dist = q_sq[:, None] + self._support_sq[None, :] - 2.0 * (qc @ self._support.T)
+        return mx.maximum(dist, 0.0), q_sq
+
+    def _blocks(self, qc_np: np.ndarray):
+        for start in range(0, qc_np.shape[0], self.block_rows):
+            stop = min(start + self.block_rows, qc_np.shape[0])
+            yield start, stop, mx.array(qc_np[start:stop])
+
+    def _exact64(self, qc_row: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        diff = self._support_np[idx].astype(np.float64) - qc_row.astype(np.float64)
+        return np.einsum("ij,ij->i", diff, diff)
+
+    # -- top-n neighbours ---------------------------------------------------------------------
+    def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n neighbours: (squared distances [N, n] float32, support indices [N, n] int64).
+
+        Ordered by (distance, support index); distances are re-computed in float64 for the
+        candidates, so near-ties are ranked exactly.  ``exclude[i]`` (a support index, or −1)
+        is left out for query i.  Fewer than n available ⇒ padded with (inf, −1).
+        """
+        qc = self._centre_queries(queries)
+        ex = _exclusion(exclude, qc.shape[0])
+        n_avail = self.size
+        n = int(n)
+        n_cand = min(n_avail, n + 8 + (1 if ex is not None else 0))
+        out_d = np.full((qc.shape[0], n), np.inf, dtype=np.float32)
+        out_i = np.full((qc.shape[0], n), -1, dtype=np.int64)
+        if n <= 0:
+            return out_d, out_i
+        cols = mx.arange(self.size)
+        for start, stop, qb in self._blocks(qc):
+            dist, _ = self._block_distances(qb)
+            if ex is not None:
+                dist = mx.where(cols[None, :] == mx.array(ex[start:stop])[:, None], mx.inf, dist)
+            if n_cand < self.size:
+                cand = mx.argpartition(dist, kth=n_cand - 1, axis=1)[:, :n_cand]
+            else:
+                cand = mx.broadcast_to(cols[None, :], dist.shape)
+            cand_np = np.array(cand).astype(np.int64)
+            for r in range(stop - start):
+                row = start + r
+                idx = cand_np[r]
+                if ex is not None:
+                    idx = idx[idx != ex[row]]
+                d64 = self._exact64(qc[row], idx)
+                order = np.lexsort((idx, d64))[:n]
+                out_d[row, : order.size] = d64[order].astype(np.float32)
+                out_i[row, : order.size] = idx[order]
+        return out_d, out_i
+
+    # -- similarity q and d0 ------------------------------------------------------------------
+    def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
+        """(q [N] int64, d0 [N] float32) for queries with predictions ``y_hat``.
+
+        q counts, without sorting, the good neighbours ordered before the first bad one by
+        (distance, index); rows whose first-bad distance is within a float32 tolerance of a
+        good neighbour's are recomputed exactly in float64 on the host.
+        """
+        qc = self._centre_queries(queries)
+        ex = _exclusion(exclude, qc.shape[0])
+        y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
+        if y_hat.shape[0] != qc.shape[0]:
+            raise ValueError("y_hat must hold one prediction per query")
+        good_np = np.asarray(good_by_class, dtype=bool)
+        good_mx = mx.array(good_np)
+        k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
+        q_out = np.zeros(qc.shape[0], dtype=np.int64)
+        d0_out = np.zeros(qc.shape[0], dtype=np.float32)
+        for start, stop, qb in self._blocks(qc):
+            y_b = mx.array(y_hat[start:stop])
+            ex_b = mx.array(ex[start:stop]) if ex is not None else mx.full((stop - start,), -1, dtype=mx.int64)
+            tol_mx = mx.array(tol, dtype=mx.float32)
+            count, d0, ambiguous, first_bad_d = _similarity_block(
+                qb, self._support, self._support_sq, good_mx, y_b, ex_b, tol_mx
+            )
+            mx.eval(count, d0, ambiguous)
+            q_out[start:stop] = np.array(count)
+            d0_out[start:stop] = np.array(d0)
+            amb_rows = np.flatnonzero(np.array(ambiguous))
+            if amb_rows.size:
+                sel = mx.array(amb_rows)
+                dist, good, near = _near_tie_rows(
+                    qb[sel], self._support, self._support_sq, good_mx, y_b[sel], ex_b[sel], first_bad_d[sel], tol_mx
+                )
+                near_np, good_rows, dist_rows = np.array(near), np.array(good), np.array(dist)
+                fb = np.array(first_bad_d[sel]).reshape(-1)
+                for r, row_near, row_good, row_dist, fbd in zip(amb_rows, near_np, good_rows, dist_rows, fb):
+                    band_idx = np.flatnonzero(row_near)
+                    clear = int((row_good & ~row_near & (row_dist < fbd)).sum())
+                    d64 = self._exact64(qc[start + r], band_idx)
+                    order = band_idx[np.lexsort((band_idx, d64))]
+                    run = row_good[order]
+                    first_bad = np.flatnonzero(~run)
+                    q_out[start + r] = clear + (int(first_bad[0]) if first_bad.size else int(run.sum()))
+        np.minimum(q_out, k_eff, out=q_out)
+        return q_out, d0_out
+
+
+class HnswIndex:
+    """Approximate nearest neighbours with hnswlib (squared L2 space), behind the same interface.
+
+    Approximate: neighbours, and so q and d0, can differ from :class:`ExactIndex`.
+    ``ef`` is raised to the number of neighbours requested at query time.
+    """
+
+    backend = "hnsw"
+
+    def __init__(self, support, m: int = 16, ef_construction: int = 200, ef: int = 64, seed: int = 0, num_threads: int = -1):
+        import hnswlib
+
+        s = _as_float32_matrix(support, "support")
+        if s.shape[0] == 0:
+            raise ValueError("support set is empty")
+        self.size, self.dim = s.shape
+        self.ef = int(ef)
+        self._index = hnswlib.Index(space="l2", dim=self.dim)
+        self._index.init_index(max_elements=self.size, ef_construction=ef_construction, M=m, random_seed=seed)
+        self._index.add_items(s, np.arange(self.size), num_threads=num_threads)
+        self._num_threads = num_threads
+
+    def _knn(self, queries, n: int) -> tuple[np.ndarray, np.ndarray]:
+        qn = _as_float32_matrix(queries, "queries")
+        if qn.shape[1] != self.dim:
+            raise ValueError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+        n = min(n, self.size)
+        self._index.set_ef(max(self.ef, n))
+        labels, dist = self._index.knn_query(qn, k=n, num_threads=self._num_threads)
+        labels = labels.astype(np.int64)
+        return np.maximum(dist.astype(np.float32), 0.0), labels
+
+    def _neighbours(self, queries, n: int, exclude) -> tuple[np.ndarray, np.ndarray]:
+        n_req = n + (1 if exclude is not None else 0)
+        dist, idx = self._knn(queries, n_req)
+        if exclude is not None:
+            keep = idx != np.asarray(exclude)[:, None]
+            # drop the self match (or the last column if self was not found)
+            drop_last = keep.all(axis=1)
+            keep[drop_last, -1] = False
+            dist = dist[keep].reshape(dist.shape[0], -1)
+            idx = idx[keep].reshape(idx.shape[0], -1)
+        # deterministic order among equal distances: by support index
+        order = np.lexsort((idx, dist), axis=-1)
+        return np.take_along_axis(dist, order, 1), np.take_along_axis(idx, order, 1)
+
+    def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n (approximate) neighbours: (squared distances, indices), padded with (inf, −1)."""
+        qn = np.asarray(queries, dtype=np.float32)
+        ex = _exclusion(exclude, qn.shape[0])
+        avail = self.size - (1 if ex is not None else 0)
+        dist, idx = self._neighbours(qn, min(n, avail), ex)
+        out_d = np.full((qn.shape[0], n), np.inf, dtype=np.float32)
+        out_i = np.full((qn.shape[0], n), -1, dtype=np.int64)
+        out_d[:, : dist.shape[1]] = dist
+        out_i[:, : idx.shape[1]] = idx
+        return out_d, out_i
+
+    def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
+        """(q, d0) from the k approximate nearest neighbours (k − 1 for self-excluded queries)."""
+        qn = np.asarray(queries, dtype=np.float32)
+        ex = _exclusion(exclude, qn.shape[0])
+        k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
+        if k_eff == 0:
+            d, _ = self._neighbours(qn, 1, ex)
+            return np.zeros(qn.shape[0], dtype=np.int64), d[:, 0]
+        dist, idx = self._neighbours(qn, k_eff, ex)
+        q = similarity_from_neighbours(idx, np.asarray(y_hat, dtype=np.int64), np.asarray(good_by_class, bool))
+        return q, dist[:, 0].astype(np.float32)
+
+
+def make_index(support, backend: str = "exact", **kwargs):
+    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib)."""
+    if backend == "exact":
+        return ExactIndex(support, **kwargs)
+    if backend == "hnsw":
+        return HnswIndex(support, **kwargs)
+    raise ValueError(f"unknown index backend {backend!r}; choose 'exact' or 'hnsw'")
+
+
+def default_k(train_labels: np.ndarray, num_classes: int) -> int:
+    """The paper's k: the largest per-class count in the training split."""
+    counts = np.bincount(np.asarray(train_labels, dtype=np.int64), minlength=num_classes)
+    return int(counts.max()) if counts.size else 0
+
+
+__all__ = [
+    "ExactIndex",
+    "HnswIndex",
+    "make_index",
+    "default_k",
+    "good_neighbours_by_class",
+    "similarity_from_neighbours",
+]
