@@ -32,7 +32,8 @@ def _as_row_vector(x, n: int) -> mx.array:
 def _scaled_logits(z: mx.array, q, d) -> tuple[mx.array, mx.array]:
     """Return (z'·d·ln(2+q), ln(2+q)[:, None])."""
     n = z.shape[0]
-    log_base = mx.log(Q_OFFSET + _as_row_vector(q, n))[:, None]
+    # ln(2+q) = 1 + ln(1 + (q − (e−2))/e): exactly 1 at q = e−2, so SDM(d=1) is exactly softmax
+    log_base = (1.0 + mx.log1p((_as_row_vector(q, n) - Q_SOFTMAX) / math.e))[:, None]
     return z * (_as_row_vector(d, n)[:, None] * log_base), log_base
 
 

@@ -97,10 +97,10 @@ def parse_rows(rows, source: str, features: str = "auto", require_labels: bool =
             width = len(vec)
         elif len(vec) != width:
             raise ValueError(f"{where}: feature vector has {len(vec)} values, earlier rows have {width}")
-        try:
-            arr = np.asarray(vec, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: features must be numbers") from None
+        raw = np.asarray(vec)
+        if raw.dtype.kind not in "iuf" or raw.ndim != 1:
+            raise ValueError(f"{where}: features must be flat lists of numbers (id {rid!r})")
+        arr = raw.astype(np.float32)
         if not np.isfinite(arr).all():
             raise ValueError(f"{where}: features contain NaN or Inf (id {rid!r})")
         if require_labels or "label" in row:

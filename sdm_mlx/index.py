@@ -88,8 +88,8 @@ def _similarity_block(qc, support, support_sq, good_by_class, y_hat, exclude, to
     band = tol * (q_sq[:, None] + support_sq[None, :]) + 1e-30
     near = (mx.abs(dist - first_bad_d) <= band) & ~excluded
     ambiguous = (near & good).any(axis=1)
-    d0 = mx.where(excluded, inf, dist).min(axis=1)
-    return count, d0, ambiguous, first_bad_d
+    nearest = mx.argmin(mx.where(excluded, inf, dist), axis=1)
+    return count, nearest, ambiguous, first_bad_d
 
 
 def _near_tie_rows(qc, support, support_sq, good_by_class, y_hat, exclude, first_bad_d, tol):
@@ -190,6 +190,7 @@ class ExactIndex:
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
         """(q [N] int64, d0 [N] float32) for queries with predictions ``y_hat``.
 
+        d0 is recomputed in float64 for the nearest support vector.
         q counts, without sorting, the good neighbours ordered before the first bad one by
         (distance, index); rows whose first-bad distance is within a float32 tolerance of a
         good neighbour's are recomputed exactly in float64 on the host.
@@ -208,12 +209,14 @@ class ExactIndex:
             y_b = mx.array(y_hat[start:stop])
             ex_b = mx.array(ex[start:stop]) if ex is not None else mx.full((stop - start,), -1, dtype=mx.int64)
             tol_mx = mx.array(tol, dtype=mx.float32)
-            count, d0, ambiguous, first_bad_d = _similarity_block(
+            count, nearest, ambiguous, first_bad_d = _similarity_block(
                 qb, self._support, self._support_sq, good_mx, y_b, ex_b, tol_mx
             )
-            mx.eval(count, d0, ambiguous)
+            mx.eval(count, nearest, ambiguous)
             q_out[start:stop] = np.array(count)
-            d0_out[start:stop] = np.array(d0)
+            # d0 exactly (float64) to the nearest support vector
+            diff = self._support_np[np.array(nearest)].astype(np.float64) - qc[start:stop].astype(np.float64)
+            d0_out[start:stop] = np.einsum("ij,ij->i", diff, diff)
             amb_rows = np.flatnonzero(np.array(ambiguous))
             if amb_rows.size:
                 sel = mx.array(amb_rows)

@@ -1,0 +1,150 @@
+import numpy as np
+import pytest
+
+from sdm_mlx.index import (
+    ExactIndex,
+    HnswIndex,
+    default_k,
+    good_neighbours_by_class,
+    make_index,
+    similarity_from_neighbours,
+)
+
+
+def brute(queries, support, exclude=None):
+    d = ((queries[:, None, :].astype(np.float64) - support[None].astype(np.float64)) ** 2).sum(-1)
+    if exclude is not None:
+        d[np.arange(len(queries)), exclude] = np.inf
+    idx = np.argsort(d, axis=1, kind="stable")  # stable => ties by ascending index
+    return np.take_along_axis(d, idx, 1), idx
+
+
+def ref_q(queries, support, y_hat, good, k, exclude=None):
+    _, idx = brute(queries, support, exclude)
+    k_eff = min(k, len(support)) - (1 if exclude is not None else 0)
+    return similarity_from_neighbours(idx[:, :k_eff], y_hat, good)
+
+
+@pytest.fixture
+def random_data():
+    rng = np.random.default_rng(1)
+    support = rng.normal(size=(300, 16)).astype(np.float32)
+    queries = rng.normal(size=(40, 16)).astype(np.float32)
+    labels = rng.integers(0, 3, 300)
+    preds = labels.copy()
+
+    flip = rng.random(300) < 0.25
+    preds[flip] = (preds[flip] + 1) % 3
+    return support, queries, labels, preds, rng
+
+
+def test_search_matches_float64_reference(random_data):
+    support, queries, *_ = random_data
+    d, i = ExactIndex(support).search(queries, 7)
+    rd, ri = brute(queries, support)
+    np.testing.assert_array_equal(i, ri[:, :7])
+    np.testing.assert_allclose(d, rd[:, :7], rtol=1e-5, atol=1e-5)
+
+
+def test_similarity_matches_reference(random_data):
+    support, queries, labels, preds, rng = random_data
+    good = good_neighbours_by_class(labels, preds, 3)
+    y_hat = rng.integers(0, 3, len(queries))
+    index = ExactIndex(support)
+    for k in (1, 5, 50, 1000):
+        q, d0 = index.similarity(queries, y_hat, good, k)
+        np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, k))
+    rd, _ = brute(queries, support)
+    np.testing.assert_allclose(d0, rd[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_self_exclusion_before_k_cap(random_data):
+    support, _, labels, preds, _ = random_data
+    good = good_neighbours_by_class(labels, preds, 3)
+    index = ExactIndex(support)
+    ex = np.arange(len(support))
+    q, d0 = index.similarity(support, preds, good, 10, exclude=ex)
+    np.testing.assert_array_equal(q, ref_q(support, support, preds, good, 10, exclude=ex))
+    assert q.max() <= 9  # k includes the identity slot
+    assert (d0 > 0).all()
+    d, i = index.search(support[:5], 3, exclude=ex[:5])
+    assert not (i == ex[:5, None]).any()
+
+
+def test_exact_ties_lowest_index_first_across_tiles():
+    base = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]], dtype=np.float32)
+    support = np.tile(base, (50, 1))  # many exact ties at distance 1 from the origin
+    query = np.zeros((1, 2), dtype=np.float32)
+    index = ExactIndex(support, block_bytes=4 * len(support))  # one query row per block
+    d, i = index.search(query, 12)
+    np.testing.assert_array_equal(i[0], np.arange(12))
+    np.testing.assert_allclose(d[0], 1.0)
+    # q over ties: labels good only for even indices -> q counts 0..? in index order
+    labels = np.zeros(len(support), dtype=int)
+    preds = np.zeros(len(support), dtype=int)
+    preds[5] = 1  # first bad neighbour in tie order is index 5
+    good = good_neighbours_by_class(labels, preds, 2)
+    q, _ = index.similarity(query, np.array([0]), good, 100)
+    assert q[0] == 5
+
+
+def test_identical_vectors_and_self_exclusion():
+    support = np.ones((6, 4), dtype=np.float32)
+    labels = np.array([0, 0, 0, 1, 1, 1])
+    good = good_neighbours_by_class(labels, labels, 2)
+    q, d0 = ExactIndex(support).similarity(support, labels, good, 6, exclude=np.arange(6))
+    # row 0: neighbours 1,2 (good), then 3 (bad)  -> q = 2; rows 3..5: index 0 first (bad) -> 0
+    np.testing.assert_array_equal(q, [2, 2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(d0, 0.0)
+
+
+def test_large_offset_vectors():
+    rng = np.random.default_rng(3)
+    support = (1e4 + rng.normal(size=(200, 8))).astype(np.float32)
+    queries = (1e4 + rng.normal(size=(20, 8))).astype(np.float32)
+    d, i = ExactIndex(support).search(queries, 5)
+    rd, ri = brute(queries, support)
+    np.testing.assert_array_equal(i, ri[:, :5])
+    np.testing.assert_allclose(d, rd[:, :5], rtol=1e-3)
+    labels = rng.integers(0, 2, 200)
+    good = good_neighbours_by_class(labels, labels, 2)
+    y_hat = rng.integers(0, 2, 20)
+    q, _ = ExactIndex(support).similarity(queries, y_hat, good, 50)
+    np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, 50))
+
+
+def test_similarity_from_neighbours_hand_case():
+    good = np.array([[True, True, False, True], [False, False, True, False]])
+    idx = np.array([[0, 1, 2, 3], [2, 0, 1, 3], [3, 0, -1, -1]])
+    q = similarity_from_neighbours(idx, np.array([0, 1, 0]), good)
+    np.testing.assert_array_equal(q, [2, 1, 2])
+
+
+def test_hnsw_agrees_with_exact_on_separated_data():
+    rng = np.random.default_rng(0)
+    centers = np.array([[0.0] * 8, [20.0] * 8], dtype=np.float32)
+    labels = np.repeat([0, 1], 100)
+    support = (centers[labels] + rng.normal(size=(200, 8))).astype(np.float32)
+    queries = (centers[[0, 1] * 10] + rng.normal(size=(20, 8))).astype(np.float32)
+    good = good_neighbours_by_class(labels, labels, 2)
+    y_hat = np.array([0, 1] * 10)
+    qe, de = ExactIndex(support).similarity(queries, y_hat, good, 100)
+    qh, dh = HnswIndex(support, ef=200).similarity(queries, y_hat, good, 100)
+    np.testing.assert_array_equal(qe, qh)
+    np.testing.assert_allclose(de, dh, rtol=1e-4)
+    _, ie = ExactIndex(support).search(queries, 5)
+    _, ih = make_index(support, "hnsw", ef=200).search(queries, 5)
+    np.testing.assert_array_equal(ie, ih)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="NaN"):
+        ExactIndex(np.array([[np.nan, 1.0]], dtype=np.float32))
+    with pytest.raises(ValueError, match="empty"):
+        ExactIndex(np.zeros((0, 3), dtype=np.float32))
+    index = ExactIndex(np.zeros((3, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match="dimension"):
+        index.search(np.zeros((1, 3), dtype=np.float32), 1)
+    with pytest.raises(ValueError, match="unknown index backend"):
+        make_index(np.zeros((3, 2)), "faiss")
+    assert default_k(np.array([0, 0, 1, 1, 1]), 2) == 3
