@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         from .blas import reexec_with_openblas
 
         reexec_with_openblas(argv)
+    import warnings
+
+    warnings.formatwarning = lambda message, category, *a, **k: f"sdm-mlx: warning: {message}\n"
     parser, subparsers = build_parser()
     if not argv:
         parser.print_help(sys.stderr)

@@ -138,7 +138,8 @@ class SDMEstimator:
     ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
     ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
     (Alg. 2: ``rescaler_max_epochs``, ``rescaler_patience``, ``rescaler_learning_rate``,
-    ``rescaler_engine`` "mlx" or "numpy"); ``n_exemplars`` nearest training exemplars
+    ``rescaler_engine`` "numpy" (default: the sequential batch-1 Adam loop on the host, ~10x faster than
+    per-row MLX dispatch) or "mlx" (compiled MLX step; the same math, tested to agree)); ``n_exemplars`` nearest training exemplars
     returned per prediction; ``seed``; ``verbose`` progress on stderr; ``class_names``.
     """
 
@@ -157,7 +158,7 @@ class SDMEstimator:
         rescaler_max_epochs: int = 1000,
         rescaler_patience: int = 10,
         rescaler_learning_rate: float = 1e-4,
-        rescaler_engine: str = "mlx",
+        rescaler_engine: str = "numpy",
         n_exemplars: int = 5,
         seed: int = 0,
         verbose: bool = True,
@@ -310,7 +311,6 @@ class SDMEstimator:
             warnings.simplefilter("always")
             self.robust_min_valid_, self.offsets_ = aggregate_rounds(self.rounds_, self.best_round_, alpha)
         for w in caught:
-            log(f"warning: {w.message}", self.verbose)
             warnings.warn(w.message, stacklevel=3)
 
     def recalibrate(self, alpha: float):

@@ -1,0 +1,63 @@
+"""sdm-mlx predict: per-row SDM estimates (p_lower or ⊥) for a JSONL file."""
+
+from __future__ import annotations
+
+HELP = "Predict with a trained SDM estimator: one JSON result per input row (ids preserved)."
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="model directory written by `sdm-mlx train`")
+    p.add_argument("--input", help="JSONL rows (id, embedding and/or attributes; label optional)")
+    p.add_argument("--output", default="-", help="JSONL results ('-' = stdout); written atomically")
+    p.add_argument("--features", choices=["auto", "embedding", "attributes", "embedding+attributes"], default="auto")
+    p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
+    p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
+
+
+def run(args) -> int:
+    import json
+    import sys
+    from collections import Counter
+
+    from ..cli import require
+    from ..data import read_jsonl, write_jsonl_atomic
+    from ..estimator import SDMEstimator
+
+    require(args, "model", "input")
+    est = SDMEstimator.load(args.model)
+    est.verbose = False
+    data = read_jsonl(args.input, args.features, require_labels=False)
+    if data.y is not None:
+        from ..data import check_labels
+
+        check_labels(data.y, est.num_classes_, args.input)
+    pred = est.predict(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+    rows = pred.to_dicts()
+    if data.y is not None:
+        for row, label in zip(rows, data.y.tolist()):
+            row["label"] = label
+    if args.output == "-":
+        for row in rows:
+            sys.stdout.write(json.dumps(row) + "\n")
+    else:
+        write_jsonl_atomic(args.output, rows)
+    summary = {
+        "rows": len(rows),
+        "admitted": int(pred.admitted.sum()),
+        "admitted_fraction": float(pred.admitted.mean()),
+        "rejection_reasons": dict(Counter(r for r in pred.rejection_reason.tolist() if r)),
+        "alpha": est.alpha,
+    }
+    if data.y is not None:
+        adm = pred.admitted
+        summary["accuracy"] = float((pred.prediction == data.y).mean())
+        summary["admitted_accuracy"] = float((pred.prediction[adm] == data.y[adm]).mean()) if adm.any() else None
+    if args.summary:
+        with open(args.summary, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    print(
+        f"{summary['rows']} rows, {summary['admitted']} admitted ({summary['admitted_fraction']:.1%}) at "
+        f"alpha={est.alpha}" + (f", output: {args.output}" if args.output != "-" else ""),
+        file=sys.stderr,
+    )
+    return 0
