@@ -9,6 +9,14 @@ adaptor is (DESIGN #3)
     z'     = W' h' + b'           Linear(M, C): the logits (Magnitude)
 
 Every weight and bias is initialised U(±1/sqrt(fan_in)) from an explicit MLX key.
+
+Exemplar coordinates.  The support index only needs squared L2 distances
+between exemplar vectors.  When D < M, every h' lies in a D-dimensional affine
+subspace: with the thin QR factorisation W_g = Q R (Q: M×D orthonormal
+columns), ‖h'_i − h'_j‖² = ‖R (x_i − x_j)_norm‖², so distances (and hence q,
+d0, d and every neighbour) are computed exactly on the D-dim coordinates
+``x_norm Rᵀ`` at M/D times less cost.  When D ≥ M the coordinates are h'
+itself.  :func:`exemplar_coordinates` returns whichever applies.
 """
 
 from __future__ import annotations
@@ -67,6 +75,41 @@ def scalar_normalization(x: np.ndarray) -> tuple[float, float]:
     if not std > 0:
         raise ValueError("training features are constant (std = 0); disable normalisation or check the data")
     return float(x.mean()), std
+
+
+def exemplar_basis(model: ExemplarAdaptor) -> np.ndarray | None:
+    """Rᵀ [D, D] with ‖h'_i − h'_j‖ = ‖(x_i − x_j)_norm Rᵀ‖ (W_g = QR) when D < M, else None."""
+    w = np.array(model.projection.weight, dtype=np.float64)  # [M, D]
+    if w.shape[1] >= w.shape[0]:
+        return None
+    _, r = np.linalg.qr(w)
+    return np.ascontiguousarray(r.T, dtype=np.float32)
+
+
+_NO_BASIS = object()
+
+
+def forward_with_coordinates(model: ExemplarAdaptor, x: np.ndarray, batch_size: int = 1024, basis=_NO_BASIS):
+    """(z' [N, C], exemplar coordinates [N, min(D, M)]) — distance-equivalent to h' (see module doc).
+
+    ``basis`` is :func:`exemplar_basis` of the model (computed here when not given).
+    """
+    if basis is _NO_BASIS:
+        basis = exemplar_basis(model)
+    if basis is None:
+        return forward_in_batches(model, x, batch_size)
+    basis_mx = mx.array(basis)
+    zs, cs = [], []
+    for start in range(0, x.shape[0], batch_size):
+        xb = mx.array(x[start : start + batch_size])
+        z, _ = model(xb)
+        c = ((xb - model.input_mean) / model.input_std) @ basis_mx
+        mx.eval(z, c)
+        zs.append(np.array(z))
+        cs.append(np.array(c))
+    if not zs:
+        return np.zeros((0, model.dims[2]), np.float32), np.zeros((0, basis.shape[1]), np.float32)
+    return np.concatenate(zs), np.concatenate(cs)
 
 
 def forward_in_batches(model: ExemplarAdaptor, x: np.ndarray, batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:

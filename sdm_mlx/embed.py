@@ -82,6 +82,24 @@ def load_model(path_or_id: str, **kwargs):
     return model, tokenizer
 
 
+def load_tokenizer(path_or_id: str):
+    """Only the (mlx-lm wrapped) tokenizer of a local model directory or hub id; no weights are loaded."""
+    from pathlib import Path
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    path = Path(os.path.expanduser(str(path_or_id)))
+    if not path.exists():
+        if str(path_or_id).startswith(("/", ".", "~")):
+            raise FileNotFoundError(f"model directory not found: {path_or_id}")
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+        path = Path(snapshot_download(str(path_or_id), allow_patterns=patterns))
+    from mlx_lm.utils import load_tokenizer as _load
+
+    return _load(path)
+
+
 def trunk(model):
     """The transformer trunk whose output is the final-norm hidden states (``model.model`` in mlx-lm)."""
     inner = getattr(model, "model", None)
@@ -99,9 +117,12 @@ def hidden_states(model, token_ids_batch, cache=None, pad_id: int = 0):
 
     ``token_ids_batch``: a list of token-id lists (right-padded here with
     ``pad_id`` to the longest; rows past a sequence's length are padding and
-    must be ignored by the caller) or an int array ``[B, T]``.  ``cache``: an
-    mlx-lm prompt cache (list of per-layer caches), passed through to the trunk
-    for incremental use during generation.
+    must be ignored by the caller) or an int array ``[B, T]``.  Right padding
+    cannot change the states of real positions: the attention mask is causal
+    and every pad comes after them.  ``cache``: an mlx-lm prompt cache (list of
+    per-layer caches, e.g. ``mlx_lm.models.cache.make_prompt_cache(model)``),
+    passed through to the trunk for incremental use during generation (prefill
+    the prompt, then feed one token at a time; use one unpadded sequence).
     """
     import mlx.core as mx
 
@@ -310,6 +331,14 @@ def pool_hidden(hidden, n_kept: int) -> np.ndarray:
 # --------------------------------------------------------------------------- batched features
 
 
+class DocumentError(ValueError):
+    """A problem with one document of a batch; ``index`` is its position in the input list."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"document {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
 @dataclass
 class Features:
     """Per-document features and the positions they came from (all arrays have one entry per document).
@@ -334,30 +363,29 @@ def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx
     else:
         ids = [int(t) for t in doc]
     if not ids:
-        raise ValueError(f"document {idx} is empty after tokenisation")
+        raise DocumentError(idx, "empty after tokenisation")
     if position == "last":
         n, trunc = kept_positions(len(ids), len(ids), max_length)
         return ids, n, -1, trunc, False
     if isinstance(doc, str):
         j = delimiter_token_index_in_text(tokenizer, doc, ids, span, delimiter)
-        start = 0 if span is None else None  # only needed for the 'prompt' fallback below
     else:
         a, b = (0, None) if span is None else span
         j = delimiter_token_index(tokenizer, ids, a, b, delimiter)
-        start = a
     if j is None or j == 0:
         if on_missing == "error":
-            what = "no" if j is None else "only a leading"
-            raise ValueError(
-                f"document {idx}: {what} closing delimiter {delimiter!r} in the completion "
-                "(use position='last' or on_missing='last'/'prompt')"
+            reason = (
+                f"no closing delimiter {delimiter!r} in the completion"
+                if j is None
+                else f"the closing delimiter {delimiter!r} is the first token (no state predicts it)"
             )
+            raise DocumentError(idx, reason + " (use position 'last' or on-missing 'last'/'prompt')")
         if on_missing == "last":
             target = len(ids)
-        else:
-            if start is None:  # text with a completion span: the prompt is text[:a]
-                start = len(encode(tokenizer, doc[: span[0]]))
-            target = start
+        elif span is None:
+            target = 0
+        else:  # pool the prompt, i.e. the positions before the completion
+            target = len(encode(tokenizer, doc[: span[0]])) if isinstance(doc, str) else span[0]
         n, trunc = kept_positions(len(ids), target, max_length)
         return ids, n, -1, trunc, True
     n, trunc = kept_positions(len(ids), j, max_length)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor, forward_in_batches
+from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from .calibration import RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round
 from .data import check_features, check_labels
@@ -72,6 +72,8 @@ class Predictions:
     support_labels: np.ndarray | None = field(repr=False, default=None)
     support_predictions: np.ndarray | None = field(repr=False, default=None)
     class_names: list | None = None
+    admitted_centroid: np.ndarray | None = None  #: p_centroid estimator's admission (calibration ``valid``)
+    admitted_upper: np.ndarray | None = None  #: p_upper estimator's admission (calibration ``valid_upper``)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -286,11 +288,14 @@ class SDMEstimator:
         self.round_summaries_ = summaries
         self.history_ = best.history
         self.model_ = best.model
+        self.__dict__.pop("_basis", None)
         self.support_vectors_ = best.train.h
         self.support_labels_ = y[best.train_idx]
         self.support_predictions_ = best.train.y_hat
         self.support_ids_ = [ids[i] for i in best.train_idx]
         self.calibration_ids_ = [ids[i] for i in best.cal_idx]
+        self.calibration_logits_ = np.asarray(best.calibration.z, dtype=np.float32)  # z' of calibration_ids_ rows
+        self.calibration_labels_ = y[best.cal_idx]
         self.calibration_distance_ecdfs_ = best.calibration_distance_ecdfs
         self.training_distance_ecdfs_ = best.train_distance_ecdfs
         self._index = None
@@ -331,7 +336,9 @@ class SDMEstimator:
 
     def _forward(self, X, batch_size: int = 1024):
         X = check_features(X, "features", dim=self.input_dim_)
-        return forward_in_batches(self.model_, X, batch_size)
+        if not hasattr(self, "_basis"):
+            self._basis = exemplar_basis(self.model_)
+        return forward_with_coordinates(self.model_, X, batch_size, self._basis)
 
     def similarity_distance(self, X, distance_ecdfs: str = "calibration"):
         """(q, d, ŷ) per row: support search without self-exclusion; d from the chosen distance eCDFs."""
@@ -369,6 +376,7 @@ class SDMEstimator:
             rejection_reason=est["rejection_reason"], exemplar_index=ex_i, exemplar_distance=ex_d,
             support_ids=self.support_ids_, support_labels=self.support_labels_,
             support_predictions=self.support_predictions_, class_names=self.class_names,
+            admitted_centroid=est["valid"], admitted_upper=est["valid_upper"],
         )
 
     # -- persistence ---------------------------------------------------------------------------
@@ -388,6 +396,8 @@ class SDMEstimator:
                 **pack_ragged("training", self.training_distance_ecdfs_),
             },
         }
+        if getattr(self, "calibration_logits_", None) is not None:
+            groups["calibration"] = {"logits": self.calibration_logits_, "labels": self.calibration_labels_}
         round_meta = []
         for j, r in enumerate(self.rounds_):
             arrays, meta = r.to_arrays()
@@ -434,6 +444,9 @@ class SDMEstimator:
             est.support_predictions_ = groups["support"]["predictions"].astype(np.int64)
             est.support_ids_ = meta["support_ids"]
             est.calibration_ids_ = meta["calibration_ids"]
+            cal = groups.get("calibration")  # absent in artifacts written before it was stored
+            est.calibration_logits_ = None if cal is None else cal["logits"].astype(np.float32)
+            est.calibration_labels_ = None if cal is None else cal["labels"].astype(np.int64)
             est.calibration_distance_ecdfs_ = unpack_ragged("calibration", groups["distance_ecdfs"], C)
             est.training_distance_ecdfs_ = unpack_ragged("training", groups["distance_ecdfs"], C)
             est.rounds_ = [RoundCalibration.from_arrays(groups[f"round_{j}"], rm) for j, rm in enumerate(meta["rounds"])]
@@ -443,8 +456,10 @@ class SDMEstimator:
             raise ArtifactError(f"{path}: artifact content is incomplete or inconsistent ({e!r})") from None
         if len(est.support_ids_) != est.support_vectors_.shape[0]:
             raise ArtifactError(f"{path}: support ids and vectors disagree in length")
-        if est.support_vectors_.shape[1] != m:
-            raise ArtifactError(f"{path}: support vectors have width {est.support_vectors_.shape[1]}, adaptor M={m}")
+        if est.support_vectors_.shape[1] != min(m, d):
+            raise ArtifactError(
+                f"{path}: support vectors have width {est.support_vectors_.shape[1]}, expected min(M, D) = {min(m, d)}"
+            )
         est._index = None
         est._apply_alpha(est.alpha)
         return est

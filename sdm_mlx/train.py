@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
-from .adaptor import ExemplarAdaptor, forward_in_batches, scalar_normalization
+from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates, scalar_normalization
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
 from .progress import log
@@ -70,7 +70,7 @@ class SplitState:
     """Per-row Similarity/Distance state of one split under one model."""
 
     z: np.ndarray  #: logits z' [N, C]
-    h: np.ndarray  #: exemplar vectors h' [N, M]
+    h: np.ndarray  #: exemplar coordinates (h' itself, or its distance-equivalent D-dim coordinates)
     y_hat: np.ndarray  #: argmax z'
     q: np.ndarray  #: Similarity after the flip rule
     d0: np.ndarray  #: squared L2 to the nearest training exemplar
@@ -191,8 +191,9 @@ def train_round(
             total += loss.item()
             batches += 1
         # refresh q, d from the current model
-        z_tr, h_tr = forward_in_batches(model, X_tr, config.eval_batch_size)
-        z_ca, h_ca = forward_in_batches(model, X_ca, config.eval_batch_size)
+        basis = exemplar_basis(model)
+        z_tr, h_tr = forward_with_coordinates(model, X_tr, config.eval_batch_size, basis)
+        z_ca, h_ca = forward_with_coordinates(model, X_ca, config.eval_batch_size, basis)
         yhat_tr = z_tr.argmax(axis=1)
         good = good_neighbours_by_class(y_tr, yhat_tr, num_classes)
         index = make_index(h_tr, config.index_backend)

@@ -1,0 +1,232 @@
+"""``sdm-mlx embed``: add LLM hidden-state features (``embedding``) to JSONL rows.
+
+Each input row (``id`` required; ``label`` and every other field are kept) gets
+``embedding = concat(mean of final-norm hidden states over the kept positions,
+the hidden state at the chosen position)`` — see :mod:`sdm_mlx.embed` for the
+positions.  The text is the chat-templated ``--document-field`` (with
+``--system`` and ``--prompt-template``), or an already templated
+``--prompt-field``; ``--completion-field`` appends the assistant completion
+(force-decoding).  The output is appended to and re-running skips ids already
+present, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..cli import CLIError, require
+
+HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="mlx-lm model directory or Hugging Face id "
+                                   "(e.g. mlx-community/Phi-3.5-mini-instruct-4bit)")
+    p.add_argument("--input", help="input JSONL (id, [label], document, ...)")
+    p.add_argument("--output", help="output JSONL (input rows + embedding); appended to / resumed")
+    p.add_argument("--document-field", default="document", help="field holding the document text")
+    p.add_argument("--prompt-field", default=None,
+                   help="field holding an already chat-templated prompt "
+                        "(overrides --document-field, --system, --prompt-template)")
+    p.add_argument("--completion-field", default=None,
+                   help="field holding the assistant completion to force-decode (e.g. completion)")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--prompt-template", default=None,
+                   help="user message with a {document} slot, e.g. 'Classify ... REVIEW: {document}'")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="use the raw text (base models without a chat template)")
+    p.add_argument("--position", choices=["delimiter", "last"], default=None,
+                   help="second half of the feature: state predicting the completion's last closing delimiter, "
+                        "or the last token's state (default: delimiter with --completion-field, else last)")
+    p.add_argument("--delimiter", default="}", help="closing delimiter character(s) searched in the completion")
+    p.add_argument("--on-missing-delimiter", choices=["error", "last", "prompt"], default="error",
+                   help="completion without the delimiter: fail, use the last token, "
+                        "or pool the prompt positions only")
+    p.add_argument("--max-length", type=int, default=500, help="keep at most this many leading token positions")
+    p.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def read_jsonl(path: str) -> list[tuple[int, dict]]:
+    """``(line_number, row)`` for each non-blank line; ValueError naming the line on malformed JSON."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {lineno} is not a JSON object")
+            rows.append((lineno, row))
+    return rows
+
+
+def id_key(value) -> str:
+    """A hashable key for a JSON id of any type."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _feature_row(line: bytes):
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and "id" in row and "embedding" in row else None
+
+
+def scan_output(path: str, log) -> set[str]:
+    """Ids already in ``path``.
+
+    An interrupted run can leave a partially written last line (no trailing
+    newline): it is truncated away, with a message.  Any other malformed line is
+    an error naming its line number.
+    """
+    done: set[str] = set()
+    if not os.path.exists(path):
+        return done
+    with open(path, "rb") as f:
+        data = f.read()
+    *complete, tail = data.split(b"\n")
+    for lineno, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        row = _feature_row(line)
+        if row is None:
+            raise ValueError(f"{path}: existing output line {lineno} is not a complete feature row "
+                             "(id + embedding); fix or remove the file")
+        done.add(id_key(row["id"]))
+    if tail.strip():
+        row = _feature_row(tail)
+        if row is None:
+            with open(path, "r+b") as f:
+                f.truncate(len(data) - len(tail))
+            log(f"{path}: removed a partially written last line (line {len(complete) + 1}, "
+                f"{len(tail)} bytes) left by an interrupted run")
+        else:
+            done.add(id_key(row["id"]))
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    return done
+
+
+def format_row(row: dict, embedding) -> str:
+    """The row with ``embedding`` as JSON; floats written with 9 significant digits (exact for float32)."""
+    import numpy as np
+
+    if not np.all(np.isfinite(embedding)):
+        raise ValueError(f"non-finite hidden state for id {row.get('id')!r} (model numerics)")
+    out = {k: v for k, v in row.items() if k != "embedding"}
+    body = json.dumps(out, ensure_ascii=False)
+    vec = "[" + ",".join(map("{:.9g}".format, embedding.tolist())) + "]"
+    return body[:-1] + (", " if len(out) else "") + '"embedding": ' + vec + "}\n"
+
+
+def _texts(args, rows, tokenizer, path):
+    """(documents, completion_spans) for the rows."""
+    from ..embed import chat_text
+
+    docs, spans = [], []
+    for lineno, row in rows:
+        if args.prompt_field:
+            prompt = row.get(args.prompt_field)
+            field = args.prompt_field
+        else:
+            field = args.document_field
+            doc = row.get(field)
+            prompt = None if not isinstance(doc, str) else chat_text(
+                tokenizer, doc, system=args.system, prompt_template=args.prompt_template,
+                use_chat_template=not args.no_chat_template,
+            )
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path}: line {lineno}: missing or non-string field {field!r}")
+        completion = ""
+        if args.completion_field:
+            completion = row.get(args.completion_field)
+            if not isinstance(completion, str):
+                raise ValueError(f"{path}: line {lineno}: missing or non-string field {args.completion_field!r}")
+        docs.append(prompt + completion)
+        spans.append((len(prompt), None))
+    return docs, spans
+
+
+def run(args) -> int:
+    require(args, "model", "input", "output")
+    if args.max_length < 1 or args.batch_size < 1:
+        raise CLIError("--max-length and --batch-size must be >= 1")
+    position = args.position or ("delimiter" if args.completion_field else "last")
+    if position == "delimiter" and not args.completion_field:
+        raise CLIError("--position delimiter needs --completion-field (the delimiter is searched in the completion)")
+    if args.prompt_template is not None and "{document}" not in args.prompt_template:
+        raise CLIError("--prompt-template must contain a {document} slot")
+    if not os.path.exists(args.input):
+        raise FileNotFoundError(f"input file not found: {args.input}")
+
+    from ..progress import Progress, log
+
+    quiet = args.quiet
+
+    def say(msg):
+        log(f"sdm-mlx embed: {msg}", enabled=not quiet)
+
+    rows = read_jsonl(args.input)
+    seen: dict[str, int] = {}
+    for lineno, row in rows:
+        if "id" not in row:
+            raise ValueError(f"{args.input}: line {lineno} has no 'id' field")
+        key = id_key(row["id"])
+        if key in seen:
+            raise ValueError(f"{args.input}: line {lineno} repeats id {row['id']!r} (first on line {seen[key]})")
+        seen[key] = lineno
+    done = scan_output(args.output, say)
+    todo = [(n, r) for n, r in rows if id_key(r["id"]) not in done]
+    if done:
+        say(f"resuming: {len(rows) - len(todo)} of {len(rows)} ids already in {args.output}")
+    if not todo:
+        say("nothing to do")
+        return 0
+
+    from ..embed import DocumentError, document_features, load_model
+
+    model, tokenizer = load_model(args.model)
+    chunk = args.batch_size * 32
+    n_trunc, n_missing, width, trunc_ids = 0, 0, None, []
+    bar = Progress(len(todo), "embed", unit="doc", enabled=not quiet)
+    with open(args.output, "a", encoding="utf-8") as out, bar:
+        for c0 in range(0, len(todo), chunk):
+            part = todo[c0 : c0 + chunk]
+            docs, spans = _texts(args, part, tokenizer, args.input)
+            try:
+                feats = document_features(
+                    model, tokenizer, docs, spans, position=position, delimiter=args.delimiter,
+                    max_length=args.max_length, batch_size=args.batch_size,
+                    on_missing=args.on_missing_delimiter, progress=bar.update,
+                )
+            except DocumentError as e:
+                lineno, row = part[e.index]
+                raise ValueError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
+            width = feats.embeddings.shape[1]
+            out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
+            out.flush()
+            n_trunc += int(feats.truncated.sum())
+            n_missing += int(feats.missing_delimiter.sum())
+            trunc_ids += [part[k][1]["id"] for k in feats.truncated.nonzero()[0][: 5 - len(trunc_ids)]]
+    say(f"wrote {len(todo)} rows with {width}-dim embeddings to {args.output}")
+    if n_trunc:
+        shown = ", ".join(map(repr, trunc_ids))
+        say(f"{n_trunc} document(s) longer than --max-length {args.max_length}: their state at the last kept "
+            f"position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
+    if n_missing:
+        say(f"{n_missing} completion(s) without the delimiter {args.delimiter!r} "
+            f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from ..cli import main
+
+    sys.exit(main(["embed", *sys.argv[1:]]))

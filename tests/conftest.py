@@ -1,0 +1,32 @@
+"""Shared pytest fixtures: tiny random mlx-lm models built locally (see tests/tiny_models.py)."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from the tests
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_path(tmp_path_factory):
+    """A tiny Phi-3 model (untied lm_head, SentencePiece-like tokenizer) loadable with mlx_lm.load."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_models"), "phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory):
+    """A tiny Qwen2 model (tied embeddings, byte-level BPE tokenizer) loadable with mlx_lm.load."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_models"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    """A tiny Llama model (untied lm_head, byte-level BPE tokenizer that prepends BOS)."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_models"), "llama")

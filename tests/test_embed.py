@@ -1,0 +1,286 @@
+"""sdm_mlx.embed and `sdm-mlx embed` on tiny local mlx-lm models (no network)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from sdm_mlx import embed as E
+from sdm_mlx.cli import main
+
+SYSTEM = "You are a helpful AI assistant."
+TEMPLATE = 'Classify the sentiment of the following movie review. Respond using the following JSON: {"sentiment": str}. REVIEW: {document}'
+DOCS = [
+    "A warm and funny film with a wonderful cast.",
+    "Boring.",
+    "The plot is dull and the acting is wooden, and the worst film I have seen this year.",
+    "I loved every minute of this movie!",
+    "An instant classic.",
+]
+COMPLETIONS = ['{"sentiment": "positive"}', '{"sentiment": "negative"}', '{"correctness": true}',
+               '{"correctness": false}', '{"sentiment": "positive"}']
+
+
+@pytest.fixture(scope="module")
+def phi3(tiny_phi3_path):
+    return E.load_model(tiny_phi3_path)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_qwen2_path):
+    return E.load_model(tiny_qwen2_path)
+
+
+@pytest.fixture(params=["phi3", "qwen2"])
+def lm(request):
+    return request.getfixturevalue(request.param)
+
+
+def prompts(tok):
+    return [E.chat_text(tok, d, system=SYSTEM, prompt_template=TEMPLATE) for d in DOCS]
+
+
+def test_hidden_states_are_the_lm_head_input(phi3, qwen2, tiny_llama_path):
+    llama = E.load_model(tiny_llama_path)
+    for (model, tok), tied in ((phi3, False), (qwen2, True), (llama, False)):
+        ids = E.encode(tok, E.chat_text(tok, DOCS[0], completion=COMPLETIONS[0]))
+        h = E.hidden_states(model, [ids])
+        assert h.dtype == mx.float32 and h.shape == (1, len(ids), 64)
+        np.testing.assert_allclose(np.array(E.logits_from_hidden(model, h)), np.array(model(mx.array([ids]))), atol=1e-5)
+        w = E.lm_head_weight(model)
+        assert w.shape == (model.args.vocab_size, 64)
+        assert (getattr(model, "lm_head", None) is None) == tied
+        if tied:
+            np.testing.assert_array_equal(np.array(w), np.array(model.model.embed_tokens.weight))
+    # llama's tokenizer prepends BOS; a chat text is encoded with exactly one
+    tok = llama[1]
+    assert E.encode(tok, "hello")[0] == tok.bos_token_id
+    assert E.encode(tok, "<s>hello").count(tok.bos_token_id) == 1
+
+
+def test_batching_and_padding_do_not_change_features(lm):
+    model, tok = lm
+    ps = prompts(tok)
+    one = E.prompt_completion_features(model, tok, ps, COMPLETIONS, batch_size=1)
+    four = E.prompt_completion_features(model, tok, ps, COMPLETIONS, batch_size=4)
+    rev = E.prompt_completion_features(model, tok, ps[::-1], COMPLETIONS[::-1], batch_size=5)
+    assert one.embeddings.dtype == np.float32 and one.embeddings.shape == (5, 128)
+    assert len(set(one.n_kept.tolist())) > 1  # really padded
+    np.testing.assert_allclose(four.embeddings, one.embeddings, atol=1e-5)
+    np.testing.assert_allclose(rev.embeddings[::-1], one.embeddings, atol=1e-5)
+    # and equal to pooling an unpadded single forward pass by hand
+    for i in (0, 2):
+        ids = E.encode(tok, ps[i] + COMPLETIONS[i])
+        n = int(one.n_kept[i])
+        h = np.array(E.hidden_states(model, [ids]))[0]
+        manual = np.concatenate([h[:n].mean(0), h[n - 1]])
+        np.testing.assert_allclose(one.embeddings[i], manual, atol=1e-5)
+        np.testing.assert_allclose(E.pool_hidden(h, n), manual, atol=1e-6)
+
+
+@pytest.mark.parametrize("completion, token", [('{"sentiment": "positive"}', '"}'), ('{"correctness": true}', "}"),
+                                               ('{"correctness": false}', "}")])
+def test_delimiter_position(lm, completion, token):
+    model, tok = lm
+    prompt = E.chat_text(tok, DOCS[0], system=SYSTEM, prompt_template=TEMPLATE)
+    ids = E.encode(tok, prompt + completion)
+    f = E.prompt_completion_features(model, tok, [prompt], [completion])
+    j = int(f.delimiter_index[0])
+    assert tok.decode([ids[j]]).strip() == token  # the closing delimiter token ...
+    assert int(f.n_kept[0]) == j  # ... and the last pooled state h_{j-1} predicts it
+    assert not f.truncated[0] and not f.missing_delimiter[0]
+    # the same answer followed by text (and a full chat suffix) still ends at that brace: not an offset from the end
+    for suffix in (" Thanks.", "<|end|>\n"):
+        g = E.prompt_completion_features(model, tok, [prompt], [completion + suffix])
+        assert int(g.delimiter_index[0]) == j
+        np.testing.assert_allclose(g.embeddings, f.embeddings, atol=1e-6)
+    full = E.chat_text(tok, DOCS[0], system=SYSTEM, prompt_template=TEMPLATE, completion=completion)
+    assert full.startswith(prompt + completion) and full.endswith("<|end|>\n<|endoftext|>")
+    h = E.document_features(model, tok, [full], [(len(prompt), len(prompt) + len(completion))])
+    assert int(h.delimiter_index[0]) == j
+    np.testing.assert_allclose(h.embeddings, f.embeddings, atol=1e-6)
+
+
+def test_last_of_several_delimiters_and_token_lists(lm):
+    model, tok = lm
+    prompt = E.chat_text(tok, DOCS[1])
+    completion = '{"a": {"b": 1}, "sentiment": "negative"}'
+    f = E.prompt_completion_features(model, tok, [prompt], [completion])
+    ids = E.encode(tok, prompt + completion)
+    j = int(f.delimiter_index[0])
+    assert "}" in tok.decode([ids[j]]) and "}" not in tok.decode(ids[j + 1 :])
+    assert tok.decode(ids[:j]).count("}") == prompt.count("}") + 1
+    # token lists with a token span give the same result
+    n_prompt = len(E.encode(tok, prompt))
+    assert ids[:n_prompt] == E.encode(tok, prompt)
+    g = E.document_features(model, tok, [ids], [(n_prompt, None)])
+    assert int(g.delimiter_index[0]) == j
+    np.testing.assert_allclose(g.embeddings, f.embeddings, atol=1e-6)
+
+
+def test_position_last_and_truncation(phi3):
+    model, tok = phi3
+    ps = prompts(tok)
+    last = E.document_features(model, tok, ps, position="last")
+    np.testing.assert_array_equal(last.n_kept, [len(E.encode(tok, p)) for p in ps])
+    f = E.prompt_completion_features(model, tok, ps, COMPLETIONS)
+    cut = int(f.n_kept.min()) - 3
+    t = E.prompt_completion_features(model, tok, ps, COMPLETIONS, max_length=cut, batch_size=2)
+    assert t.truncated.all() and (t.n_kept == cut).all()
+    h = np.array(E.hidden_states(model, [E.encode(tok, ps[2] + COMPLETIONS[2])]))[0]
+    np.testing.assert_allclose(t.embeddings[2], E.pool_hidden(h, cut), atol=1e-5)
+    assert (t.delimiter_index == f.delimiter_index).all()  # the delimiter was found, just beyond the cut
+
+
+def test_missing_delimiter_policies(phi3):
+    model, tok = phi3
+    prompt = E.chat_text(tok, DOCS[0])
+    with pytest.raises(E.DocumentError, match="no closing delimiter"):
+        E.prompt_completion_features(model, tok, [prompt, prompt], ['{"x": 1}', "positive"])
+    n_prompt = len(E.encode(tok, prompt))
+    n_all = len(E.encode(tok, prompt + "positive"))
+    p = E.prompt_completion_features(model, tok, [prompt], ["positive"], on_missing="prompt")
+    assert p.missing_delimiter[0] and int(p.n_kept[0]) == n_prompt
+    q = E.prompt_completion_features(model, tok, [prompt], ["positive"], on_missing="last")
+    assert int(q.n_kept[0]) == n_all
+
+
+def test_generated_states_reuse(phi3):
+    """Use (b): pooled states of prompt + generated tokens == force-decoded features of the same tokens."""
+    model, tok = phi3
+    prompt_ids = E.encode(tok, E.chat_text(tok, DOCS[3], system=SYSTEM))
+    gen = E.encode(tok, '{"sentiment": "positive"}<|end|>')
+    gen = gen[1:] if gen[0] == tok.bos_token_id else gen
+    n, info = E.generated_n_kept(tok, len(prompt_ids), gen)
+    assert "}" in tok.decode([gen[n - len(prompt_ids)]]) and info["delimiter_index"] == n
+    h = np.array(E.hidden_states(model, [prompt_ids + gen]))[0]
+    f = E.document_features(model, tok, [prompt_ids + gen], [(len(prompt_ids), None)])
+    assert int(f.n_kept[0]) == n
+    np.testing.assert_allclose(E.pool_hidden(h, n), f.embeddings[0], atol=1e-5)
+    n2, info2 = E.generated_n_kept(tok, len(prompt_ids), E.encode(tok, "no json here"))
+    assert n2 == len(prompt_ids) and info2["missing_delimiter"]
+    n3, info3 = E.generated_n_kept(tok, len(prompt_ids), gen, max_length=10)
+    assert n3 == 10 and info3["truncated"]
+
+
+def test_chat_text(phi3):
+    _, tok = phi3
+    t = E.chat_text(tok, "DOC", system="SYS", prompt_template='Say {"x": str}. TEXT: {document}')
+    assert t == '<|system|>\nSYS<|end|>\n<|user|>\nSay {"x": str}. TEXT: DOC<|end|>\n<|assistant|>\n'
+    assert E.chat_text(tok, "DOC", use_chat_template=False) == "DOC"
+    with pytest.raises(ValueError, match="document"):
+        E.chat_text(tok, "DOC", prompt_template="no slot")
+    with pytest.raises(FileNotFoundError):
+        E.load_model("./no/such/model")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _write_docs(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _rows():
+    return [{"id": f"d{i}", "label": i % 2, "document": d, "completion": c, "meta": {"k": i}}
+            for i, (d, c) in enumerate(zip(DOCS, COMPLETIONS))]
+
+
+def _embed(model_path, inp, out, *extra):
+    return main(["embed", "--model", model_path, "--input", str(inp), "--output", str(out),
+                 "--completion-field", "completion", "--system", SYSTEM, "--prompt-template", TEMPLATE,
+                 "--batch-size", "2", "--quiet", *extra])
+
+
+def _read(path):
+    return {r["id"]: r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
+
+
+def test_cli_embed_and_resume(tmp_path, tiny_phi3_path, phi3, capsys):
+    inp, out = tmp_path / "docs.jsonl", tmp_path / "feats.jsonl"
+    _write_docs(inp, _rows())
+    assert _embed(tiny_phi3_path, inp, out) == 0
+    full = _read(out)
+    assert list(full) == [f"d{i}" for i in range(5)]
+    r = full["d2"]
+    assert r["label"] == 0 and r["meta"] == {"k": 2} and r["completion"] == COMPLETIONS[2]
+    assert len(r["embedding"]) == 128
+    model, tok = phi3
+    ref = E.prompt_completion_features(model, tok, prompts(tok), COMPLETIONS)
+    np.testing.assert_allclose(np.array([full[f"d{i}"]["embedding"] for i in range(5)]), ref.embeddings, atol=1e-5)
+
+    # interrupted run: two complete rows and half of the third
+    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1] + lines[2][: len(lines[2]) // 2], encoding="utf-8")
+    capsys.readouterr()
+    assert main(["embed", "--model", tiny_phi3_path, "--input", str(inp), "--output", str(out),
+                 "--completion-field", "completion", "--system", SYSTEM, "--prompt-template", TEMPLATE]) == 0
+    err = capsys.readouterr().err
+    assert "partially written" in err and "line 3" in err and "2 of 5" in err
+    resumed = _read(out)
+    assert list(resumed) == list(full)
+    for k in full:
+        np.testing.assert_allclose(resumed[k]["embedding"], full[k]["embedding"], atol=1e-5)
+    # nothing left to do
+    assert _embed(tiny_phi3_path, inp, out) == 0 and _read(out).keys() == full.keys()
+
+
+def test_cli_embed_prompt_field_and_position_last(tmp_path, tiny_qwen2_path, qwen2):
+    model, tok = qwen2
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(prompts(tok))]
+    inp, out = tmp_path / "p.jsonl", tmp_path / "f.jsonl"
+    _write_docs(inp, rows)
+    assert main(["embed", "--model", tiny_qwen2_path, "--input", str(inp), "--output", str(out),
+                 "--prompt-field", "prompt", "--max-length", "12", "--quiet"]) == 0
+    got = np.array([r["embedding"] for r in _read(out).values()])
+    ref = E.document_features(model, tok, [r["prompt"] for r in rows], position="last", max_length=12)
+    np.testing.assert_allclose(got, ref.embeddings, atol=1e-5)
+
+
+def test_cli_embed_errors(tmp_path, tiny_phi3_path, capsys):
+    inp, out = tmp_path / "docs.jsonl", tmp_path / "feats.jsonl"
+    inp.write_text('{"id": 1, "document": "ok", "completion": "{}"}\n{"id": 2, "document": \n', encoding="utf-8")
+    assert _embed(tiny_phi3_path, inp, out) == 2
+    assert "line 2 is not valid JSON" in capsys.readouterr().err
+
+    _write_docs(inp, [{"id": 1, "document": "a", "completion": "{}"}, {"id": 1, "document": "b", "completion": "{}"}])
+    assert _embed(tiny_phi3_path, inp, out) == 2
+    assert "line 2 repeats id 1" in capsys.readouterr().err
+
+    _write_docs(inp, [{"id": 1, "document": "a", "completion": "{}"}, {"id": 2, "text": "b", "completion": "{}"}])
+    assert _embed(tiny_phi3_path, inp, out) == 2
+    assert "line 2: missing or non-string field 'document'" in capsys.readouterr().err
+
+    _write_docs(inp, [{"id": 1, "document": "a", "completion": '{"sentiment": "negative"}'},
+                      {"id": "x", "document": "b", "completion": "positive"}])
+    assert _embed(tiny_phi3_path, inp, out) == 2
+    assert "line 2 (id 'x'): no closing delimiter" in capsys.readouterr().err
+
+    assert main(["embed", "--model", tiny_phi3_path, "--input", str(inp), "--output", str(out),
+                 "--position", "delimiter"]) == 2
+    assert "--completion-field" in capsys.readouterr().err
+    assert main(["embed", "--input", str(inp), "--output", str(out)]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["embed", "--model", tiny_phi3_path, "--input", str(tmp_path / "nope.jsonl"), "--output", str(out)]) == 2
+    assert "input file not found" in capsys.readouterr().err
+
+    out.write_text('{"id": 1, "embedding": [0.5]}\nnot json\n{"id": 3, "embedding": [1]}\n', encoding="utf-8")
+    assert _embed(tiny_phi3_path, inp, out) == 2
+    assert "existing output line 2" in capsys.readouterr().err
+
+
+def test_incremental_states_with_cache_match_full_forward(qwen2):
+    """Generation-time states (prompt prefill + one token at a time through a KV cache) equal the full forward."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = qwen2
+    prompt_ids = E.encode(tok, E.chat_text(tok, DOCS[0]))
+    gen = E.encode(tok, '{"sentiment": "positive"}')
+    cache = make_prompt_cache(model)
+    parts = [E.hidden_states(model, [prompt_ids], cache=cache)[0]]
+    for t in gen:
+        parts.append(E.hidden_states(model, [[t]], cache=cache)[0])
+    inc = np.concatenate([np.array(p) for p in parts])
+    full = np.array(E.hidden_states(model, [prompt_ids + gen]))[0]
+    np.testing.assert_allclose(inc, full, atol=1e-5)
