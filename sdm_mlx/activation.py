@@ -1,6 +1,6 @@
 """The SDM activation function, its log with change of base, and the SDM NLL loss.
 
-Paper: ``eq:sdmActivation`` and ``eq:sdmLoss``.  All functions are pure MLX,
+Paper: ``eq:sdmActivation`` and ``eq:sdm-loss``.  All functions are pure MLX,
 differentiable and batched: ``z`` is ``[N, C]``, ``q`` and ``d`` are ``[N]``
 (one Similarity and one Distance quantile per row).
 
@@ -44,14 +44,14 @@ def sdm(z: mx.array, q, d) -> mx.array:
 
 
 def log_sdm(z: mx.array, q, d) -> mx.array:
-    """log_{2+q} of the SDM activation, ``eq:sdmLoss`` (exact log-softmax divided by ln(2+q))."""
+    """log_{2+q} of the SDM activation, ``eq:sdm-loss`` (exact log-softmax divided by ln(2+q))."""
     scaled, log_base = _scaled_logits(z, q, d)
     log_probs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     return log_probs / log_base
 
 
 def sdm_nll_loss(z: mx.array, y: mx.array, q, d, reduction: str = "mean") -> mx.array:
-    """SDM NLL loss with change of base, ``eq:sdmLoss``: −log_{2+q} sdm(z')_y (mean over rows)."""
+    """SDM NLL loss with change of base, ``eq:sdm-loss``: −log_{2+q} sdm(z')_y (mean over rows)."""
     logp = log_sdm(z, q, d)
     nll = -mx.take_along_axis(logp, y.astype(mx.int32).reshape(-1, 1), axis=-1).squeeze(-1)
     if reduction == "mean":

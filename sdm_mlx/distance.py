@@ -1,6 +1,6 @@
 """Distance quantile d: class-wise eCDFs of the nearest-neighbour distance d0.
 
-Paper: ``eq:distance-quantile`` (Distance).  For each true class c the eCDF is
+Paper: ``equation:d`` (Distance).  For each true class c the eCDF is
 the sorted d0 of calibration rows with label c *and* q > 0 (q = 0 rows are
 out-of-distribution and excluded).  For a query,
 
@@ -18,7 +18,7 @@ import numpy as np
 
 
 def distance_ecdfs(d0: np.ndarray, labels: np.ndarray, q: np.ndarray, num_classes: int) -> list[np.ndarray]:
-    """Per true class, the sorted d0 of rows with that label and q > 0 (``eq:distance-quantile``)."""
+    """Per true class, the sorted d0 of rows with that label and q > 0 (``equation:d``)."""
     d0 = np.asarray(d0, dtype=np.float32)
     labels = np.asarray(labels)
     keep = np.asarray(q) > 0
@@ -26,7 +26,7 @@ def distance_ecdfs(d0: np.ndarray, labels: np.ndarray, q: np.ndarray, num_classe
 
 
 def distance_quantile(d0: np.ndarray, ecdfs: list[np.ndarray]) -> np.ndarray:
-    """d = min_c (1 − strict-left eCDF_c(d0)), empty class ⇒ 0 (``eq:distance-quantile``)."""
+    """d = min_c (1 − strict-left eCDF_c(d0)), empty class ⇒ 0 (``equation:d``)."""
     d0 = np.maximum(np.asarray(d0, dtype=np.float32).reshape(-1), 0.0)
     d = np.ones(d0.shape[0], dtype=np.float32)
     for sorted_c in ecdfs:

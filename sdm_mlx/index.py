@@ -11,7 +11,7 @@ Two interchangeable backends share one small interface:
 
 Both expose ``search(queries, n, exclude=None)`` (top-n neighbours) and
 ``similarity(queries, y_hat, good_by_class, k, exclude=None)`` returning the
-Similarity q (``eq:similarity`` in the paper) and d0, the squared L2 distance
+Similarity q (``equation:q`` in the paper) and d0, the squared L2 distance
 to the nearest support vector.
 
 Similarity q of a query with prediction ŷ: the number of its nearest
@@ -39,7 +39,7 @@ def good_neighbours_by_class(labels: np.ndarray, predictions: np.ndarray, num_cl
 
 
 def similarity_from_neighbours(neighbour_idx: np.ndarray, y_hat: np.ndarray, good_by_class: np.ndarray) -> np.ndarray:
-    """q from sorted neighbour lists (``eq:similarity``): length of the leading run of good neighbours.
+    """q from sorted neighbour lists (``equation:q``): length of the leading run of good neighbours.
 
     ``neighbour_idx`` is [N, k] sorted nearest first; entries < 0 are padding (end the run).
     """

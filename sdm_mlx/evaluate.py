@@ -1,0 +1,506 @@
+"""Evaluation of the SDM estimators against the baselines (paper: Experiments: Classification,
+Table ``tab:experiments-classification-combined``; Def. ``defn:index-conditional-calibration``).
+
+:func:`evaluate` takes a fitted :class:`~sdm_mlx.estimator.SDMEstimator`, labelled evaluation
+sets and the calibration split's adaptor logits z' and labels, and reports, per evaluation set
+and per estimator,
+
+* the index-conditional report of :func:`sdm_mlx.metrics.index_conditional_report`
+  (class- and prediction-conditional accuracy over the admitted rows, admitted fractions, and
+  whether index-conditional calibration holds at α');
+* an α' sweep (the points of the admitted-fraction vs conditional-accuracy curves): the SDM
+  estimators are re-thresholded with :meth:`SDMEstimator.recalibrate` (no retraining; the
+  estimator's α' is restored afterwards), the baselines are refitted at every α';
+* the hard q-bin distributions ⌊q~⌋ of the admitted vs the rejected rows (SDM p_lower), and
+  the counts of the rejection reasons.
+
+Estimators (names used as keys)::
+
+    no_reject        every row admitted: the adaptor's raw accuracies (paper: NoReject)
+    softmax          max softmax(z') >= α'
+    temperature      max softmax(z'/T) >= α', T fitted on the calibration split (NLL)
+    aps, raps        conformal prediction sets at coverage α'; admitted iff a singleton
+    sdm_p_lower      the SDM estimator p̂_lower with ⊥ (the primary estimator)
+    sdm_p_centroid   the same decision from the centroid quantities (reference)
+    sdm_p_upper      the same decision from the upper quantities (reference)
+
+All baselines run over the SAME adaptor logits z' as the SDM estimator (``Predictions.logits``)
+and are fitted on the best round's calibration split (``SDMEstimator.calibration_logits_`` /
+``calibration_labels_``); ``no_reject`` and ``softmax`` need no calibration data.
+
+Report schema (JSON-serialisable; ``None`` = N/A or not finite)::
+
+    {
+      "schema_version": 1,
+      "alpha": float,                     # the estimator's α' (the reports' α')
+      "alphas": [float, ...],             # the sweep
+      "num_classes": int, "class_names": [str, ...] | None,
+      "primary_estimator": "sdm_p_lower",
+      "estimators": [name, ...],          # display order
+      "model": {"iterations", "best_round", "calibration_size", "support_size", "input_dim",
+                "min_valid_qbin", "robust_min_valid_qbin", "psi"},
+      "baselines": {"fitted_on": str | None, "n_calibration": int | None,
+                    "skipped": {name: reason}, "params": {name: {...}}},
+      "datasets": {
+        NAME: {
+          "source": str, "n": int, "label_counts": [int] * C, "prediction_counts": [int] * C,
+          "reports": {estimator: REPORT},                 # metrics.index_conditional_report
+          "calibrated": [estimator, ...],                 # index-conditional calibration holds
+          "violated": [estimator, ...],
+          "all_rejected": [estimator, ...],               # calibrated because nothing admitted
+          "sweep": {estimator: [{"alpha", "n_admitted", "admitted_fraction",
+                                 "min_conditional_accuracy", "marginal_accuracy",
+                                 "index_conditional_calibrated"}, ...]},
+          "hard_bins": {"bins": [0..B], "admitted": [counts], "rejected": [counts],
+                        "admitted_lower": [counts], "rejected_lower": [counts]},
+          "rejection_reasons": {reason: count},
+          "label_errors": int,                            # admitted (p_lower) rows with y != ŷ
+        }, ...
+      },
+      "warnings": [str, ...],
+    }
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .baselines import BASELINES, make_baseline
+from .calibration import check_alpha, estimate_from_round
+from .data import Dataset
+from .metrics import format_results_table, index_conditional_report, label_error_rows
+from .progress import log
+
+__all__ = [
+    "SDM_ESTIMATORS",
+    "PRIMARY_ESTIMATOR",
+    "DEFAULT_ALPHAS",
+    "DEFAULT_BASELINES",
+    "REPORT_SCHEMA_VERSION",
+    "evaluate",
+    "predict_datasets",
+    "sdm_admissions",
+    "format_evaluation",
+    "label_error_records",
+    "write_plots",
+    "calibration_from_data",
+]
+
+REPORT_SCHEMA_VERSION = 1
+PRIMARY_ESTIMATOR = "sdm_p_lower"
+SDM_ESTIMATORS = ("sdm_p_lower", "sdm_p_centroid", "sdm_p_upper")
+DEFAULT_BASELINES = ("no_reject", "softmax", "temperature", "aps", "raps")
+#: Default α' sweep (values outside max(0.5, 1/C) < α' < 1 are dropped; the estimator's α' is added).
+DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)
+#: Baselines without fitted state (usable without calibration logits).
+_CALIBRATION_FREE = ("no_reject", "softmax")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _num(x) -> float | None:
+    """A finite float or None (JSON has no inf/NaN)."""
+    if x is None:
+        return None
+    f = float(x)
+    return f if math.isfinite(f) else None
+
+
+def _jsonable(o):
+    """Recursively replace NumPy scalars/arrays and non-finite floats by JSON values."""
+    if isinstance(o, Mapping):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return _jsonable(o.tolist())
+    if isinstance(o, (bool, np.bool_)):
+        return bool(o)
+    if isinstance(o, (int, np.integer)):
+        return int(o)
+    if isinstance(o, (float, np.floating)):
+        return _num(o)
+    return o
+
+
+def _check_dataset(name: str, ds: Dataset, num_classes: int, input_dim: int) -> None:
+    if ds.y is None:
+        raise ValueError(f"evaluation set {name!r} has no labels (every row needs a 'label' to be evaluated)")
+    y = np.asarray(ds.y)
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        bad = sorted(set(y[(y < 0) | (y >= num_classes)].tolist()))[:5]
+        raise ValueError(f"evaluation set {name!r}: labels must be in 0..{num_classes - 1} for this model, found {bad}")
+    if ds.X.ndim != 2 or ds.X.shape[1] != input_dim:
+        raise ValueError(
+            f"evaluation set {name!r}: features have dimension {ds.X.shape[-1]}, the model expects {input_dim} "
+            "(check --features)"
+        )
+
+
+def _alphas(alphas, estimator_alpha: float, num_classes: int) -> list[float]:
+    if alphas is None:
+        out = []
+        for a in DEFAULT_ALPHAS:
+            try:
+                out.append(check_alpha(a, num_classes))
+            except ValueError:
+                pass
+    else:
+        out = [check_alpha(float(a), num_classes) for a in alphas]
+    out.append(float(estimator_alpha))
+    return sorted(set(out))
+
+
+def sdm_admissions(pred) -> dict[str, np.ndarray]:
+    """The three SDM estimators' admission decisions from :class:`~sdm_mlx.estimator.Predictions`."""
+    for name in ("admitted_centroid", "admitted_upper"):
+        if getattr(pred, name, None) is None:
+            raise ValueError(f"Predictions.{name} is missing: predictions must come from SDMEstimator.predict")
+    return {
+        "sdm_p_lower": np.asarray(pred.admitted, dtype=bool),
+        "sdm_p_centroid": np.asarray(pred.admitted_centroid, dtype=bool),
+        "sdm_p_upper": np.asarray(pred.admitted_upper, dtype=bool),
+    }
+
+
+def _sdm_admissions_at(estimator, pred) -> dict[str, np.ndarray]:
+    """SDM admissions at the estimator's current α' from cached z', q, d and SDM output of ``pred``."""
+    out = estimate_from_round(estimator.calibration_, estimator.robust_min_valid_, estimator.offsets_,
+                              pred.logits, pred.q, pred.d, pred.sdm)
+    return {"sdm_p_lower": out["admitted"], "sdm_p_centroid": out["valid"], "sdm_p_upper": out["valid_upper"]}
+
+
+def _recalibrate_quietly(estimator, alpha: float, notes: list) -> None:
+    """``estimator.recalibrate(alpha)`` with its warnings collected into ``notes`` (and no stderr noise)."""
+    verbose = estimator.verbose
+    estimator.verbose = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            estimator.recalibrate(alpha)
+    finally:
+        estimator.verbose = verbose
+    for w in caught:
+        msg = f"alpha {alpha:g}: {w.message}"
+        if msg not in notes:
+            notes.append(msg)
+
+
+def predict_datasets(estimator, datasets: Mapping[str, Dataset], n_exemplars: int = 0) -> dict:
+    """``{name: estimator.predict(ds.X, ds.ids)}`` (no exemplars by default: evaluation does not need them)."""
+    return {name: estimator.predict(ds.X, ds.ids, n_exemplars=n_exemplars) for name, ds in datasets.items()}
+
+
+def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """The best round's calibration logits z' and labels, recomputed from the pooled training data:
+    the rows whose ids are ``estimator.calibration_ids_`` (in that order), forwarded through the adaptor."""
+    import json
+
+    if data.y is None:
+        raise ValueError(f"{data.source or 'calibration data'}: rows need labels")
+    where = {json.dumps(i, sort_keys=True): k for k, i in enumerate(data.ids)}
+    idx, missing = [], []
+    for cid in estimator.calibration_ids_:
+        k = where.get(json.dumps(cid, sort_keys=True))
+        (missing.append(cid) if k is None else idx.append(k))
+    if missing:
+        raise ValueError(
+            f"{data.source or 'calibration data'}: {len(missing)} of the model's {len(estimator.calibration_ids_)} "
+            f"calibration ids are not in the file (e.g. {missing[:3]}); pass the JSONL the model was trained on"
+        )
+    sub = data.subset(idx)
+    z, _ = estimator._forward(sub.X)
+    return np.asarray(z, dtype=np.float32), np.asarray(sub.y, dtype=np.int64)
+
+
+def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped) -> dict:
+    fitted = {}
+    for name in names:
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
+        if name in skipped:
+            continue
+        b = make_baseline(name)
+        if z_cal is None:
+            if name not in _CALIBRATION_FREE:
+                skipped[name] = "no calibration logits (artifact without them and no --calibration-data)"
+                continue
+            # no fitted state: fit() only records alpha and C
+            b.alpha, b.num_classes = float(alpha), int(num_classes)
+        else:
+            b.fit(z_cal, y_cal, alpha)
+        fitted[name] = b
+    return fitted
+
+
+def _sweep_point(report: Mapping[str, Any]) -> dict:
+    m = report["marginal"]
+    return {
+        "alpha": report["alpha"],
+        "n_admitted": m["n_admitted"],
+        "admitted_fraction": m["admitted_fraction"],
+        "min_conditional_accuracy": report["min_conditional_accuracy"],
+        "marginal_accuracy": m["accuracy"],
+        "index_conditional_calibrated": report["index_conditional_calibrated"],
+    }
+
+
+def _counts(values: np.ndarray, length: int) -> list[int]:
+    values = np.asarray(values, dtype=np.int64)
+    return np.bincount(values, minlength=length).astype(int).tolist() if values.size else [0] * length
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def evaluate(
+    estimator,
+    datasets: Mapping[str, Dataset],
+    z_cal=None,
+    y_cal=None,
+    alphas: Sequence[float] | None = None,
+    baselines: Sequence[str] = DEFAULT_BASELINES,
+    predictions: Mapping[str, Any] | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
+    """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
+
+    Args:
+        estimator: a fitted :class:`~sdm_mlx.estimator.SDMEstimator`; the reports use its α'.
+        datasets: ``{name: Dataset}`` with labels (insertion order kept).
+        z_cal, y_cal: calibration logits z' [n, C] and labels [n] for the baselines (the best round's
+            calibration split: ``estimator.calibration_logits_`` / ``calibration_labels_``).  ``None``:
+            only ``no_reject`` and ``softmax`` are run; the others are listed under
+            ``report["baselines"]["skipped"]``.
+        alphas: the α' sweep (default :data:`DEFAULT_ALPHAS` within the valid range); the
+            estimator's α' is always included; the estimator's α' is restored afterwards.
+        baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
+        predictions: optional precomputed ``{name: estimator.predict(...)}`` at the estimator's α'
+            (e.g. from :func:`predict_datasets`, to reuse them for label errors).
+        verbose: progress lines on stderr.
+    """
+    estimator._check_fitted()
+    C = int(estimator.num_classes_)
+    alpha = float(estimator.alpha)
+    if not datasets:
+        raise ValueError("no evaluation sets")
+    for name, ds in datasets.items():
+        _check_dataset(name, ds, C, int(estimator.input_dim_))
+    sweep_alphas = _alphas(alphas, alpha, C)
+    baselines = list(baselines or ())
+    notes: list[str] = []
+
+    if (z_cal is None) != (y_cal is None):
+        raise ValueError("pass both z_cal and y_cal, or neither")
+    if z_cal is not None:
+        z_cal = np.asarray(z_cal, dtype=np.float64)
+        y_cal = np.asarray(y_cal).reshape(-1).astype(np.int64)
+        if z_cal.ndim != 2 or z_cal.shape[1] != C or z_cal.shape[0] != y_cal.shape[0] or z_cal.shape[0] == 0:
+            raise ValueError(f"calibration logits must be [n, {C}] with n labels, got {z_cal.shape} and {y_cal.shape}")
+
+    if predictions is None:
+        log("predicting the evaluation sets ...", verbose)
+        predictions = predict_datasets(estimator, datasets)
+    missing = [n for n in datasets if n not in predictions]
+    if missing:
+        raise ValueError(f"no predictions for evaluation set(s) {missing}")
+
+    skipped: dict[str, str] = {}
+    fitted = {a: _fit_baselines(baselines, z_cal, y_cal, a, C, skipped) for a in sweep_alphas}
+    run_baselines = [b for b in baselines if b not in skipped]
+    order = run_baselines + list(SDM_ESTIMATORS)
+
+    # SDM admissions at every α' (cached model outputs; the estimator is re-thresholded, then restored)
+    sdm_at: dict[float, dict[str, dict[str, np.ndarray]]] = {}
+    try:
+        for a in sweep_alphas:
+            if a == alpha:
+                sdm_at[a] = {n: sdm_admissions(predictions[n]) for n in datasets}
+                continue
+            _recalibrate_quietly(estimator, a, notes)
+            sdm_at[a] = {n: _sdm_admissions_at(estimator, predictions[n]) for n in datasets}
+    finally:
+        if estimator.alpha != alpha:
+            _recalibrate_quietly(estimator, alpha, [])
+
+    out_sets = {}
+    for name, ds in datasets.items():
+        pred = predictions[name]
+        y = np.asarray(ds.y, dtype=np.int64)
+        y_hat = np.asarray(pred.prediction, dtype=np.int64)
+        if y.shape[0] != y_hat.shape[0]:
+            raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
+        z = np.asarray(pred.logits, dtype=np.float64)
+        log(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...", verbose)
+        sweep: dict[str, list] = {e: [] for e in order}
+        reports: dict[str, dict] = {}
+        for a in sweep_alphas:
+            admitted = {}
+            for b in run_baselines:
+                b_pred, b_adm, _ = fitted[a][b].predict(z)
+                if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
+                    raise AssertionError(f"baseline {b} changed the prediction")
+                admitted[b] = b_adm
+            admitted.update(sdm_at[a][name])
+            for e in order:
+                rep = index_conditional_report(y, y_hat, admitted[e], C, a)
+                sweep[e].append(_sweep_point(rep))
+                if a == alpha:
+                    reports[e] = rep
+        adm = np.asarray(pred.admitted, dtype=bool)
+        top = int(max(np.max(pred.hard_bin, initial=0), np.max(pred.hard_bin_lower, initial=0))) + 1
+        reasons = Counter(str(r) for r in np.asarray(pred.rejection_reason, dtype=object)[~adm])
+        out_sets[name] = {
+            "source": ds.source,
+            "n": len(ds),
+            "label_counts": _counts(y, C),
+            "prediction_counts": _counts(y_hat, C),
+            "reports": reports,
+            "calibrated": [e for e in order if reports[e]["index_conditional_calibrated"]],
+            "violated": [e for e in order if not reports[e]["index_conditional_calibrated"]],
+            "all_rejected": [e for e in order if reports[e]["all_rejected"]],
+            "sweep": sweep,
+            "hard_bins": {
+                "bins": list(range(top)),
+                "admitted": _counts(np.asarray(pred.hard_bin)[adm], top),
+                "rejected": _counts(np.asarray(pred.hard_bin)[~adm], top),
+                "admitted_lower": _counts(np.asarray(pred.hard_bin_lower)[adm], top),
+                "rejected_lower": _counts(np.asarray(pred.hard_bin_lower)[~adm], top),
+            },
+            "rejection_reasons": dict(sorted(reasons.items())),
+            "label_errors": int((adm & (y != y_hat)).sum()),
+        }
+
+    best = estimator.calibration_
+    report = {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "alpha": alpha,
+        "alphas": sweep_alphas,
+        "num_classes": C,
+        "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
+        "primary_estimator": PRIMARY_ESTIMATOR,
+        "estimators": order,
+        "model": {
+            "iterations": len(estimator.rounds_),
+            "best_round": int(estimator.best_round_),
+            "calibration_size": len(estimator.calibration_ids_),
+            "support_size": int(np.asarray(estimator.support_vectors_).shape[0]),
+            "input_dim": int(estimator.input_dim_),
+            "min_valid_qbin": _num(best.min_valid),
+            "robust_min_valid_qbin": _num(estimator.robust_min_valid_),
+            "psi": [_num(p) for p in np.asarray(best.psi).tolist()],
+        },
+        "baselines": {
+            "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
+            "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
+            "skipped": skipped,
+            "params": {b: fitted[alpha][b].get_params() for b in run_baselines},
+        },
+        "datasets": out_sets,
+        "warnings": notes,
+    }
+    return _jsonable(report)
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def format_evaluation(report: Mapping[str, Any]) -> str:
+    """One table per evaluation set (all estimators, at the report's α') plus a one-line verdict each."""
+    blocks = []
+    names = report.get("class_names")
+    for name, ds in report["datasets"].items():
+        items = [(e, ds["reports"][e]) for e in report["estimators"]]
+        title = f"== {name}: {ds['n']} rows"
+        if ds.get("source") and ds["source"] != name:
+            title += f" ({ds['source']})"
+        title += " =="
+        lines = [format_results_table(items, title=title)]
+        if names:
+            lines.append("classes: " + ", ".join(f"{i}={n}" for i, n in enumerate(names)))
+        ok = [e + (" (nothing admitted)" if e in ds["all_rejected"] else "") for e in ds["calibrated"]]
+        lines.append(f"index-conditional calibration at alpha'={report['alpha']:g} holds for: "
+                     + (", ".join(ok) if ok else "none"))
+        lines.append("violated by: " + (", ".join(ds["violated"]) if ds["violated"] else "none"))
+        blocks.append("\n".join(lines))
+    skipped = report.get("baselines", {}).get("skipped") or {}
+    if skipped:
+        blocks.append("skipped baselines: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    return "\n\n".join(blocks)
+
+
+def label_error_records(datasets: Mapping[str, Dataset], predictions: Mapping[str, Any],
+                        class_names: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
+    """Admitted (p_lower) rows whose label differs from the prediction, sorted by p_lower descending
+    (paper: Data Quality Analysis, Table ``tab:mmlu-pro-annotation-errors-cs``).  ``n_hat`` is the
+    effective sample size of the predicted class n̂_ŷ; ``n_hat_per_class`` all of them."""
+    records = []
+    for name, ds in datasets.items():
+        pred = predictions[name]
+        adm = np.asarray(pred.admitted, dtype=bool)
+        y = np.asarray(ds.y, dtype=np.int64)
+        y_hat = np.asarray(pred.prediction, dtype=np.int64)
+        for i in np.flatnonzero(adm & (y != y_hat)):
+            yi, pi = int(y[i]), int(y_hat[i])
+            row = {
+                "id": ds.ids[i],
+                "dataset": name,
+                "document": ds.documents[i],
+                "label": yi,
+                "prediction": pi,
+                "p_lower": float(pred.p_lower[i]),
+                "p_centroid": float(pred.p_centroid[i]),
+                "p_upper": float(pred.p_upper[i]),
+                "n_hat": int(pred.n_hat[i][pi]),
+                "n_hat_per_class": [int(v) for v in pred.n_hat[i]],
+                "hard_bin": int(pred.hard_bin[i]),
+                "admitted": True,
+            }
+            if class_names:
+                row["label_name"] = str(class_names[yi])
+                row["prediction_name"] = str(class_names[pi])
+            records.append(row)
+    rows = label_error_rows(records, limit=limit)
+    for r in rows:
+        r.pop("admitted", None)
+    return rows
+
+
+def _safe_name(name: str) -> str:
+    keep = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name))
+    return keep.strip("._") or "dataset"
+
+
+def write_plots(report: Mapping[str, Any], directory) -> list[str]:
+    """PNG plots per evaluation set: admitted fraction vs min conditional accuracy across α' (every
+    estimator) and the hard q-bin histogram of admitted vs rejected rows (SDM p_lower).
+
+    Raises ImportError (with an install hint) when matplotlib is not installed.
+    """
+    import os
+
+    from . import plots
+
+    if not plots.plots_available():
+        raise ImportError("plotting needs matplotlib; install it with: pip install 'sdm_mlx[plots]'")
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for name, ds in report["datasets"].items():
+        base = os.path.join(directory, _safe_name(name))
+        curves = {e: [(p["alpha"], p["admitted_fraction"], p["min_conditional_accuracy"]) for p in pts]
+                  for e, pts in ds["sweep"].items()}
+        paths.append(plots.plot_admitted_vs_accuracy(
+            curves, base + "_admitted_vs_accuracy.png", title=f"{name}: admitted fraction vs conditional accuracy"))
+        hb = ds["hard_bins"]
+        bins = np.asarray(hb["bins"], dtype=np.int64)
+        paths.append(plots.plot_qbin_histogram(
+            np.repeat(bins, hb["admitted"]), np.repeat(bins, hb["rejected"]), base + "_hard_bins.png",
+            title=f"{name}: hard q-bin, admitted vs rejected (sdm p_lower, alpha'={report['alpha']:g})"))
+    return paths
