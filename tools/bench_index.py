@@ -5,7 +5,8 @@
 Reports, for each support size at M = --dim: queries/s of ``ExactIndex.similarity`` (q + d0)
 and ``ExactIndex.search`` (top-10), the GFLOP/s they achieve counting the 2·N_q·N_s·M
 flops of the distance matmul, and a plain ``mx.matmul`` of the same shape; then the wall time
-of one Alg. 1 epoch (training steps + q/d refresh) on the embedded factcheck data.
+of one Alg. 1 epoch (training steps + q/d refresh) on the embedded factcheck data, and how
+far hnswlib's approximate q departs from the exact q on exemplars of a trained model.
 States which BLAS MLX used.  Run through ``sdm-mlx``'s automatic OpenBLAS preload by
 exporting LD_PRELOAD yourself (see sdm_mlx/blas.py) — the report says which was used.
 """
@@ -85,6 +86,37 @@ def bench_epoch(exemplar_dim: int) -> dict:
     }
 
 
+def bench_hnsw_vs_exact(epochs: int = 5) -> dict:
+    """q and d0 from hnswlib vs the exact index on a model trained on the embedded data."""
+    from sdm_mlx.index import HnswIndex
+
+    pool, _, _ = factcheck_splits()
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(pool))
+    tr, ca = perm[: len(pool) // 2], perm[len(pool) // 2 :]
+    cfg = TrainConfig(epochs=epochs, iterations=1, exemplar_dim=1000)
+    r = train_round(pool.X[tr], pool.y[tr], pool.X[ca], pool.y[ca], 2, cfg, seed=0, verbose=False)
+    good = good_neighbours_by_class(pool.y[tr], r.train.y_hat, 2)
+    h_tr, h_ca, yhat = r.train.h, r.calibration.h, r.calibration.z.argmax(1)
+    out = {"support": len(tr), "queries": len(ca), "k": r.k, "dim": h_tr.shape[1]}
+    t = time.perf_counter()
+    exact = ExactIndex(h_tr)
+    q_e, d_e = exact.similarity(h_ca, yhat, good, r.k)
+    out["exact_seconds"] = time.perf_counter() - t
+    for ef in (64, 256):
+        t = time.perf_counter()
+        hn = HnswIndex(h_tr, ef=ef)
+        q_h, d_h = hn.similarity(h_ca, yhat, good, r.k)
+        out[f"hnsw_ef{ef}"] = {
+            "seconds": time.perf_counter() - t,
+            "q_equal_fraction": float((q_h == q_e).mean()),
+            "q_mean_abs_diff": float(np.abs(q_h - q_e).mean()),
+            "q_positive_agreement": float(((q_h > 0) == (q_e > 0)).mean()),
+            "d0_max_rel_diff": float(np.max(np.abs(d_h - d_e) / np.maximum(d_e, 1e-12))),
+        }
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--support", type=int, nargs="+", default=[10_000, 100_000])
@@ -104,6 +136,15 @@ def main(argv=None) -> int:
         )
     report["epoch"] = bench_epoch(args.dim)
     print(f"Alg. 1 epoch on {report['epoch']['data']}, M={args.dim}: {report['epoch']['epoch_seconds']:.2f} s")
+    hv = bench_hnsw_vs_exact()
+    report["hnsw_vs_exact"] = hv
+    print(f"hnswlib vs exact on factcheck exemplars ({hv['queries']} queries, {hv['support']} support, k={hv['k']}): "
+          f"exact {hv['exact_seconds']:.2f}s")
+    for ef in (64, 256):
+        h = hv[f"hnsw_ef{ef}"]
+        print(f"  ef={ef}: {h['seconds']:.2f}s, q identical for {h['q_equal_fraction']:.1%} of rows, "
+              f"mean |Δq| {h['q_mean_abs_diff']:.2f}, q>0 agreement {h['q_positive_agreement']:.1%}, "
+              f"max rel Δd0 {h['d0_max_rel_diff']:.2g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
