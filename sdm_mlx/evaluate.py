@@ -19,7 +19,9 @@ Estimators (names used as keys)::
     no_reject        every row admitted: the adaptor's raw accuracies (paper: NoReject)
     softmax          max softmax(z') >= α'
     temperature      max softmax(z'/T) >= α', T fitted on the calibration split (NLL)
-    aps, raps        conformal prediction sets at coverage α'; admitted iff a singleton
+    aps, raps        conformal prediction sets at coverage α'; admitted iff a singleton (by default
+                     randomised over temperature-scaled softmax, as in the RAPS reference code
+                     the paper compared against: :data:`CONFORMAL_MODES`)
     sdm_p_lower      the SDM estimator p̂_lower with ⊥ (the primary estimator)
     sdm_p_centroid   the same decision from the centroid quantities (reference)
     sdm_p_upper      the same decision from the upper quantities (reference)
@@ -40,7 +42,8 @@ Report schema (JSON-serialisable; ``None`` = N/A or not finite)::
       "model": {"iterations", "best_round", "calibration_size", "support_size", "input_dim",
                 "min_valid_qbin", "robust_min_valid_qbin", "psi"},
       "baselines": {"fitted_on": str | None, "n_calibration": int | None,
-                    "skipped": {name: reason}, "params": {name: {...}}},
+                    "skipped": {name: reason}, "options": {name: {...}},
+                    "params": {name: {...}}},   # fitted state at the estimator's alpha
       "datasets": {
         NAME: {
           "source": str, "n": int, "label_counts": [int] * C, "prediction_counts": [int] * C,
@@ -90,6 +93,8 @@ __all__ = [
     "label_error_records",
     "write_plots",
     "calibration_from_data",
+    "baseline_options",
+    "CONFORMAL_MODES",
 ]
 
 REPORT_SCHEMA_VERSION = 1
@@ -100,6 +105,22 @@ DEFAULT_BASELINES = ("no_reject", "softmax", "temperature", "aps", "raps")
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)
 #: Baselines without fitted state (usable without calibration logits).
 _CALIBRATION_FREE = ("no_reject", "softmax")
+#: Conformal settings: "randomized" is the configuration of the RAPS reference code the paper used
+#: (u ~ U(0, 1) in scores and sets, softmax of temperature-scaled logits); "deterministic" is the
+#: non-randomised APS/RAPS of :mod:`sdm_mlx.baselines` on plain softmax (it admits nothing whenever the
+#: calibration error rate exceeds 1 - α', since every wrong row then scores 1).
+CONFORMAL_MODES = {
+    "randomized": {"randomized": True, "temperature_scale": True, "seed": 0},
+    "deterministic": {"randomized": False, "temperature_scale": False},
+}
+DEFAULT_CONFORMAL = "randomized"
+
+
+def baseline_options(conformal: str = DEFAULT_CONFORMAL) -> dict[str, dict]:
+    """Constructor options per baseline for a conformal mode (see :data:`CONFORMAL_MODES`)."""
+    if conformal not in CONFORMAL_MODES:
+        raise ValueError(f"conformal mode must be one of {sorted(CONFORMAL_MODES)}, got {conformal!r}")
+    return {"aps": dict(CONFORMAL_MODES[conformal]), "raps": dict(CONFORMAL_MODES[conformal])}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -220,14 +241,14 @@ def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndar
     return np.asarray(z, dtype=np.float32), np.asarray(sub.y, dtype=np.int64)
 
 
-def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped) -> dict:
+def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped, options) -> dict:
     fitted = {}
     for name in names:
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
         if name in skipped:
             continue
-        b = make_baseline(name)
+        b = make_baseline(name, **options.get(name, {}))
         if z_cal is None:
             if name not in _CALIBRATION_FREE:
                 skipped[name] = "no calibration logits (artifact without them and no --calibration-data)"
@@ -269,6 +290,7 @@ def evaluate(
     baselines: Sequence[str] = DEFAULT_BASELINES,
     predictions: Mapping[str, Any] | None = None,
     verbose: bool = False,
+    options: Mapping[str, dict] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
 
@@ -285,6 +307,10 @@ def evaluate(
         predictions: optional precomputed ``{name: estimator.predict(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
         verbose: progress lines on stderr.
+        options: constructor keyword arguments per baseline name (default
+            :func:`baseline_options` ``("randomized")``: APS/RAPS as in the paper's reference code).
+            Baselines are refitted for every α' and every evaluation set, so the randomised draws
+            of one set do not depend on the others.
     """
     estimator._check_fitted()
     C = int(estimator.num_classes_)
@@ -312,8 +338,10 @@ def evaluate(
     if missing:
         raise ValueError(f"no predictions for evaluation set(s) {missing}")
 
+    options = baseline_options() if options is None else {k: dict(v) for k, v in options.items()}
     skipped: dict[str, str] = {}
-    fitted = {a: _fit_baselines(baselines, z_cal, y_cal, a, C, skipped) for a in sweep_alphas}
+    params = {n: b.get_params()
+              for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options).items()}
     run_baselines = [b for b in baselines if b not in skipped]
     order = run_baselines + list(SDM_ESTIMATORS)
 
@@ -343,8 +371,9 @@ def evaluate(
         reports: dict[str, dict] = {}
         for a in sweep_alphas:
             admitted = {}
+            fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options)
             for b in run_baselines:
-                b_pred, b_adm, _ = fitted[a][b].predict(z)
+                b_pred, b_adm, _ = fitted[b].predict(z)
                 if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
                     raise AssertionError(f"baseline {b} changed the prediction")
                 admitted[b] = b_adm
@@ -401,7 +430,8 @@ def evaluate(
             "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
             "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
             "skipped": skipped,
-            "params": {b: fitted[alpha][b].get_params() for b in run_baselines},
+            "options": {b: options.get(b, {}) for b in run_baselines},
+            "params": params,
         },
         "datasets": out_sets,
         "warnings": notes,
@@ -502,5 +532,5 @@ def write_plots(report: Mapping[str, Any], directory) -> list[str]:
         bins = np.asarray(hb["bins"], dtype=np.int64)
         paths.append(plots.plot_qbin_histogram(
             np.repeat(bins, hb["admitted"]), np.repeat(bins, hb["rejected"]), base + "_hard_bins.png",
-            title=f"{name}: hard q-bin, admitted vs rejected (sdm p_lower, alpha'={report['alpha']:g})"))
+            title=f"{name}: sdm_p_lower at alpha'={report['alpha']:g}"))
     return paths

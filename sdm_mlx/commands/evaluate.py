@@ -1,0 +1,156 @@
+"""``sdm-mlx evaluate``: index-conditional evaluation of a trained SDM estimator against the baselines.
+
+Example::
+
+    sdm-mlx train --train pooled.jsonl --output model
+    sdm-mlx evaluate --model model --input test.jsonl --input shifted.jsonl \\
+        --report report.json --plots plots/ --label-errors label_errors.jsonl
+
+One table per input on stdout (SDM p_lower / p_centroid / p_upper and the baselines NoReject,
+Softmax, temperature scaling, APS, RAPS over the same adaptor logits), the JSON report
+(schema: :mod:`sdm_mlx.evaluate`), optional PNG plots (needs matplotlib) and the admitted rows
+whose label differs from the prediction (possible annotation errors), most confident first.
+The baselines are fitted on the model's calibration split: its logits and labels are stored in
+the model directory; for older models pass ``--calibration-data`` (the JSONL the model was
+trained on) to recompute them.
+"""
+
+from __future__ import annotations
+
+import os
+
+HELP = "Evaluate a trained SDM estimator and the baselines on labelled JSONL files (index-conditional tables)."
+
+FEATURE_CHOICES = ["auto", "embedding", "attributes", "embedding+attributes"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", help="model directory written by `sdm-mlx train`")
+    p.add_argument("--input", action="append", default=None,
+                   help="labelled JSONL to evaluate (repeat for several sets, e.g. in-distribution and shifted); "
+                        "the set is named after the file")
+    p.add_argument("--calibration-data", default=None,
+                   help="the pooled training JSONL the model was trained on: recompute the calibration logits for "
+                        "the baselines from the model's calibration ids (default: the logits stored in the model)")
+    p.add_argument("--report", default=None, help="write the JSON report here")
+    p.add_argument("--plots", default=None,
+                   help="directory for PNG plots (needs matplotlib: pip install 'sdm_mlx[plots]')")
+    p.add_argument("--label-errors", default=None,
+                   help="JSONL of admitted rows whose label differs from the prediction, by p_lower descending")
+    p.add_argument("--alpha", type=float, default=None, help="evaluate at this alpha' (default: the model's)")
+    p.add_argument("--alphas", type=float, nargs="+", default=None,
+                   help="alpha' sweep for the curves (default: 0.6 0.7 0.8 0.85 0.9 0.95 0.97 0.99 where valid)")
+    p.add_argument("--baselines", nargs="*", default=["no_reject", "softmax", "temperature", "aps", "raps"],
+                   choices=["no_reject", "softmax", "temperature", "aps", "raps"], help="baselines to compare")
+    add_conformal_argument(p)
+    p.add_argument("--features", choices=FEATURE_CHOICES, default="auto", help="which row fields form the features")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def add_conformal_argument(p) -> None:
+    p.add_argument("--conformal", choices=["randomized", "deterministic"], default="randomized",
+                   help="APS/RAPS variant: randomized over temperature-scaled softmax (the RAPS reference code "
+                        "the paper compared against) or deterministic over plain softmax")
+
+
+def dataset_names(paths) -> list[str]:
+    """Unique display names from file names (``test.jsonl`` -> ``test``; duplicates get ``_2``, ``_3``)."""
+    names, seen = [], {}
+    for path in paths:
+        base = os.path.basename(os.fspath(path))
+        for ext in (".jsonl", ".json", ".txt"):
+            if base.endswith(ext):
+                base = base[: -len(ext)]
+                break
+        base = base or "input"
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+    return names
+
+
+def calibration_logits(est, calibration_data: str | None, features: str, verbose: bool):
+    """(z_cal, y_cal) for the baselines, or (None, None) with a note on stderr."""
+    from ..progress import log
+
+    if calibration_data:
+        from ..data import read_jsonl
+        from ..evaluate import calibration_from_data
+
+        log(f"recomputing the calibration logits from {calibration_data} ...", verbose)
+        return calibration_from_data(est, read_jsonl(calibration_data, features))
+    z = getattr(est, "calibration_logits_", None)
+    y = getattr(est, "calibration_labels_", None)
+    if z is not None and y is not None:
+        return z, y
+    log("note: this model does not store its calibration logits; temperature, aps and raps are skipped "
+        "(pass --calibration-data with the training JSONL to include them)", True)
+    return None, None
+
+
+def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
+    """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
+    import json
+    import sys
+
+    from ..data import write_jsonl_atomic
+    from ..evaluate import format_evaluation, label_error_records, write_plots
+    from ..progress import log
+
+    print(format_evaluation(report), file=sys.stdout, flush=True)
+    if getattr(args, "label_errors", None):
+        rows = label_error_records(datasets, predictions, class_names)
+        _parent(args.label_errors)
+        write_jsonl_atomic(args.label_errors, rows)
+        log(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}", True)
+    if getattr(args, "plots", None):
+        try:
+            paths = write_plots(report, args.plots)
+        except ImportError as e:
+            log(f"note: no plots written ({e}); the rest of the report is unaffected", True)
+        else:
+            log(f"plots: {', '.join(paths)}", True)
+    if getattr(args, "report", None):
+        _parent(args.report)
+        tmp = f"{args.report}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, allow_nan=False)
+        os.replace(tmp, args.report)
+        log(f"report: {args.report}", True)
+
+
+def _parent(path) -> None:
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+
+
+def run(args) -> int:
+    from ..cli import CLIError, require
+    from ..data import read_jsonl
+    from ..estimator import SDMEstimator
+    from ..evaluate import baseline_options, evaluate, predict_datasets
+    from ..progress import log
+
+    require(args, "model", "input")
+    inputs = [args.input] if isinstance(args.input, str) else list(args.input)
+    verbose = not args.quiet
+    est = SDMEstimator.load(args.model)
+    est.verbose = False
+    if args.alpha is not None:
+        est.recalibrate(args.alpha)
+    datasets = {}
+    for name, path in zip(dataset_names(inputs), inputs):
+        ds = read_jsonl(path, args.features, require_labels=True)
+        if ds.X.shape[1] != est.input_dim_:
+            raise CLIError(f"{path}: features have dimension {ds.X.shape[1]}, the model expects {est.input_dim_} "
+                           "(check --features)")
+        datasets[name] = ds
+        log(f"{name}: {len(ds)} rows from {path}", verbose)
+    z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, verbose)
+    predictions = predict_datasets(est, datasets)
+    report = evaluate(est, datasets, z_cal, y_cal, alphas=args.alphas, baselines=args.baselines,
+                      predictions=predictions, verbose=verbose, options=baseline_options(args.conformal))
+    report["model_path"] = os.fspath(args.model)
+    report["inputs"] = dict(zip(datasets, inputs))
+    emit(report, args, datasets, predictions, est.class_names)
+    return 0
