@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from .blas import preload_openblas  # noqa: E402
+
+preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/blas.py)
+
 from .activation import log_sdm, sdm, sdm_nll_loss  # noqa: E402
 from .adaptor import ExemplarAdaptor  # noqa: E402
 from .data import Dataset, load_factcheck, read_jsonl  # noqa: E402

@@ -110,12 +110,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from_console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if from_console:
-        from .blas import reexec_with_openblas
-
-        reexec_with_openblas(argv)
     import warnings
 
     warnings.formatwarning = lambda message, category, *a, **k: f"sdm-mlx: warning: {message}\n"

@@ -7,8 +7,8 @@ and ``ExactIndex.search`` (top-10), the GFLOP/s they achieve counting the 2·N_q
 flops of the distance matmul, and a plain ``mx.matmul`` of the same shape; then the wall time
 of one Alg. 1 epoch (training steps + q/d refresh) on the embedded factcheck data, and how
 far hnswlib's approximate q departs from the exact q on exemplars of a trained model.
-States which BLAS MLX used.  Run through ``sdm-mlx``'s automatic OpenBLAS preload by
-exporting LD_PRELOAD yourself (see sdm_mlx/blas.py) — the report says which was used.
+States which BLAS MLX used.  Uses ``import sdm_mlx`` loading OpenBLAS (see sdm_mlx/blas.py); set SDM_MLX_NO_BLAS_PRELOAD=1 to measure
+MLX's bundled BLAS instead. The report says which was used.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import platform
 import sys
 import time
 
+import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
