@@ -1,0 +1,93 @@
+"""``sdm-mlx chat``: interactive verified generation — one prompt per stdin line, until EOF.
+
+Each non-empty line is a prompt (the user message / ``{document}``; single-turn:
+the verification unit is one prompt and its JSON answer).  The answer of every
+attempt is streamed to stdout as it is generated, followed by its verdict; if
+the final result is an abstention, the not-verified text follows (with
+``--no-stream`` only the final, policy-filtered text and verdict are printed).
+``--json`` prints one result object per prompt instead (schema:
+:mod:`sdm_mlx.verified`); ``--output`` also appends them to a JSONL file.
+Works non-interactively (``sdm-mlx chat ... < prompts.txt``).  The options are
+those of ``sdm-mlx generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .generate import add_common_arguments, build_generator, verdict_line
+
+HELP = "interactive verified generation: prompts from stdin, streamed answers with their verdicts"
+
+
+def add_arguments(p) -> None:
+    add_common_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON result per prompt instead of text")
+    p.add_argument("--output", default=None, help="also append the JSON results to this JSONL file")
+
+
+def run(args) -> int:
+    gen = build_generator(args)
+    interactive = sys.stdin.isatty()
+    stream = args.stream is not False and not args.json
+    out = open(args.output, "a", encoding="utf-8") if args.output else None
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"sdm-mlx chat: {gen.decoding} decoding, on reject: {gen.on_reject}"
+        + (f" (max {gen.max_attempts} attempts)" if gen.on_reject == "reask" else "")
+        + ("; one prompt per line, Ctrl-D to quit" if interactive else ""))
+    w = sys.stdout.write
+
+    def on_text(seg):
+        w(seg)
+        sys.stdout.flush()
+
+    def on_start(k):
+        w("assistant: " if k == 1 else f"re-ask {k}/{gen.max_attempts}: ")
+
+    def on_attempt(att):
+        w("\n  " + verdict_line(att) + "\n")
+        sys.stdout.flush()
+
+    turn = 0
+    try:
+        while True:
+            if interactive:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            prompt = line.rstrip("\r\n")
+            if not prompt.strip():
+                continue
+            turn += 1
+            if stream:
+                result = gen.generate(prompt, id=turn, on_text=on_text, on_attempt_start=on_start,
+                                      on_attempt=on_attempt)
+                if result.status == "abstained":
+                    w(result.text + "\n")
+                elif result.status == "unverified":
+                    w(f"UNVERIFIED ({result.reason}): the answer above is returned without verification\n")
+            else:
+                result = gen.generate(prompt, id=turn)
+                if args.json:
+                    w(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                else:
+                    w(result.text + "\n  " + verdict_line(result.attempts[-1]) + "\n")
+            sys.stdout.flush()
+            if out is not None:
+                out.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                out.flush()
+    finally:
+        if out is not None:
+            out.close()
+    if interactive:
+        sys.stderr.write("\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from ..cli import main
+
+    sys.exit(main(["chat", *sys.argv[1:]]))

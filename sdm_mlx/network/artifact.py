@@ -1,0 +1,243 @@
+"""SDM-network artifacts: the positive head, its JSON config and the verification layer.
+
+Layout of a network directory::
+
+    network_config.json         format, version, base model path/id, |V|, D, tied,
+                                head file + SHA-256, verifier subdirectory, training
+                                epoch / calibration count, generation settings
+    positive_head.safetensors   {"W_pos": float32 [|V|, D]}
+    verifier/                   the verification layer (SDMEstimator.save)
+
+Saving writes a sibling temporary directory, fsyncs it and swaps it into place
+(the previous directory is renamed aside first and removed last), so a crash
+never leaves a half-written network.  Loading attaches ``W_pos`` to a freshly
+``mlx_lm.load``-ed base model (or to a model you pass) and checks the shapes,
+the head checksum and the format version, with errors that say what is wrong.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .heads import HeadShapeError, SDMHeads, model_dims
+
+FORMAT = "sdm_mlx_network"
+FORMAT_VERSION = 1
+CONFIG_FILE = "network_config.json"
+HEAD_FILE = "positive_head.safetensors"
+HEAD_KEY = "W_pos"
+VERIFIER_DIR = "verifier"
+_BACKUP = ".previous"
+
+
+class NetworkArtifactError(ValueError):
+    """A missing, corrupt or incompatible SDM-network artifact."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def base_model_reference(path_or_id: str) -> str:
+    """An existing local directory as an absolute path; anything else (a hub id) unchanged."""
+    expanded = os.path.expanduser(str(path_or_id))
+    return os.path.abspath(expanded) if os.path.exists(expanded) else str(path_or_id)
+
+
+def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dict | None = None,
+                 training: dict | None = None) -> str:
+    """Write the network directory ``path`` atomically; returns its absolute path.
+
+    ``verifier``: a fitted ``SDMEstimator`` (saved with its ``save``) or the path
+    of an already saved one (copied).  ``settings``: generation/prompt settings
+    stored for reuse (delimiter, system, prompt template, completions, ...);
+    ``training``: epoch, calibration count, etc.
+    """
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NetworkArtifactError(f"{path} exists and is not a directory")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        head_path = os.path.join(tmp, HEAD_FILE)
+        mx.save_safetensors(head_path, {HEAD_KEY: heads.pos.weight.astype(mx.float32)}, metadata={"format": "mlx"})
+        vdir = os.path.join(tmp, VERIFIER_DIR)
+        if isinstance(verifier, (str, os.PathLike)):
+            shutil.copytree(os.fspath(verifier), vdir)
+        else:
+            verifier.save(vdir)
+        config = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "base_model": base_model_reference(base_model),
+            "vocab_size": int(heads.vocab_size),
+            "hidden_size": int(heads.hidden_size),
+            "tied_embeddings": bool(heads.tied),
+            "head_file": HEAD_FILE,
+            "head_key": HEAD_KEY,
+            "head_dtype": "float32",
+            "head_sha256": _sha256(head_path),
+            "verifier": VERIFIER_DIR,
+            "settings": settings or {},
+            "training": training or {},
+        }
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1, allow_nan=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    backup = path + _BACKUP
+    if os.path.exists(path):
+        shutil.rmtree(backup, ignore_errors=True)
+        os.rename(path, backup)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    shutil.rmtree(backup, ignore_errors=True)
+    return path
+
+
+def read_network_config(path) -> dict:
+    """The validated ``network_config.json`` of a network directory."""
+    path = os.path.abspath(os.fspath(path))
+    backup = path + _BACKUP
+    if not os.path.exists(path) and os.path.isdir(backup):
+        os.rename(backup, path)  # a save was interrupted between its two renames
+    cpath = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise NetworkArtifactError(f"no SDM network at {path} (expected a directory with {CONFIG_FILE})")
+    try:
+        with open(cpath, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise NetworkArtifactError(f"{path} is not an SDM network: {CONFIG_FILE} is missing") from None
+    except json.JSONDecodeError as e:
+        raise NetworkArtifactError(f"{cpath} is corrupt: {e}") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise NetworkArtifactError(f"{cpath} is not an SDM-network config (format {config.get('format')!r})")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise NetworkArtifactError(
+            f"{cpath} has format version {config.get('format_version')}; this sdm_mlx reads version {FORMAT_VERSION}"
+        )
+    for key in ("base_model", "vocab_size", "hidden_size", "head_file", "verifier"):
+        if key not in config:
+            raise NetworkArtifactError(f"{cpath} lacks the key {key!r}")
+    return config
+
+
+def load_head_weight(path, config: dict | None = None) -> np.ndarray:
+    """W_pos of a network directory as float32 NumPy ``[|V|, D]`` (checksum and stored shape verified)."""
+    path = os.path.abspath(os.fspath(path))
+    config = config or read_network_config(path)
+    hpath = os.path.join(path, config["head_file"])
+    if not os.path.exists(hpath):
+        raise NetworkArtifactError(f"{path}: head file {config['head_file']} is missing")
+    if config.get("head_sha256") and _sha256(hpath) != config["head_sha256"]:
+        raise NetworkArtifactError(f"{path}: checksum mismatch for {config['head_file']} (corrupt or modified)")
+    try:
+        arrays = mx.load(hpath)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise NetworkArtifactError(f"{path}: cannot read {config['head_file']}: {e}") from None
+    key = config.get("head_key", HEAD_KEY)
+    if key not in arrays:
+        raise NetworkArtifactError(f"{path}: {config['head_file']} has no array {key!r} (found {sorted(arrays)})")
+    w = np.array(arrays[key].astype(mx.float32))
+    expected = (int(config["vocab_size"]), int(config["hidden_size"]))
+    if w.shape != expected:
+        raise NetworkArtifactError(f"{path}: W_pos has shape {w.shape}, the config says {expected}")
+    return w
+
+
+@dataclass
+class SDMNetwork:
+    """A loaded SDM network: frozen base model + positive head, tokenizer, verification layer, settings."""
+
+    heads: SDMHeads
+    tokenizer: object
+    verifier: object | None
+    config: dict = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def model(self):
+        return self.heads.model
+
+    @property
+    def settings(self) -> dict:
+        return self.config.get("settings", {})
+
+    def generate(self, prompts, **kwargs):
+        """Greedy joint decoding (:func:`sdm_mlx.network.generation.greedy_generate`) with the stored settings as defaults."""
+        from .generation import greedy_generate
+
+        s = self.settings
+        for key in ("delimiter", "max_new_tokens", "max_length"):
+            if key in s and key not in kwargs:
+                kwargs[key] = s[key]
+        return greedy_generate(self.heads, self.tokenizer, prompts, **kwargs)
+
+
+def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -> SDMNetwork:
+    """Load a network directory: W_pos attached to ``model`` (default: ``mlx_lm.load`` of the stored base model).
+
+    Raises :class:`NetworkArtifactError` for a bad directory and
+    :class:`~sdm_mlx.network.heads.HeadShapeError` when the head does not fit the
+    base model (different vocabulary or hidden size).
+    """
+    path = os.path.abspath(os.fspath(path))
+    config = read_network_config(path)
+    w = load_head_weight(path, config)
+    if model is None:
+        from ..embed import load_model
+
+        model, loaded_tok = load_model(config["base_model"])
+        tokenizer = tokenizer or loaded_tok
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer together with the model")
+    vocab, hidden = model_dims(model)
+    if (vocab, hidden) != w.shape:
+        raise HeadShapeError(
+            f"{path}: the positive head is [{w.shape[0]}, {w.shape[1]}] (vocabulary x hidden) but the base model "
+            f"{config['base_model']!r} has an LM head of [{vocab}, {hidden}]: wrong base model for this network"
+        )
+    heads = SDMHeads(model, mx.array(w))
+    verifier = None
+    if load_verifier:
+        from ..estimator import SDMEstimator
+
+        vdir = os.path.join(path, config["verifier"])
+        if not os.path.isdir(vdir):
+            raise NetworkArtifactError(f"{path}: verification layer directory {config['verifier']!r} is missing")
+        verifier = SDMEstimator.load(vdir)
+    return SDMNetwork(heads=heads, tokenizer=tokenizer, verifier=verifier, config=config, path=path)

@@ -1,0 +1,177 @@
+"""The duplicated LM head of an SDM network (paper §"Negative+Positive Vocabulary Normalization").
+
+M_ref = M_neg is the frozen ``mlx_lm.load()`` model, unchanged (quantised or
+not).  Only its final linear layer is duplicated (DESIGN #19): the trainable
+positive head ``W_pos`` is a float32 copy of the model's ``lm_head`` — or of
+the tied embedding matrix (``embed_tokens.as_linear``) — dequantised with
+``mx.dequantize`` when the model is quantised.  The transformer trunk is shared
+and frozen, so
+
+    h      = final-norm hidden state (the LM head's input, float32)
+    z_ref  = z_neg = W_ref h        (the base model's own head, frozen)
+    z_pos  = W_pos h                (float32, trainable)
+    joint  = concat(z_neg, z_pos)   over 2|V| entries
+
+and a joint index ``i`` maps back to the vocabulary token ``i mod |V|``.  The
+base model is held *outside* the MLX parameter tree of :class:`SDMHeads`, so
+``heads.trainable_parameters()`` is exactly ``{"pos": {"weight": W_pos}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import embed as _embed
+
+
+class HeadShapeError(ValueError):
+    """A positive head whose shape does not match the base model's vocabulary / hidden size."""
+
+
+class PositiveHead(nn.Module):
+    """Bias-free float32 linear layer ``z = h W^T`` with ``W`` of shape ``[|V|, D]`` (no random init)."""
+
+    def __init__(self, weight: mx.array):
+        super().__init__()
+        if weight.ndim != 2:
+            raise HeadShapeError(f"positive head weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+        self.weight = weight.astype(mx.float32)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return h @ self.weight.T
+
+
+def model_dims(model) -> tuple[int, int]:
+    """``(|V|, D)`` of the model's LM head (rows = output vocabulary incl. padding rows, e.g. 32064 for Phi-3.5)."""
+    layer = getattr(model, "lm_head", None)
+    if layer is None:
+        layer = _embed.trunk(model).embed_tokens
+    w = layer.weight
+    rows = int(w.shape[0])
+    if hasattr(layer, "scales"):  # packed quantised weights: columns are packed, use the scales' group count
+        cols = int(layer.scales.shape[1]) * int(layer.group_size)
+    else:
+        cols = int(w.shape[1])
+    return rows, cols
+
+
+def is_tied(model) -> bool:
+    """True if the model's output layer is its (tied) input embedding."""
+    return getattr(model, "lm_head", None) is None
+
+
+class SDMHeads(nn.Module):
+    """Frozen reference/negative head (the base model's) + trainable float32 positive head ``pos``.
+
+    ``SDMHeads(model)`` initialises ``W_pos`` as a float32 copy of the model's
+    head; ``SDMHeads(model, pos_weight)`` attaches a given ``[|V|, D]`` weight
+    (shape-checked).  The model is frozen (``model.freeze()``) and kept out of
+    this module's parameters.
+    """
+
+    def __init__(self, model, pos_weight=None):
+        super().__init__()
+        _embed.trunk(model)  # validates the model layout
+        object.__setattr__(self, "_model", model)  # not part of the parameter tree
+        model.freeze()
+        vocab, hidden = model_dims(model)
+        if pos_weight is None:
+            w = _embed.lm_head_weight(model)
+        else:
+            w = pos_weight if isinstance(pos_weight, mx.array) else mx.array(np.asarray(pos_weight))
+            if tuple(w.shape) != (vocab, hidden):
+                raise HeadShapeError(
+                    f"positive head has shape {tuple(w.shape)} but the base model's LM head is "
+                    f"[{vocab}, {hidden}] (vocabulary x hidden size): the head was trained for a different model"
+                )
+        self.pos = PositiveHead(mx.array(w, dtype=mx.float32))
+        mx.eval(self.pos.weight)
+        object.__setattr__(self, "vocab_size", vocab)
+        object.__setattr__(self, "hidden_size", hidden)
+        object.__setattr__(self, "tied", is_tied(model))
+
+    @property
+    def model(self):
+        """The frozen base model (M_ref = M_neg)."""
+        return self._model
+
+    # -- logits ------------------------------------------------------------------------------
+    def ref_logits(self, h: mx.array) -> mx.array:
+        """z_ref = the base model's head applied to float32 hidden states (no gradient)."""
+        return mx.stop_gradient(_embed.logits_from_hidden(self._model, h).astype(mx.float32))
+
+    def neg_logits(self, h: mx.array) -> mx.array:
+        """z_neg: identical to z_ref here (W_neg = W_ref, trunk shared and frozen)."""
+        return self.ref_logits(h)
+
+    def pos_logits(self, h: mx.array) -> mx.array:
+        """z_pos = W_pos h (float32, differentiable in W_pos)."""
+        return self.pos(h.astype(mx.float32))
+
+    def joint_logits(self, h: mx.array) -> mx.array:
+        """concat(z_neg, z_pos) along the last axis: 2|V| entries."""
+        return mx.concatenate([self.neg_logits(h), self.pos_logits(h)], axis=-1)
+
+    def next_tokens(self, h: mx.array) -> mx.array:
+        """Greedy joint decoding: ``argmax(concat(z_neg, z_pos)) mod |V|`` (int32, shape ``h.shape[:-1]``)."""
+        return joint_argmax(self.neg_logits(h), self.pos_logits(h))
+
+    # -- hidden states -----------------------------------------------------------------------
+    def hidden_states(self, token_ids_batch, cache=None) -> mx.array:
+        """Final-norm hidden states (float32 ``[B, T, D]``) of the frozen trunk (see :func:`sdm_mlx.embed.hidden_states`)."""
+        return _embed.hidden_states(self._model, token_ids_batch, cache=cache)
+
+    def weight_numpy(self) -> np.ndarray:
+        """W_pos as float32 NumPy ``[|V|, D]``."""
+        return np.array(self.pos.weight, dtype=np.float32)
+
+
+def joint_argmax(z_neg: mx.array, z_pos: mx.array) -> mx.array:
+    """Token ids ``argmax(concat(z_neg, z_pos), -1) mod |V|`` (ties: the lowest joint index, i.e. neg first)."""
+    vocab = z_neg.shape[-1]
+    idx = mx.argmax(mx.concatenate([z_neg, z_pos], axis=-1), axis=-1)
+    return (idx % vocab).astype(mx.int32)
+
+
+def token_hidden_states(
+    model,
+    sequences: Sequence[Sequence[int]],
+    positions: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    progress=None,
+) -> np.ndarray:
+    """Final-norm hidden states at chosen positions, concatenated over sequences: float32 ``[sum len, D]``.
+
+    ``positions[i]`` are indices into ``sequences[i]``; only ``sequences[i][:max(positions[i]) + 1]``
+    is run (the model is causal).  Sequences are processed ``batch_size`` at a
+    time, longest first, with right padding (exact for causal models).  Used to
+    cache the frozen states of the y = 1 completion tokens once (DESIGN #19).
+    """
+    n = len(sequences)
+    if len(positions) != n:
+        raise ValueError("positions must have one entry per sequence")
+    need = [int(max(p)) + 1 if len(p) else 0 for p in positions]
+    order = sorted(range(n), key=lambda i: -need[i])
+    parts: list = [None] * n
+    for b0 in range(0, n, batch_size):
+        idx = [i for i in order[b0 : b0 + batch_size] if need[i] > 0]
+        if not idx:
+            continue
+        h = _embed.hidden_states(model, [list(sequences[i][: need[i]]) for i in idx])
+        mx.eval(h)
+        for k, i in enumerate(idx):
+            parts[i] = np.array(h[k][mx.array(np.asarray(positions[i], dtype=np.int32))], dtype=np.float32)
+        if progress is not None:
+            progress(len(idx))
+    width = None
+    for p in parts:
+        if p is not None:
+            width = p.shape[1]
+            break
+    if width is None:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.concatenate([p for p in parts if p is not None], axis=0)

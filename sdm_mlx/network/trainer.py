@@ -1,0 +1,598 @@
+"""SDM-network training, Alg. 4 (``alg:sdm-network-training``) with a frozen trunk (DESIGN #17-21).
+
+Steps (reference_spec §8.1/8.2 for what the paper and the research code do):
+
+(a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)``
+    become verification rows (``sdm_mlx.verification_data``: each row is a
+    positive with its own label's completion, or a constructed negative with
+    another label's).  Their force-decoded features (``sdm_mlx.embed``:
+    concat(mean of final-norm states, state predicting the closing delimiter))
+    train an ``SDMEstimator`` (J rounds over pooled re-splits).  The split of its
+    selected round is D_tr* (support set) / D_ca* (calibration) for everything
+    below.  θ is frozen, so Alg. 4 line 11 (retraining the verifier) is skipped
+    (DESIGN #19).
+(b) **Token cache, once.**  For every y = 1 row of D_tr*: the frozen hidden
+    states at the positions predicting each completion token up to and
+    including the closing-delimiter token (at most ``max_length`` positions),
+    with targets ``token + |V|``.
+(c) **q, d before every epoch.**  Greedy joint decoding of the y = 1 training
+    prompts with the current heads; the verifier's q and d of each generated
+    output (support search without self-exclusion, *training* distance eCDFs)
+    are given to every token of that document.
+(d) **One epoch of W_pos**: Adam (bias-corrected; lr 1e-5 default), tokens
+    shuffled at token level (seeded), mini-batches of ``batch_size`` tokens, β
+    rising linearly per mini-batch from β_min to β_max (reset every epoch),
+    loss of ``eq:sdm-network-next-token-training-loss`` (:mod:`.loss`); a
+    compiled step and one ``mx.eval`` per step.
+(e) **Selection (DESIGN #20).**  Before training and after every epoch, greedy
+    decoding over all D_ca* prompts; count the documents admitted by p̂_lower
+    with verification prediction 1 AND a correct task answer parsed from the
+    generated JSON (parse failures are wrong).  An epoch is kept only if its
+    count is STRICTLY greater than the best so far (initially: the count before
+    fine-tuning, for which the saved network is the base head itself).
+
+Outputs under ``output_dir``: ``verifier/`` (the verification layer),
+``network/`` (the selected network, :mod:`.artifact`), ``metrics.json``
+(updated after every epoch) and ``verification_rows.jsonl`` (the rows with
+their split).  Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from .. import embed as _embed
+from ..progress import Progress, log
+from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
+from .artifact import base_model_reference, save_network
+from .generation import generation_features, greedy_generate, parse_task_prediction
+from .heads import SDMHeads, token_hidden_states
+from .loss import beta_schedule, network_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class NetworkConfig:
+    """Settings of :func:`train_network` (paper defaults where the paper has one)."""
+
+    model: str = ""  #: base model: local mlx-lm directory or hub id
+    output_dir: str = ""
+    data: str | None = None  #: task JSONL: id, label (task label 0..C-1), document
+    verification_data: str | None = None  #: or: JSONL of verification rows (id, prompt, completion, label[, task_label])
+    completions: list | None = None  #: one completion per task label (default: the preset's)
+    preset: str | None = None  #: "sentiment" | "factcheck": the paper's completions and instruction
+    system: str | None = PAPER_SYSTEM
+    prompt_template: str | None = None  #: user message with a {document} slot (default: the preset's)
+    use_chat_template: bool = True
+    delimiter: str = _embed.DEFAULT_DELIMITER
+    max_length: int = _embed.DEFAULT_MAX_LENGTH  #: positions kept for features and token targets
+    negatives_seed: int = 0  #: seed of the constructed-negative assignment
+    # next-token training
+    epochs: int = 5
+    beta_min: float = 0.0
+    beta_max: float = 0.1
+    learning_rate: float = 1e-5
+    batch_size: int = 50  #: tokens per mini-batch
+    max_new_tokens: int = 32
+    generation_batch_size: int = 8
+    embed_batch_size: int = 8
+    # verification layer
+    verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
+    alpha: float = 0.95
+    verifier_iterations: int = 10
+    verifier_epochs: int = 50
+    verifier_exemplar_dim: int = 1000
+    verifier_batch_size: int = 50
+    verifier_learning_rate: float = 1e-5
+    verifier_rescaler_max_epochs: int = 1000
+    verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
+    seed: int = 0
+    verbose: bool = True
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError("a base model (path or hub id) is required")
+        if not self.output_dir:
+            raise ValueError("an output directory is required")
+        if (self.data is None) == (self.verification_data is None):
+            raise ValueError("give exactly one of data (task JSONL) and verification_data (verification rows JSONL)")
+        for name in ("epochs",):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("batch_size", "max_new_tokens", "generation_batch_size", "embed_batch_size", "max_length",
+                     "verifier_iterations", "verifier_epochs", "verifier_exemplar_dim", "verifier_batch_size",
+                     "verifier_rescaler_max_epochs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.beta_min < 0 or self.beta_max < 0:
+            raise ValueError("beta_min and beta_max must be >= 0")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if self.prompt_template is not None and "{document}" not in self.prompt_template:
+            raise ValueError("prompt_template must contain a {document} slot")
+
+    def resolved_completions(self) -> list | None:
+        if self.completions:
+            return list(self.completions)
+        if self.preset:
+            return list(PRESETS[self.preset]["completions"])
+        return None
+
+    def resolved_template(self) -> str | None:
+        if self.prompt_template:
+            return self.prompt_template
+        if self.preset:
+            return PRESETS[self.preset]["prompt_template"]
+        return None
+
+    def estimator_params(self) -> dict:
+        params = dict(
+            alpha=self.alpha, iterations=self.verifier_iterations, epochs=self.verifier_epochs,
+            exemplar_dim=self.verifier_exemplar_dim, batch_size=self.verifier_batch_size,
+            learning_rate=self.verifier_learning_rate, rescaler_max_epochs=self.verifier_rescaler_max_epochs,
+            seed=self.seed, verbose=self.verbose,
+        )
+        params.update(self.verifier_options or {})
+        return params
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"input file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {lineno} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _key(value) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, allow_nan=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
+    """Verification rows (id, prompt, completion, label, task_label) from the configured data."""
+    if config.verification_data:
+        rows = _read_jsonl(config.verification_data)
+        for i, r in enumerate(rows):
+            for fld in ("id", "prompt", "completion", "label"):
+                if fld not in r:
+                    raise ValueError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
+            if r["label"] not in (0, 1) or isinstance(r["label"], bool):
+                raise ValueError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
+        return rows
+    completions = config.resolved_completions()
+    template = config.resolved_template()
+    if not completions:
+        raise ValueError("give completions (one per task label) or a preset")
+    if template is None:
+        raise ValueError("give a prompt_template with a {document} slot (or a preset)")
+    task_rows = _read_jsonl(config.data)
+    system = config.system or None
+
+    def prompt_fn(doc):
+        return _embed.chat_text(tokenizer, doc, system=system, prompt_template=template,
+                                use_chat_template=config.use_chat_template)
+
+    return make_verification_rows(task_rows, completions, prompt_fn, seed=config.negatives_seed,
+                                  where=lambda i: f"{config.data}: row {i + 1}")
+
+
+# ---------------------------------------------------------------------------------------------
+# token cache
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TokenCache:
+    """Frozen hidden states of the y = 1 training completion tokens (DESIGN #19).
+
+    ``hidden`` [N_tok, D] float32 (states predicting each target), ``targets``
+    [N_tok] joint indices (token + |V|), ``doc`` [N_tok] index of the document
+    (into the list of cached documents) each token belongs to.
+    """
+
+    hidden: np.ndarray
+    targets: np.ndarray
+    doc: np.ndarray
+    skipped: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+
+def completion_token_positions(tokenizer, prompt: str, completion: str, delimiter: str, max_length: int):
+    """``(ids, positions, target_ids)`` of the force-decoded ``prompt + completion``.
+
+    Targets are the completion tokens up to and including the token holding the
+    completion's last ``delimiter``; ``positions[k] = index(target_k) − 1`` (the
+    state that predicts it), restricted to positions < ``max_length``.
+    """
+    text = prompt + completion
+    ids = _embed.encode(tokenizer, text)
+    p_ids = _embed.encode(tokenizer, prompt)
+    c = 0
+    while c < min(len(ids), len(p_ids)) and ids[c] == p_ids[c]:
+        c += 1
+    j = _embed.delimiter_token_index_in_text(tokenizer, text, ids, (len(prompt), None), delimiter)
+    if j is None:
+        raise ValueError(f"completion {completion!r} holds no closing delimiter {delimiter!r}")
+    c = max(c, 1)
+    targets = list(range(c, j + 1))
+    positions = [t - 1 for t in targets if t - 1 < max_length]
+    return ids, positions, [ids[p + 1] for p in positions]
+
+
+def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
+                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
+    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
+    seqs, poss, tgts, docs, skipped = [], [], [], [], []
+    for i, r in enumerate(rows):
+        ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
+        if not pos:
+            skipped.append(r["id"])
+        seqs.append(ids)
+        poss.append(pos)
+        tgts.extend(tg)
+        docs.extend([i] * len(pos))
+    with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
+        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update)
+    targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
+    if skipped and verbose:
+        log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
+            f"and give no training tokens (e.g. ids {skipped[:5]})")
+    return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled training step
+# ---------------------------------------------------------------------------------------------
+def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool = True) -> Callable:
+    """``step(h, targets, q, d, beta) -> (total, L, R, R')``: one Adam update of W_pos (compiled by default).
+
+    All arguments are ``mx.array`` (β too, so changing it does not retrace).  The
+    caller evaluates the outputs together with ``heads.state`` and
+    ``optimizer.state`` (one ``mx.eval`` per step).
+    """
+
+    def loss_fn(hd, h, t, q, d, beta):
+        z_ref = hd.ref_logits(h)
+        z_pos = hd.pos_logits(h)
+        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta)
+        return total, parts
+
+    loss_and_grad = nn.value_and_grad(heads, loss_fn)
+
+    def step(h, t, q, d, beta):
+        (total, (nll, reg, reg_r)), grads = loss_and_grad(heads, h, t, q, d, beta)
+        optimizer.update(heads, grads)
+        return total, nll, reg, reg_r
+
+    if not compile:
+        return step
+    state = [heads.state, optimizer.state]
+    return partial(mx.compile, inputs=state, outputs=state)(step)
+
+
+def make_optimizer(learning_rate: float) -> optim.Optimizer:
+    """Adam with PyTorch semantics (betas 0.9/0.999, eps 1e-8, bias correction)."""
+    return optim.Adam(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
+
+
+def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
+                q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
+                rng: np.random.Generator, progress: Callable | None = None) -> dict:
+    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics."""
+    n = int(targets.shape[0])
+    if n == 0:
+        return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
+                "reg_rescaled": float("nan"), "beta_first": beta_min, "beta_last": beta_min, "seconds": 0.0,
+                "tokens_per_s": 0.0, "step_ms": float("nan")}
+    perm = rng.permutation(n)
+    nb = math.ceil(n / batch_size)
+    betas = beta_schedule(nb, beta_min, beta_max)
+    q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
+    d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
+    sums = np.zeros(4)
+    t0 = time.perf_counter()
+    for b in range(nb):
+        idx = mx.array(perm[b * batch_size : (b + 1) * batch_size].astype(np.int32))
+        out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], mx.array(betas[b], dtype=mx.float32))
+        mx.eval(out, heads.state, optimizer.state)
+        vals = [float(v.item()) for v in out]
+        if not all(math.isfinite(v) for v in vals):
+            raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
+        sums += np.array(vals) * int(idx.shape[0])
+        if progress is not None:
+            progress(int(idx.shape[0]), loss=f"{vals[0]:.4f}")
+    secs = time.perf_counter() - t0
+    mean = sums / n
+    return {
+        "tokens": n, "batches": nb, "loss": float(mean[0]), "nll": float(mean[1]), "reg": float(mean[2]),
+        "reg_rescaled": float(mean[3]), "beta_first": float(betas[0]), "beta_last": float(betas[-1]),
+        "seconds": secs, "tokens_per_s": n / secs if secs > 0 else float("inf"), "step_ms": 1000 * secs / nb,
+    }
+
+
+def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions: Sequence[str] | None,
+                   *, max_new_tokens: int = 32, delimiter: str = _embed.DEFAULT_DELIMITER,
+                   max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8, verbose: bool = False) -> dict:
+    """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
+    ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
+    with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
+    answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
+    """
+    t0 = time.perf_counter()
+    with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
+        gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
+                               delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
+                               progress=bar.update)
+    pred = verifier.predict(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
+    admitted = np.asarray(pred.admitted, dtype=bool)
+    verified = admitted & (np.asarray(pred.prediction) == 1)
+    if completions:
+        task_pred = np.array([parse_task_prediction(g.text, completions) for g in gens], dtype=np.int64)
+    else:
+        task_pred = np.full(len(gens), -1, dtype=np.int64)
+    # the task restriction applies where a task label exists and answers can be parsed (completions known)
+    has_task = np.array([r.get("task_label") is not None for r in rows], dtype=bool) & bool(completions)
+    task_true = np.array([int(r["task_label"]) if r.get("task_label") is not None else -2 for r in rows])
+    correct = np.where(has_task, task_pred == task_true, True)
+    return {
+        "count": int((verified & correct).sum()),
+        "admitted_pred1": int(verified.sum()),
+        "admitted": int(admitted.sum()),
+        "task_correct": int((correct & has_task).sum()),
+        "parse_failures": int((task_pred < 0).sum()) if completions else None,
+        "documents": len(rows),
+        "seconds": time.perf_counter() - t0,
+        "example": gens[0].text if gens else None,
+    }
+
+
+def select_improved(count: int, best: int) -> bool:
+    """DESIGN #20: a new epoch replaces the kept network only if its count is strictly greater."""
+    return int(count) > int(best)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class NetworkTrainResult:
+    """What :func:`train_network` produced."""
+
+    network_path: str
+    verifier_path: str
+    metrics_path: str
+    selected_epoch: int  #: 0 = the base head (no epoch beat the initial count)
+    best_count: int
+    initial_count: int
+    history: list
+
+
+class SDMNetworkTrainer:
+    """Alg. 4 with a frozen trunk; see the module docstring.  ``run()`` does everything.
+
+    ``model`` / ``tokenizer`` may be passed (already loaded) instead of loading
+    ``config.model``; ``estimator_factory(**params)`` builds the verification
+    layer (default :class:`sdm_mlx.estimator.SDMEstimator`).
+    """
+
+    def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None):
+        config.validate()
+        self.config = config
+        if model is None:
+            model, tokenizer = _embed.load_model(config.model)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self.model, self.tokenizer = model, tokenizer
+        self.heads = SDMHeads(model)
+        if estimator_factory is None:
+            from ..estimator import SDMEstimator
+
+            estimator_factory = SDMEstimator
+        self.estimator_factory = estimator_factory
+        self.completions = config.resolved_completions()
+        self.out = os.path.abspath(config.output_dir)
+        self.network_path = os.path.join(self.out, "network")
+        self.verifier_path = os.path.join(self.out, "verifier")
+        self.metrics_path = os.path.join(self.out, "metrics.json")
+        self.rng = np.random.default_rng(config.seed)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        log(f"network-train: {msg}", enabled=self.config.verbose)
+
+    def settings(self) -> dict:
+        c = self.config
+        return {
+            "delimiter": c.delimiter, "max_new_tokens": c.max_new_tokens, "max_length": c.max_length,
+            "system": c.system, "prompt_template": c.resolved_template(), "use_chat_template": c.use_chat_template,
+            "completions": self.completions, "alpha": c.alpha,
+        }
+
+    def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
+        with Progress(len(rows), desc, unit="doc", enabled=self.config.verbose) as bar:
+            feats = _embed.prompt_completion_features(
+                self.model, self.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows],
+                delimiter=self.config.delimiter, max_length=self.config.max_length,
+                batch_size=self.config.embed_batch_size, on_missing="error", progress=bar.update,
+            )
+        return feats.embeddings
+
+    def generate(self, rows: Sequence[dict], desc: str):
+        c = self.config
+        with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
+            return greedy_generate(
+                self.heads, self.tokenizer, [r["prompt"] for r in rows], max_new_tokens=c.max_new_tokens,
+                delimiter=c.delimiter, batch_size=c.generation_batch_size, features=True,
+                max_length=c.max_length, progress=bar.update,
+            )
+
+    # -- (a) -------------------------------------------------------------------------------------
+    def fit_verifier(self, rows: Sequence[dict]):
+        """Train (or load) the verification layer; returns (estimator, train_rows, cal_rows)."""
+        c = self.config
+        X = self.features_of(rows, "verifier features")
+        ids = [r["id"] for r in rows]
+        y = np.array([int(r["label"]) for r in rows], dtype=np.int64)
+        if c.verifier:
+            from ..estimator import SDMEstimator
+
+            est = SDMEstimator.load(c.verifier)
+            if est.input_dim_ != X.shape[1]:
+                raise ValueError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "
+                                 f"{X.shape[1]}")
+            self.log(f"reusing the verification layer at {c.verifier}")
+        else:
+            self.log(f"training the verification layer on {len(rows)} force-decoded rows "
+                     f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
+            est = self.estimator_factory(**c.estimator_params())
+            est.fit(X, y, ids_train=ids)
+        by_key = {_key(r["id"]): r for r in rows}
+        try:
+            train_rows = [by_key[_key(i)] for i in est.support_ids_]
+            cal_rows = [by_key[_key(i)] for i in est.calibration_ids_]
+        except KeyError as e:
+            raise ValueError(f"the verification layer's split names id {e.args[0]} that is not in the data "
+                             "(was it trained on other data?)") from None
+        return est, train_rows, cal_rows
+
+    # -- (c) --------------------------------------------------------------------------------------
+    def document_qd(self, est, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, list]:
+        """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs)."""
+        gens = self.generate(rows, "generate (train q, d)")
+        q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")
+        return np.asarray(q, dtype=np.float32), np.asarray(d, dtype=np.float32), gens
+
+    # -- (e) --------------------------------------------------------------------------------------
+    def calibration_count(self, est, cal_rows: Sequence[dict]) -> dict:
+        """Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer."""
+        c = self.config
+        return count_verified(self.heads, self.tokenizer, est, cal_rows, self.completions,
+                              max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
+                              batch_size=c.generation_batch_size, verbose=c.verbose)
+
+    # -- everything ------------------------------------------------------------------------------
+    def save(self, est_path: str, epoch: int, count: int) -> None:
+        save_network(self.network_path, self.heads, self.config.model, est_path, settings=self.settings(),
+                     training={"epoch": epoch, "calibration_count": count,
+                               "learning_rate": self.config.learning_rate, "beta_min": self.config.beta_min,
+                               "beta_max": self.config.beta_max, "batch_size": self.config.batch_size,
+                               "seed": self.config.seed})
+
+    def run(self) -> NetworkTrainResult:
+        c = self.config
+        os.makedirs(self.out, exist_ok=True)
+        t_start = time.perf_counter()
+        rows = build_verification_rows(c, self.tokenizer)
+        est, train_rows, cal_rows = self.fit_verifier(rows)
+        est.save(self.verifier_path)
+        split = {_key(r["id"]): "train" for r in train_rows}
+        split.update({_key(r["id"]): "calibration" for r in cal_rows})
+        from ..data import write_jsonl_atomic
+
+        write_jsonl_atomic(os.path.join(self.out, "verification_rows.jsonl"),
+                           [{**r, "split": split.get(_key(r["id"]), "unused")} for r in rows])
+        pos_rows = [r for r in train_rows if int(r["label"]) == 1]
+        self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
+                 f"{len(cal_rows)} calibration rows")
+
+        cache = build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
+                                  c.embed_batch_size, c.verbose)
+        self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
+                 f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
+        if len(cache) == 0 and c.epochs > 0:
+            raise ValueError("no training tokens: every y=1 training completion lies beyond max_length "
+                             f"{c.max_length} (raise max_length or shorten the prompts)")
+        hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
+        targets = mx.array(cache.targets.astype(np.int32))
+
+        metrics = {"config": _jsonable(asdict(c)), "base_model": base_model_reference(c.model),
+                   "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
+                   "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
+                   "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
+
+        initial = self.calibration_count(est, cal_rows)
+        best, selected = initial["count"], 0
+        self.save(self.verifier_path, 0, best)
+        metrics["initial"] = initial
+        metrics["selected_epoch"], metrics["best_count"] = selected, best
+        _write_json_atomic(self.metrics_path, metrics)
+        self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
+                 f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
+
+        optimizer = make_optimizer(c.learning_rate)
+        step = make_train_step(self.heads, optimizer)
+        for epoch in range(1, c.epochs + 1):
+            t0 = time.perf_counter()
+            q_doc, d_doc, _ = self.document_qd(est, pos_rows)
+            t_qd = time.perf_counter() - t0
+            q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
+            with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
+                m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
+                                c.beta_min, c.beta_max, self.rng, progress=bar.update)
+            cal = self.calibration_count(est, cal_rows)
+            improved = select_improved(cal["count"], best)
+            if improved:
+                best, selected = cal["count"], epoch
+                self.save(self.verifier_path, epoch, best)
+            row = {"epoch": epoch, **m, "q_mean": float(q_doc.mean()) if len(q_doc) else None,
+                   "d_mean": float(d_doc.mean()) if len(d_doc) else None, "qd_seconds": t_qd,
+                   "calibration": cal, "count": cal["count"], "selected": improved,
+                   "epoch_seconds": time.perf_counter() - t0}
+            metrics["epochs"].append(row)
+            metrics["selected_epoch"], metrics["best_count"] = selected, best
+            _write_json_atomic(self.metrics_path, metrics)
+            self.log(
+                f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
+                f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
+                f"count {cal['count']} (best {best}{', kept' if improved else ''}), "
+                f"{m['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
+            )
+        metrics["total_seconds"] = time.perf_counter() - t_start
+        _write_json_atomic(self.metrics_path, metrics)
+        self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
+                 f"{self.network_path}")
+        return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
+                                  metrics_path=self.metrics_path, selected_epoch=selected, best_count=best,
+                                  initial_count=initial["count"], history=metrics["epochs"])
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None) -> NetworkTrainResult:
+    """Run Alg. 4 (see the module docstring); returns paths, the selected epoch and per-epoch metrics."""
+    return SDMNetworkTrainer(config, model, tokenizer, estimator_factory).run()

@@ -1,0 +1,70 @@
+"""Verified generation: greedy decoding, SDM verification of each answer, abstain / re-ask / return.
+
+Paper §"SDM Network Test-time Generation": generate greedily (over the joint
+neg+pos distribution when a positive head is attached — token = argmax index
+mod |V| — plain greedy otherwise) up to the verification unit (the closing
+``}`` of the JSON answer, EOS, or max tokens), verify the answer with the
+verification layer's index-conditional estimate p̂_lower, then branch.
+
+    from sdm_mlx.verified import VerifiedGenerator
+    gen = VerifiedGenerator("path/to/model", "path/to/verifier", head_path=None,
+                            on_reject="reask", max_attempts=3,
+                            system="You are a helpful AI assistant.",
+                            prompt_template='... Respond using the JSON: {"sentiment": str}. REVIEW: {document}')
+    result = gen.generate("A warm and funny film.")      # -> VerificationResult
+    result.verified, result.text, result.p_lower, result.reason, result.to_dict()
+
+Modules: :mod:`.decoding` (``GreedyDecoder``), :mod:`.verification`
+(``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``,
+``VerificationResult``, ``Attempt``, the re-ask template).
+
+JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``sdm-mlx generate``)
+---------------------------------------------------------------------------------------------------
+::
+
+    id              any      the input row's id (null for a single --prompt)
+    prompt          str      the user message / document (before templating)
+    text            str      what to show: the verified answer; with status "unverified" the
+                             unverified answer; with "abstained" the not-verified message
+    answer          str      the generated answer of the final attempt (always the model's text)
+    parsed          obj|null first JSON object of `answer` (null: none / not parseable)
+    verified        bool     verification layer: admitted (p_lower, not ⊥) AND ŷ = 1 AND parsed
+    status          str      "verified" | "unverified" (on_reject=return) | "abstained"
+    p_lower         num|null p̂_lower of the verifier's predicted class for the final answer
+    reason          str|null null when verified; else "parse_failure", an estimator rejection
+                             ("ood_distance", "ood_similarity", "argmax_flip",
+                             "below_model_min_qbin", "below_robust_min_qbin", "below_threshold_psi",
+                             "no_valid_threshold", "no_robust_threshold") or "predicted_unverified"
+    exemplars       list     nearest training exemplars of the final answer:
+                             {id, label, predicted_label, squared_distance}
+    on_reject       str      "abstain" | "reask" | "return"
+    stopped         str      "verified" | "rejected" (one attempt) | "max_attempts" | "repeated_prompt"
+    decoding        str      "plain" (mlx-lm greedy) | "joint" (neg+pos head)
+    n_attempts      int
+    tokens          int      generated tokens over all attempts
+    seconds         num      wall time for this prompt
+    attempts        list     one object per attempt, in order:
+        attempt            int       1-based
+        text, parsed, verified, p_lower, reason, exemplars   as above, for this attempt
+        tokens             int       generated tokens (EOS not counted)
+        prompt_tokens      int       tokens of the generation prompt of this attempt
+        stop_reason        str       "delimiter" | "eos" | "max_tokens"
+        seconds            num       generation + verification
+        generation_seconds, verification_seconds, tokens_per_second
+        verifier           obj       prediction, admitted, rejection_reason, p_lower, p_centroid,
+                                     p_upper, q, d0 (squared L2), d, q_tilde_lower, hard_bin_lower,
+                                     n_kept, delimiter_index, missing_delimiter, truncated
+        reask_message      str|null  the re-ask user message (null for attempt 1)
+        token_ids          list      the generated token ids (verify() these, not re-encoded text)
+"""
+
+from .decoding import Decoded, GreedyDecoder
+from .generator import (
+    ABSTAIN_TEXT, ON_REJECT, REASK_TEMPLATE, Attempt, VerificationResult, VerifiedGenerator,
+)
+from .verification import PARSE_FAILURE, PREDICTED_UNVERIFIED, AnswerVerifier, Verdict
+
+__all__ = [
+    "ABSTAIN_TEXT", "ON_REJECT", "PARSE_FAILURE", "PREDICTED_UNVERIFIED", "REASK_TEMPLATE", "AnswerVerifier",
+    "Attempt", "Decoded", "GreedyDecoder", "Verdict", "VerificationResult", "VerifiedGenerator",
+]

@@ -1,0 +1,303 @@
+"""``VerifiedGenerator``: greedy generation, verification of each answer, and the branching policy.
+
+The policy on a rejected answer (``on_reject``):
+
+* ``"abstain"`` — one attempt; the result's ``text`` is :data:`ABSTAIN_TEXT`
+  (a clear "not verified" answer; the generated answer stays in ``answer``
+  and ``attempts``);
+* ``"return"``  — one attempt; ``text`` is the answer, flagged ``verified =
+  false`` / ``status = "unverified"``;
+* ``"reask"``   — re-prompt with the previous answer and ask for a re-check
+  (:data:`REASK_TEMPLATE`), up to ``max_attempts`` attempts in total, stopping
+  at the first verified answer; if none is verified the result falls back to
+  ``reask_fallback`` (``"abstain"``, default, or ``"return"`` the last answer).
+  Decoding is greedy, so a re-ask prompt identical to one already used would
+  repeat its answer: the loop then stops early (``stopped =
+  "repeated_prompt"``).
+
+The re-ask prompt is a multi-turn chat: ``[system], user: <the original user
+message>, assistant: <previous answer>, user: <REASK_TEMPLATE with {previous},
+{reason}, {attempt} substituted>`` with the generation prompt (without a chat
+template: the texts joined by newlines).  Every attempt's answer is verified
+against the **original** prompt — features of original prompt + answer — since
+that is the distribution the verification layer was trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .. import embed as _embed
+from .decoding import GreedyDecoder
+from .verification import AnswerVerifier, Verdict
+
+ON_REJECT = ("abstain", "reask", "return")
+REASK_FALLBACK = ("abstain", "return")
+STATUSES = ("verified", "unverified", "abstained")
+STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
+
+#: Re-ask user message (slots: ``{previous}`` the previous answer, ``{reason}`` why it was rejected,
+#: ``{attempt}`` the number of the attempt being asked for); plain substring replacement.
+REASK_TEMPLATE = (
+    "Your previous answer was: {previous}\n"
+    "It could not be verified. Re-check the request and your answer carefully. If the answer is wrong, "
+    "correct it. Reply with only the answer, in the requested JSON format."
+)
+#: The ``text`` of an abstention (slot ``{reason}``).
+ABSTAIN_TEXT = "NOT VERIFIED: the answer was withheld because the verification layer could not verify it ({reason})."
+
+
+def _fill(template: str, **slots) -> str:
+    for k, v in slots.items():
+        template = template.replace("{" + k + "}", str(v))
+    return template
+
+
+@dataclass
+class Attempt:
+    """One generate-then-verify attempt."""
+
+    attempt: int
+    text: str
+    parsed: dict | None
+    verified: bool
+    p_lower: float | None
+    reason: str | None
+    exemplars: list
+    tokens: int
+    prompt_tokens: int
+    stop_reason: str
+    seconds: float
+    generation_seconds: float
+    verification_seconds: float
+    verifier: dict = field(default_factory=dict)
+    reask_message: str | None = None
+    token_ids: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "attempt": self.attempt, "text": self.text, "parsed": self.parsed, "verified": self.verified,
+            "p_lower": self.p_lower, "reason": self.reason, "exemplars": self.exemplars, "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens, "stop_reason": self.stop_reason,
+            "seconds": round(self.seconds, 6), "generation_seconds": round(self.generation_seconds, 6),
+            "verification_seconds": round(self.verification_seconds, 6),
+            "tokens_per_second": (round(self.tokens / self.generation_seconds, 3)
+                                  if self.generation_seconds > 0 else None),
+            "verifier": self.verifier, "reask_message": self.reask_message, "token_ids": self.token_ids,
+        }
+
+
+@dataclass
+class VerificationResult:
+    """The outcome for one prompt (JSON schema: :mod:`sdm_mlx.verified`)."""
+
+    id: object
+    prompt: str
+    text: str
+    answer: str
+    parsed: dict | None
+    verified: bool
+    status: str
+    p_lower: float | None
+    reason: str | None
+    exemplars: list
+    attempts: list
+    on_reject: str
+    stopped: str
+    decoding: str
+    tokens: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id, "prompt": self.prompt, "text": self.text, "answer": self.answer, "parsed": self.parsed,
+            "verified": self.verified, "status": self.status, "p_lower": self.p_lower, "reason": self.reason,
+            "exemplars": self.exemplars, "on_reject": self.on_reject, "stopped": self.stopped,
+            "decoding": self.decoding, "n_attempts": len(self.attempts), "tokens": self.tokens,
+            "seconds": round(self.seconds, 6), "attempts": [a.to_dict() for a in self.attempts],
+        }
+
+
+class VerifiedGenerator:
+    """Generate an answer, verify it with the SDM verification layer, branch on the verdict.
+
+    ``VerifiedGenerator(model_path, verifier_path, head_path=None, on_reject="abstain", max_attempts=3, ...)``
+
+    * ``model_path``: mlx-lm model directory or hub id (default with a head: its base model);
+    * ``verifier_path``: a saved ``SDMEstimator`` trained on features of force-decoded prompt +
+      completion (label 1 = correct completion) of this model (default with a head: the network's
+      ``verifier/``);
+    * ``head_path``: an SDM-network directory (``network_config.json`` + ``positive_head.safetensors``);
+      its W_pos switches decoding to the joint neg+pos argmax and its stored settings (system,
+      prompt template, delimiter, max_length, max_new_tokens) become the defaults;
+    * ``system``, ``prompt_template`` (``{document}`` slot), ``use_chat_template``: how a prompt
+      (the user message / document) is templated — use the settings the verifier's data were built with;
+    * ``max_tokens`` per attempt, ``delimiter`` (closing delimiter of the verification unit),
+      ``max_length`` (kept positions of the features), ``n_exemplars``, ``require_json``,
+      ``reask_template``, ``reask_fallback``, ``abstain_text``;
+    * already loaded objects may be passed instead: ``model`` + ``tokenizer``, ``verifier``
+      (an ``SDMEstimator``), ``heads`` (an ``SDMHeads``).
+    """
+
+    def __init__(self, model_path=None, verifier_path=None, head_path=None, *, on_reject: str = "abstain",
+                 max_attempts: int = 3, reask_fallback: str = "abstain", system: str | None = None,
+                 prompt_template: str | None = None, use_chat_template: bool | None = None,
+                 max_tokens: int | None = None, delimiter: str | None = None, max_length: int | None = None,
+                 n_exemplars: int = 5, require_json: bool = True, reask_template: str = REASK_TEMPLATE,
+                 abstain_text: str = ABSTAIN_TEXT, model=None, tokenizer=None, verifier=None, heads=None):
+        if on_reject not in ON_REJECT:
+            raise ValueError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
+        if reask_fallback not in REASK_FALLBACK:
+            raise ValueError(f"reask_fallback must be one of {REASK_FALLBACK}, got {reask_fallback!r}")
+        if int(max_attempts) < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if prompt_template is not None and "{document}" not in prompt_template:
+            raise ValueError("prompt_template must contain a {document} slot")
+        settings, head_config = {}, None
+        if head_path is not None:
+            from ..network.artifact import read_network_config
+
+            head_config = read_network_config(head_path)
+            settings = dict(head_config.get("settings") or {})
+            if model is None and model_path is None:
+                model_path = head_config["base_model"]
+            if verifier is None and verifier_path is None:
+                verifier_path = os.path.join(os.path.abspath(os.fspath(head_path)), head_config["verifier"])
+        if model is None:
+            if model_path is None:
+                raise ValueError("give model_path (or a head whose config names its base model)")
+            model, tokenizer = _embed.load_model(model_path)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        if head_path is not None and heads is None:
+            from ..network.artifact import load_network
+
+            if model_path is not None and os.path.exists(os.path.expanduser(str(model_path))):
+                base = head_config["base_model"]
+                if os.path.abspath(os.path.expanduser(str(model_path))) != base:
+                    warnings.warn(f"the head {head_path} was trained on {base}; using the model {model_path}",
+                                  stacklevel=2)
+            heads = load_network(head_path, model=model, tokenizer=tokenizer, load_verifier=False).heads
+        if verifier is None:
+            if verifier_path is None:
+                raise ValueError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
+            from ..estimator import SDMEstimator
+
+            verifier = SDMEstimator.load(verifier_path)
+            verifier.verbose = False
+
+        def pick(value, key, default):
+            return value if value is not None else settings.get(key, default)
+
+        self.system = pick(system, "system", None)
+        self.prompt_template = pick(prompt_template, "prompt_template", None)
+        self.use_chat_template = bool(pick(use_chat_template, "use_chat_template", True))
+        self.max_tokens = int(pick(max_tokens, "max_new_tokens", 256))
+        self.delimiter = pick(delimiter, "delimiter", _embed.DEFAULT_DELIMITER)
+        self.max_length = int(pick(max_length, "max_length", _embed.DEFAULT_MAX_LENGTH))
+        if self.max_tokens < 1 or self.max_length < 1:
+            raise ValueError("max_tokens and max_length must be >= 1")
+        self.on_reject, self.max_attempts, self.reask_fallback = on_reject, int(max_attempts), reask_fallback
+        self.reask_template, self.abstain_text = reask_template, abstain_text
+        self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
+        self.decoder = GreedyDecoder(model, tokenizer, heads=heads, delimiter=self.delimiter)
+        self.decoding = self.decoder.mode  # "plain" | "joint"
+        self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
+                                       max_length=self.max_length, n_exemplars=n_exemplars,
+                                       require_json=require_json)
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def user_message(self, prompt: str) -> str:
+        return self.prompt_template.replace("{document}", prompt) if self.prompt_template else prompt
+
+    def prompt_text(self, prompt: str) -> str:
+        """The templated generation prompt for a user message / document (as ``sdm-mlx embed`` templates it)."""
+        return _embed.chat_text(self.tokenizer, prompt, system=self.system, prompt_template=self.prompt_template,
+                                use_chat_template=self.use_chat_template)
+
+    def reask_text(self, prompt: str, previous: str, reason: str | None, attempt: int) -> tuple[str, str]:
+        """``(generation prompt, re-ask message)`` asking to re-check ``previous`` (see the module docstring)."""
+        message = _fill(self.reask_template, previous=previous, reason=reason or "", attempt=attempt)
+        user = self.user_message(prompt)
+        if not self.use_chat_template:
+            head = self.system + "\n" if self.system else ""
+            return f"{head}{user}{previous}\n{message}\n", message
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": previous},
+                     {"role": "user", "content": message}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, message
+
+    # -- one prompt -------------------------------------------------------------------------------
+    def verify(self, prompt: str, answer_ids, text: str | None = None, id=None) -> Verdict:
+        """Verify token ids ``answer_ids`` as the answer to ``prompt`` (user message / document).
+
+        Pass the ids as generated (``Attempt.token_ids``): re-encoding the answer text can split it into
+        different tokens (e.g. ``"}`` vs ``"`` + ``}``), which changes the features and hence the verdict.
+        """
+        ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        return self.verifier(ids, answer_ids, self.tokenizer.decode(list(answer_ids)) if text is None else text, id)
+
+    def generate(self, prompt: str, id=None, *, on_text: Callable[[str], None] | None = None,
+                 on_attempt_start: Callable[[int], None] | None = None,
+                 on_attempt: Callable[[Attempt], None] | None = None) -> VerificationResult:
+        """Generate, verify and branch for one prompt (the user message / document of the template).
+
+        Callbacks: ``on_text(segment)`` streams the answer text of every attempt,
+        ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict.
+        """
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        t_start = time.perf_counter()
+        base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        gen_ids, reask_message = base_ids, None
+        used = {tuple(base_ids)}
+        limit = self.max_attempts if self.on_reject == "reask" else 1
+        attempts: list[Attempt] = []
+        stopped = "rejected"
+        for k in range(1, limit + 1):
+            if on_attempt_start is not None:
+                on_attempt_start(k)
+            t0 = time.perf_counter()
+            dec = self.decoder(gen_ids, self.max_tokens, on_text)
+            verdict = self.verifier(base_ids, dec.token_ids, dec.text, id)
+            att = Attempt(
+                attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
+                reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
+                prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
+                generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
+                reask_message=reask_message, token_ids=list(dec.token_ids),
+            )
+            attempts.append(att)
+            if on_attempt is not None:
+                on_attempt(att)
+            if att.verified:
+                stopped = "verified"
+                break
+            if k == limit:
+                stopped = "max_attempts" if self.on_reject == "reask" else "rejected"
+                break
+            text, reask_message = self.reask_text(prompt, dec.text, att.reason, k + 1)
+            gen_ids = _embed.encode(self.tokenizer, text)
+            if tuple(gen_ids) in used:
+                stopped = "repeated_prompt"
+                break
+            used.add(tuple(gen_ids))
+        last = attempts[-1]
+        policy = self.on_reject if self.on_reject != "reask" else self.reask_fallback
+        if last.verified:
+            status, shown = "verified", last.text
+        elif policy == "return":
+            status, shown = "unverified", last.text
+        else:
+            status, shown = "abstained", _fill(self.abstain_text, reason=last.reason)
+        return VerificationResult(
+            id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
+            status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,
+            on_reject=self.on_reject, stopped=stopped, decoding=self.decoding,
+            tokens=sum(a.tokens for a in attempts), seconds=time.perf_counter() - t_start,
+        )

@@ -1,0 +1,130 @@
+"""Verification of one generated answer by the SDM verification layer (an :class:`~sdm_mlx.estimator.SDMEstimator`).
+
+Features: the prompt's token ids followed by the generated token ids are run
+through the frozen trunk once, exactly as :mod:`sdm_mlx.embed` does for a
+force-decoded prompt + completion (:func:`~sdm_mlx.embed.document_features`
+on token ids, completion span = the generated tokens): ``concat(mean(h_0 ..
+h_{n-1}), h_{n-1})`` where ``h_{n-1}`` is the state that predicts the token
+holding the answer's last closing delimiter, capped at ``max_length``
+positions; without a delimiter (a parse failure) only the prompt positions
+are pooled.  The generated ids are used as generated (not re-tokenised text).
+
+Verdict (the verification label convention: 1 = correct completion):
+``verified`` iff the answer parses (a closing delimiter and, with
+``require_json``, a JSON object) **and** the index-conditional estimate is
+admitted (p̂_lower, not ⊥) **and** the verification prediction ŷ is 1.
+Otherwise ``reason`` is the first failing condition:
+
+* ``"parse_failure"`` — no closing delimiter / no JSON object in the answer;
+* an estimator rejection (:data:`sdm_mlx.calibration.REJECTION_REASONS`):
+  ``"ood_distance"``, ``"ood_similarity"``, ``"argmax_flip"``,
+  ``"below_model_min_qbin"``, ``"below_robust_min_qbin"``,
+  ``"below_threshold_psi"``, ``"no_valid_threshold"``, ``"no_robust_threshold"``;
+* ``"predicted_unverified"`` — admitted, but the verifier predicts the answer is
+  incorrect (ŷ ≠ 1).
+
+The nearest training exemplars (id, label, predicted label, squared distance)
+are returned as evidence in every case.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .. import embed as _embed
+from ..network.generation import first_json_object
+
+PARSE_FAILURE = "parse_failure"
+PREDICTED_UNVERIFIED = "predicted_unverified"
+#: Fields of the estimator's per-row result copied into a verdict's ``verifier`` record.
+VERIFIER_FIELDS = ("prediction", "admitted", "rejection_reason", "p_lower", "p_centroid", "p_upper", "q", "d0", "d",
+                   "q_tilde_lower", "hard_bin_lower")
+
+
+def finite_or_none(x):
+    """``float(x)`` or None for NaN / inf / None (JSON has no NaN)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class Verdict:
+    """The verification of one answer (see the module docstring)."""
+
+    verified: bool
+    reason: str | None
+    p_lower: float | None
+    parsed: dict | None
+    exemplars: list = field(default_factory=list)
+    verifier: dict = field(default_factory=dict)
+    feature_seconds: float = 0.0
+    estimate_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.feature_seconds + self.estimate_seconds
+
+
+class AnswerVerifier:
+    """``verifier(prompt_ids, answer_ids, text, id=None) -> Verdict`` with a fitted binary ``SDMEstimator``."""
+
+    def __init__(self, model, tokenizer, estimator, *, delimiter: str = _embed.DEFAULT_DELIMITER,
+                 max_length: int = _embed.DEFAULT_MAX_LENGTH, n_exemplars: int = 5, require_json: bool = True,
+                 verified_label: int = 1):
+        if not estimator.is_fitted:
+            raise ValueError("the verification layer is not fitted")
+        from ..network.heads import model_dims
+
+        _, hidden = model_dims(model)
+        if estimator.input_dim_ != 2 * hidden:
+            raise ValueError(
+                f"the verification layer expects {estimator.input_dim_}-dim features but this model gives "
+                f"2 x {hidden} = {2 * hidden} (mean ⊕ state): it was trained on another model's features"
+            )
+        if not 0 <= verified_label < estimator.num_classes_:
+            raise ValueError(f"verified_label {verified_label} is not a class of the verification layer")
+        self.model, self.tokenizer, self.estimator = model, tokenizer, estimator
+        self.delimiter, self.max_length = delimiter, int(max_length)
+        self.n_exemplars, self.require_json, self.verified_label = int(n_exemplars), require_json, verified_label
+
+    def features(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]):
+        """``(embedding [1, 2D] float32, Features)`` of prompt + answer tokens (embed.py's construction)."""
+        doc = [int(t) for t in prompt_ids] + [int(t) for t in answer_ids]
+        feats = _embed.document_features(
+            self.model, self.tokenizer, [doc], [(len(prompt_ids), None)], position="delimiter",
+            delimiter=self.delimiter, max_length=self.max_length, batch_size=1, on_missing="prompt",
+        )
+        return feats.embeddings, feats
+
+    def __call__(self, prompt_ids, answer_ids, text: str, id=None) -> Verdict:
+        t0 = time.perf_counter()
+        X, feats = self.features(prompt_ids, answer_ids)
+        t1 = time.perf_counter()
+        pred = self.estimator.predict(X, ids=[id], n_exemplars=self.n_exemplars)
+        row = pred.to_dicts()[0]
+        t2 = time.perf_counter()
+        parsed = first_json_object(text)
+        missing = bool(feats.missing_delimiter[0])
+        record = {k: row[k] for k in VERIFIER_FIELDS}
+        for k in ("p_lower", "p_centroid", "p_upper", "d0", "d", "q_tilde_lower"):
+            record[k] = finite_or_none(record[k])
+        record.update(n_kept=int(feats.n_kept[0]), delimiter_index=int(feats.delimiter_index[0]),
+                      missing_delimiter=missing, truncated=bool(feats.truncated[0]))
+        if missing or (self.require_json and parsed is None):
+            reason = PARSE_FAILURE
+        elif not row["admitted"]:
+            reason = row["rejection_reason"]
+        elif row["prediction"] != self.verified_label:
+            reason = PREDICTED_UNVERIFIED
+        else:
+            reason = None
+        return Verdict(
+            verified=reason is None, reason=reason, p_lower=record["p_lower"], parsed=parsed,
+            exemplars=row["exemplars"], verifier=record, feature_seconds=t1 - t0, estimate_seconds=t2 - t1,
+        )
+

@@ -1,0 +1,74 @@
+"""``sdm-mlx network-train`` smoke test with a tiny YAML recipe (issue 6)."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from sdm_mlx.cli import main
+
+
+def _recipe(tmp_path, model, **extra):
+    from sdm_mlx.network.synthetic import write_synthetic_sentiment
+
+    cfg = {
+        "model": model,
+        "data": write_synthetic_sentiment(tmp_path / "task.jsonl", n=60, seed=1),
+        "preset": "sentiment",
+        "output-dir": str(tmp_path / "out"),
+        "epochs": 1,
+        "learning-rate": 0.01,
+        "batch-size": 16,
+        "max-new-tokens": 4,
+        "generation-batch-size": 16,
+        "embed-batch-size": 16,
+        "alpha": 0.9,
+        "verifier-iterations": 1,
+        "verifier-epochs": 2,
+        "verifier-exemplar-dim": 8,
+        "verifier-rescaler-max-epochs": 5,
+        "quiet": True,
+        **extra,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
+    recipe = _recipe(tmp_path, tiny_phi3_path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a 60-row pool is far too small for alpha = 0.9: the estimator may warn
+        rc = main(["network-train", "--config", recipe])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["selected_epoch"] in (0, 1) and len(summary["epochs"]) == 1
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["metrics.json", "network", "verification_rows.jsonl", "verifier"]
+    assert sorted(os.listdir(out / "network")) == ["network_config.json", "positive_head.safetensors", "verifier"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["learning_rate"] == 0.01 and metrics["epochs"][0]["tokens"] > 0
+
+    from sdm_mlx.network import load_network
+
+    net = load_network(out / "network")
+    assert net.verifier.input_dim_ == 2 * net.heads.hidden_size
+    assert net.settings["completions"] == ['{"sentiment": "negative"}', '{"sentiment": "positive"}']
+
+
+def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
+    assert main(["network-train", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--model" in capsys.readouterr().err
+    recipe = _recipe(tmp_path, tiny_phi3_path, **{"verification-data": str(tmp_path / "v.jsonl")})
+    assert main(["network-train", "--config", recipe]) == 2
+    assert "exactly one of --data" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\nlearning_rat: 1\n")
+    assert main(["network-train", "--config", str(bad)]) == 2
+    assert "unknown key" in capsys.readouterr().err
+    recipe = _recipe(tmp_path, str(tmp_path / "no_such_model"))
+    assert main(["network-train", "--config", recipe]) == 2
+    assert "not found" in capsys.readouterr().err

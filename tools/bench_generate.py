@@ -1,0 +1,191 @@
+"""Benchmark: verified generation (``sdm_mlx.verified``) vs plain mlx-lm greedy generation of the same tokens.
+
+    python tools/bench_generate.py [--size tiny|small|medium] [--prompts 8] [--tokens 64] [--support 1000]
+                                   [--json out.json]
+
+Without ``--model`` a random model is built locally with ``tests/tiny_models.py``
+(``tiny``: hidden 64, 2 layers, |V| ≈ 360; ``small``: hidden 512, 4 layers,
+|V| 32064; ``medium``: hidden 1024, 8 layers, |V| 32064).  The verification
+layer is an ``SDMEstimator`` fitted (tiny settings) on ``--support`` synthetic
+rows of the model's feature width — only its size matters for the timing.
+Decoding runs a fixed number of tokens (``--tokens``, delimiter stop off; an
+EOS ends a row early and the token counts follow) for each prompt and reports:
+
+* ``mlx_lm``      — ``mlx_lm.stream_generate`` (greedy) tokens/s;
+* ``plain``       — our plain decoder (mlx-lm's ``generate_step``) without verification;
+* ``joint``       — joint neg+pos decoding with a positive head (W_pos = float32 copy of
+                    the LM head) via ``network.generation.greedy_generate``, without verification;
+* ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end;
+* per-answer verification latency: feature pass (prompt + answer through the trunk),
+  adaptor + support search (q, d0, exemplars), the whole estimate (``predict``), medians;
+* overhead of each path relative to ``mlx_lm`` on the same tokens.
+
+Prints a table, writes JSON with ``--json`` and states which BLAS MLX used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from sdm_mlx import embed as E  # noqa: E402
+from sdm_mlx.blas import describe_blas  # noqa: E402
+
+SIZES = {
+    "tiny": None,
+    "small": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "vocab_size": 32064},
+    "medium": {"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "vocab_size": 32064},
+}
+SYSTEM = "You are a helpful AI assistant."
+TEMPLATE = ("Classify the sentiment of the following movie review. "
+            'Respond using the following JSON: {"sentiment": str}. REVIEW: {document}')
+WORDS = "the film was warm funny dull wooden long moving sharp plot cast acting review minute year classic".split()
+
+
+def make_verifier(width: int, n: int, seed: int = 0):
+    from sdm_mlx.estimator import SDMEstimator
+
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % 2
+    X = rng.normal(size=(n, width)).astype(np.float32) + 0.5 * y[:, None].astype(np.float32)
+    est = SDMEstimator(alpha=0.9, iterations=1, epochs=1, exemplar_dim=1000, batch_size=50, learning_rate=1e-3,
+                       rescaler_max_epochs=5, verbose=False, seed=seed)
+    return est.fit(X, y)
+
+
+def _median(v):
+    return float(np.median(v)) if v else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="mlx-lm model dir / hub id (default: build a random one)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (delimiter stop off)")
+    ap.add_argument("--support", type=int, default=1000,
+                    help="rows of synthetic verifier data (train + calibration; half become the support set)")
+    ap.add_argument("--n-exemplars", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    import mlx_lm
+
+    from sdm_mlx.network.heads import SDMHeads
+    from sdm_mlx.verified import AnswerVerifier, GreedyDecoder
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            path, label = args.model, args.model
+        else:
+            from tiny_models import make_tiny_model
+
+            path = make_tiny_model(tmp, "phi3", overrides=SIZES[args.size])
+            label = f"random phi3 ({args.size})"
+        model, tok = E.load_model(path)
+    cfg = model.args
+    n_real = len(tok.get_vocab())
+    if cfg.vocab_size > n_real and getattr(model, "lm_head", None) is not None and not args.model:
+        # padded vocabulary of a random model: copy real rows into the padding rows so that greedy argmax
+        # (first index on ties) only ever picks ids the tokenizer can decode; the compute is unchanged
+        w = model.lm_head.weight
+        model.lm_head.weight = w[mx.array(np.arange(cfg.vocab_size) % n_real)]
+        mx.eval(model.lm_head.weight)
+    t0 = time.perf_counter()
+    est = make_verifier(2 * cfg.hidden_size, args.support)
+    fit_s = time.perf_counter() - t0
+    verifier = AnswerVerifier(model, tok, est, n_exemplars=args.n_exemplars)
+    heads = SDMHeads(model)
+    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False),
+                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False)}
+    rng = np.random.default_rng(0)
+    prompts = [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
+                           prompt_template=TEMPLATE) for _ in range(args.prompts)]
+    ids = [E.encode(tok, p) for p in prompts]
+
+    # warm-up (compilation, caches)
+    list(mlx_lm.stream_generate(model, tok, prompts[0], max_tokens=4))
+    for d in decoders.values():
+        out = d(ids[0], 4)
+        verifier(ids[0], out.token_ids, out.text)
+
+    totals = {k: [0, 0.0] for k in ("mlx_lm", "plain", "joint", "plain+verify", "joint+verify")}
+    feat, search, estimate, verify = [], [], [], []
+    for p, pid in zip(prompts, ids):
+        t = time.perf_counter()
+        n_ref = sum(1 for r in mlx_lm.stream_generate(model, tok, p, max_tokens=args.tokens)
+                    if r.finish_reason != "stop")
+        totals["mlx_lm"][0] += n_ref
+        totals["mlx_lm"][1] += time.perf_counter() - t
+        for name, dec in decoders.items():
+            out = dec(pid, args.tokens)
+            totals[name][0] += len(out.token_ids)
+            totals[name][1] += out.seconds
+            v = verifier(pid, out.token_ids, out.text)
+            totals[name + "+verify"][0] += len(out.token_ids)
+            totals[name + "+verify"][1] += out.seconds + v.seconds
+            verify.append(v.seconds)
+            # breakdown of one verification
+            t1 = time.perf_counter()
+            X, _ = verifier.features(pid, out.token_ids)
+            t2 = time.perf_counter()
+            z, h = est._forward(X)
+            est.index_.similarity(h, z.argmax(axis=1), est._good(), est.k_)
+            est.index_.search(h, args.n_exemplars)
+            t3 = time.perf_counter()
+            est.predict(X, n_exemplars=args.n_exemplars)
+            t4 = time.perf_counter()
+            feat.append(t2 - t1)
+            search.append(t3 - t2)
+            estimate.append(t4 - t3)
+    ref_rate = totals["mlx_lm"][0] / totals["mlx_lm"][1]
+    rows = []
+    for name, (n, s) in totals.items():
+        rate = n / s if s > 0 else float("nan")
+        rows.append({"path": name, "tokens": n, "seconds": s, "tokens_per_s": rate,
+                     "overhead_vs_mlx_lm": ref_rate / rate - 1.0})
+    lat = {"feature_pass_s": _median(feat), "adaptor_and_support_search_s": _median(search),
+           "estimate_s": _median(estimate), "verification_total_s": _median(verify),
+           "verification_total_p90_s": float(np.percentile(verify, 90))}
+    report = {
+        "model": label, "hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+        "vocab_size": cfg.vocab_size, "feature_width": 2 * cfg.hidden_size, "support_rows": int(len(est.support_ids_)),
+        "verifier_fit_s": fit_s, "prompts": args.prompts, "tokens_per_prompt": args.tokens,
+        "mean_prompt_tokens": float(np.mean([len(i) for i in ids])),
+        "blas": describe_blas(), "platform": platform.platform(), "mlx_device": str(mx.default_device()),
+        "results": rows, "verification_latency": lat,
+    }
+    print(f"model: {label}  hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, |V| {cfg.vocab_size}; "
+          f"verifier: {2 * cfg.hidden_size}-dim features, {report['support_rows']} support rows")
+    print(f"BLAS: {report['blas']}   device: {report['mlx_device']}   {args.prompts} prompts "
+          f"(~{report['mean_prompt_tokens']:.0f} tokens) x {args.tokens} generated tokens")
+    print(f"{'path':>14} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'overhead vs mlx-lm':>19}")
+    for r in rows:
+        print(f"{r['path']:>14} {r['tokens']:>7} {r['seconds']:>8.3f} {r['tokens_per_s']:>8.1f} "
+              f"{r['overhead_vs_mlx_lm']:>18.1%}")
+    print("verification latency per answer (median): "
+          f"feature pass {1e3 * lat['feature_pass_s']:.2f} ms, adaptor + support search "
+          f"{1e3 * lat['adaptor_and_support_search_s']:.2f} ms, whole estimate {1e3 * lat['estimate_s']:.2f} ms, "
+          f"total {1e3 * lat['verification_total_s']:.2f} ms (p90 {1e3 * lat['verification_total_p90_s']:.2f} ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
