@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
