@@ -149,6 +149,63 @@ def iter_jsonl(path_or_lines, source: str | None = None):
             fh.close()
 
 
+def read_objects(path) -> list[tuple[int, dict]]:
+    """``(line_number, row)`` for each non-blank line of a JSONL file; every row must be a JSON object."""
+    rows = []
+    for line_no, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_no}: each line must be a JSON object")
+        rows.append((line_no, row))
+    return rows
+
+
+def id_key(value) -> str:
+    """A hashable key for a JSON id of any type."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def scan_resumable_output(path, is_complete_row, log) -> set[str]:
+    """Ids (as :func:`id_key`) already written to an append-mode JSONL output, for resuming a run.
+
+    ``is_complete_row(row)`` says whether a parsed row is a finished result.  A partially
+    written last line (no trailing newline: an interrupted run) is truncated away with a
+    message through ``log``; any other bad line is an error naming its line number.
+    """
+    done: set[str] = set()
+    if not os.path.exists(path):
+        return done
+
+    def parse(line: bytes):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return row if isinstance(row, dict) and "id" in row and is_complete_row(row) else None
+
+    with open(path, "rb") as f:
+        data = f.read()
+    *complete, tail = data.split(b"\n")
+    for line_no, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        row = parse(line)
+        if row is None:
+            raise ValueError(f"{path}: existing output line {line_no} is not a complete result row; fix or remove it")
+        done.add(id_key(row["id"]))
+    if tail.strip():
+        row = parse(tail)
+        if row is None:
+            with open(path, "r+b") as f:
+                f.truncate(len(data) - len(tail))
+            log(f"{path}: removed a partially written last line (line {len(complete) + 1}, {len(tail)} bytes) "
+                "left by an interrupted run")
+        else:
+            done.add(id_key(row["id"]))
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    return done
+
+
 def read_jsonl(path, features: str = "auto", require_labels: bool = True) -> Dataset:
     """Read and validate a JSONL file of rows (see module docstring)."""
     return parse_rows(iter_jsonl(path), str(path), features, require_labels)

@@ -90,4 +90,4 @@ def test_errors(tmp_path, capsys):
     assert json.loads(out.read_text().splitlines()[1])["embedding"][3:] == [0, 0, 0, 0]
     bad.write_text(good[0] + "\n{oops\n")
     assert main(["api-features", "--input", str(bad), "--output", str(out)]) == 2
-    assert "line 2 is not valid JSON" in capsys.readouterr().err
+    assert ":2: malformed JSON" in capsys.readouterr().err

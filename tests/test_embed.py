@@ -242,7 +242,7 @@ def test_cli_embed_errors(tmp_path, tiny_phi3_path, capsys):
     inp, out = tmp_path / "docs.jsonl", tmp_path / "feats.jsonl"
     inp.write_text('{"id": 1, "document": "ok", "completion": "{}"}\n{"id": 2, "document": \n', encoding="utf-8")
     assert _embed(tiny_phi3_path, inp, out) == 2
-    assert "line 2 is not valid JSON" in capsys.readouterr().err
+    assert ":2: malformed JSON" in capsys.readouterr().err
 
     _write_docs(inp, [{"id": 1, "document": "a", "completion": "{}"}, {"id": 1, "document": "b", "completion": "{}"}])
     assert _embed(tiny_phi3_path, inp, out) == 2

@@ -36,7 +36,7 @@ def run(args) -> int:
     if not os.path.exists(args.input):
         raise FileNotFoundError(f"input file not found: {args.input}")
     from ..api_features import APIFeatureError, feature_row
-    from .embed import read_jsonl
+    from ..data import read_objects as read_jsonl
 
     rows = read_jsonl(args.input)
     out = []

@@ -17,6 +17,8 @@ import os
 import sys
 
 from ..cli import CLIError, require
+from ..data import id_key, scan_resumable_output
+from ..data import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
@@ -49,69 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
-def read_jsonl(path: str) -> list[tuple[int, dict]]:
-    """``(line_number, row)`` for each non-blank line; ValueError naming the line on malformed JSON."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {lineno} is not a JSON object")
-            rows.append((lineno, row))
-    return rows
-
-
-def id_key(value) -> str:
-    """A hashable key for a JSON id of any type."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
-
-
-def _feature_row(line: bytes):
-    try:
-        row = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return row if isinstance(row, dict) and "id" in row and "embedding" in row else None
-
-
 def scan_output(path: str, log) -> set[str]:
-    """Ids already in ``path``.
-
-    An interrupted run can leave a partially written last line (no trailing
-    newline): it is truncated away, with a message.  Any other malformed line is
-    an error naming its line number.
-    """
-    done: set[str] = set()
-    if not os.path.exists(path):
-        return done
-    with open(path, "rb") as f:
-        data = f.read()
-    *complete, tail = data.split(b"\n")
-    for lineno, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        row = _feature_row(line)
-        if row is None:
-            raise ValueError(f"{path}: existing output line {lineno} is not a complete feature row "
-                             "(id + embedding); fix or remove the file")
-        done.add(id_key(row["id"]))
-    if tail.strip():
-        row = _feature_row(tail)
-        if row is None:
-            with open(path, "r+b") as f:
-                f.truncate(len(data) - len(tail))
-            log(f"{path}: removed a partially written last line (line {len(complete) + 1}, "
-                f"{len(tail)} bytes) left by an interrupted run")
-        else:
-            done.add(id_key(row["id"]))
-            with open(path, "ab") as f:
-                f.write(b"\n")
-    return done
+    """Ids already in ``path`` (feature rows with an embedding); a partial last line is truncated away."""
+    return scan_resumable_output(path, lambda row: "embedding" in row, log)
 
 
 def format_row(row: dict, embedding) -> str:

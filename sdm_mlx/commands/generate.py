@@ -100,43 +100,11 @@ def add_arguments(p) -> None:
     p.add_argument("--document-field", default="document", help="field of --input rows holding the prompt")
 
 
-def _result_row(line: bytes):
-    try:
-        row = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return row if isinstance(row, dict) and "id" in row and "verified" in row and "attempts" in row else None
-
-
 def scan_results(path: str, log) -> set:
     """Ids already written to ``path``; a partial last line (interrupted run) is truncated away."""
-    from .embed import id_key
+    from ..data import scan_resumable_output
 
-    done: set = set()
-    if not os.path.exists(path):
-        return done
-    with open(path, "rb") as f:
-        data = f.read()
-    *complete, tail = data.split(b"\n")
-    for lineno, line in enumerate(complete, 1):
-        if not line.strip():
-            continue
-        row = _result_row(line)
-        if row is None:
-            raise ValueError(f"{path}: existing output line {lineno} is not a complete result row; fix or remove it")
-        done.add(id_key(row["id"]))
-    if tail.strip():
-        row = _result_row(tail)
-        if row is None:
-            with open(path, "r+b") as f:
-                f.truncate(len(data) - len(tail))
-            log(f"{path}: removed a partially written last line (line {len(complete) + 1}, {len(tail)} bytes) "
-                "left by an interrupted run")
-        else:
-            done.add(id_key(row["id"]))
-            with open(path, "ab") as f:
-                f.write(b"\n")
-    return done
+    return scan_resumable_output(path, lambda row: "verified" in row and "attempts" in row, log)
 
 
 def _stderr_stream(enabled: bool):
@@ -155,7 +123,8 @@ def _stderr_stream(enabled: bool):
 
 
 def run(args) -> int:
-    from .embed import id_key, read_jsonl
+    from ..data import id_key
+    from ..data import read_objects as read_jsonl
 
     if (args.prompt is None) == (args.input is None):
         raise CLIError("give exactly one of --prompt and --input")

@@ -56,7 +56,7 @@ def _completions(args) -> list[str]:
 def run(args) -> int:
     require(args, "input", "output")
     from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
-    from .embed import read_jsonl
+    from ..data import read_objects as read_jsonl
 
     if args.completions:
         completions = _completions(args)

@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     g.add_argument("--verification-data", default=None,
                    help="instead of --data: verification rows JSONL (id, prompt, completion, label, [task_label]), "
                         "e.g. from make-verification-data")
+    g.add_argument("--tasks", default=None,
+                   help="instead of --data: several tasks trained together (universal verification), a YAML list "
+                        "of mappings {name, data, preset | completions + prompt_template} (JSON on the CLI)")
     g.add_argument("--completions", nargs="+", default=None,
                    help="one completion per task label, in label order (default: the --preset's)")
     g.add_argument("--preset", choices=["factcheck", "sentiment"], default=None,
@@ -48,6 +51,9 @@ def add_arguments(p) -> None:
     t.add_argument("--max-new-tokens", type=int, default=32, help="greedy decoding limit")
     t.add_argument("--generation-batch-size", type=int, default=8, help="prompts decoded together")
     t.add_argument("--embed-batch-size", type=int, default=8, help="documents per forward pass for features")
+    t.add_argument("--no-compile", action="store_true",
+                   help="run the training step eagerly (MLX's fused CPU kernels were slower for Phi-3.5-sized "
+                        "heads on a Linux CPU; keep compilation on Apple silicon)")
     t.add_argument("--seed", type=int, default=0)
     v = p.add_argument_group("verification layer (SDM estimator)")
     v.add_argument("--verifier", default=None, help="reuse an already trained verification layer (directory)")
@@ -63,8 +69,15 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     require(args, "model", "output_dir")
-    if bool(args.data) == bool(args.verification_data):
-        raise CLIError("give exactly one of --data (task JSONL) and --verification-data (verification rows)")
+    tasks = args.tasks
+    if isinstance(tasks, str):
+        try:
+            tasks = json.loads(tasks)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--tasks is not valid JSON: {e}") from None
+    if sum(bool(x) for x in (args.data, args.verification_data, tasks)) != 1:
+        raise CLIError("give exactly one of --data (task JSONL), --verification-data (verification rows) "
+                       "and --tasks (several tasks)")
     completions = args.completions
     if isinstance(completions, str):
         completions = [completions]
@@ -77,12 +90,14 @@ def run(args) -> int:
 
     config = NetworkConfig(
         model=args.model, output_dir=args.output_dir, data=args.data, verification_data=args.verification_data,
+        tasks=tasks,
         completions=completions, preset=args.preset, system=args.system or None,
         prompt_template=args.prompt_template, use_chat_template=not args.no_chat_template,
         delimiter=args.delimiter, max_length=args.max_length, negatives_seed=args.negatives_seed,
         epochs=args.epochs, beta_min=args.beta_min, beta_max=args.beta_max, learning_rate=args.learning_rate,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         generation_batch_size=args.generation_batch_size, embed_batch_size=args.embed_batch_size,
+        compile_step=not args.no_compile,
         verifier=args.verifier, alpha=args.alpha, verifier_iterations=args.verifier_iterations,
         verifier_epochs=args.verifier_epochs, verifier_exemplar_dim=args.verifier_exemplar_dim,
         verifier_batch_size=args.verifier_batch_size, verifier_learning_rate=args.verifier_learning_rate,
