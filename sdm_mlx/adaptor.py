@@ -36,7 +36,7 @@ def _uniform_linear(fan_in: int, fan_out: int, key: mx.array) -> nn.Linear:
 
 
 class ExemplarAdaptor(nn.Module):
-    """Linear(D, M) → h' (exemplar vector), Linear(M, C) → z'; scalar input normalisation."""
+    """Exemplar adaptor giving z' for ``eq:sdmActivation``: Linear(D, M) → h', Linear(M, C) → z'."""
 
     def __init__(self, input_dim: int, exemplar_dim: int, num_classes: int, seed: int = 0):
         super().__init__()

@@ -104,7 +104,7 @@ def _near_tie_rows(qc, support, support_sq, good_by_class, y_hat, exclude, first
 
 
 class ExactIndex:
-    """Exact squared-L2 nearest neighbours over a support set, computed with MLX matmuls.
+    """Exact squared-L2 support index for q and d (``equation:q``, ``equation:d``), tiled MLX matmuls.
 
     Parameters
     ----------
@@ -150,7 +150,7 @@ class ExactIndex:
 
     # -- top-n neighbours ---------------------------------------------------------------------
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-n neighbours: (squared distances [N, n] float32, support indices [N, n] int64).
+        """Top-n nearest exemplars (the neighbours of ``equation:q``): (squared distances [N, n], indices [N, n]).
 
         Ordered by (distance, support index); distances are re-computed in float64 for the
         candidates, so near-ties are ranked exactly.  ``exclude[i]`` (a support index, or −1)
@@ -188,7 +188,7 @@ class ExactIndex:
 
     # -- similarity q and d0 ------------------------------------------------------------------
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
-        """(q [N] int64, d0 [N] float32) for queries with predictions ``y_hat``.
+        """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32).
 
         d0 is recomputed in float64 for the nearest support vector.
         q counts, without sorting, the good neighbours ordered before the first bad one by
@@ -238,7 +238,7 @@ class ExactIndex:
 
 
 class HnswIndex:
-    """Approximate nearest neighbours with hnswlib (squared L2 space), behind the same interface.
+    """Approximate hnswlib support index for q and d (``equation:q``, ``equation:d``), same interface.
 
     Approximate: neighbours, and so q and d0, can differ from :class:`ExactIndex`.
     ``ef`` is raised to the number of neighbours requested at query time.
@@ -284,7 +284,7 @@ class HnswIndex:
         return np.take_along_axis(dist, order, 1), np.take_along_axis(idx, order, 1)
 
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-n (approximate) neighbours: (squared distances, indices), padded with (inf, −1)."""
+        """Top-n approximate nearest exemplars (neighbours of ``equation:q``): (squared distances, indices)."""
         qn = np.asarray(queries, dtype=np.float32)
         ex = _exclusion(exclude, qn.shape[0])
         avail = self.size - (1 if ex is not None else 0)
@@ -296,7 +296,7 @@ class HnswIndex:
         return out_d, out_i
 
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
-        """(q, d0) from the k approximate nearest neighbours (k − 1 for self-excluded queries)."""
+        """Similarity q (``equation:q``) and d0 from the k approximate nearest neighbours (k − 1 if self-excluded)."""
         qn = np.asarray(queries, dtype=np.float32)
         ex = _exclusion(exclude, qn.shape[0])
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))

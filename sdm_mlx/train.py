@@ -165,7 +165,7 @@ def train_round(
     verbose: bool = True,
     round_label: str = "",
 ) -> RoundResult:
-    """One round of Alg. 1 on a fixed train/calibration split; returns its best epoch."""
+    """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch."""
     n_tr, dim = X_tr.shape
     model = ExemplarAdaptor(dim, config.exemplar_dim, num_classes, seed=seed)
     if config.normalize:
@@ -272,7 +272,7 @@ def train_rounds(
     on_round: Callable[[int, RoundResult], None] | None = None,
     verbose: bool = True,
 ) -> tuple[RoundResult, int, list]:
-    """J rounds of Alg. 1 over stratified re-splits of the pooled data.
+    """J rounds of Alg. 1 (``alg:sdm-estimator-training``) over stratified re-splits of the pooled data.
 
     ``on_round(j, result)`` is called after every round (calibration statistics are gathered
     there).  Returns (best round, its index j, per-round summaries).  Only the best round's

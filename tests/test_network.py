@@ -429,3 +429,41 @@ def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path
         assert not np.array_equal(saved, base_head)
     rows = [json.loads(line) for line in open(os.path.join(cfg.output_dir, "verification_rows.jsonl"))]
     assert {r["split"] for r in rows} == {"train", "calibration"}
+
+
+def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
+    import sdm_mlx.network.trainer as tr
+    from sdm_mlx.network.generation import GeneratedOutput
+    from sdm_mlx.network.synthetic import write_synthetic_sentiment
+
+    model, tok = phi3
+    a = write_synthetic_sentiment(tmp_path / "a.jsonl", n=6, seed=0)
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"id": i, "label": i % 2, "document": f"Fact {i}."}) + "\n" for i in range(4)))
+    cfg = tr.NetworkConfig(model="m", output_dir="o", tasks=[{"name": "sent", "data": a, "preset": "sentiment"},
+                                                            {"name": "fact", "data": str(b), "preset": "factcheck"}])
+    cfg.validate()
+    rows = tr.build_verification_rows(cfg, tok)
+    assert len(rows) == 10 and len({r["id"] for r in rows}) == 10
+    assert {r["task"] for r in rows} == {"sent", "fact"} and rows[6]["id"] == "fact/0"
+    assert "correctness" in rows[6]["completion"] and "REVIEW" in rows[0]["prompt"]
+    comps = cfg.resolved_completions()
+    assert set(comps) == {"sent", "fact"}
+
+    texts = {}
+    for r in rows:  # answer correctly except for the first row of each task; one parse failure
+        right = comps[r["task"]][r["task_label"]]
+        texts[r["id"]] = right if r["id"] not in ("sent/syn-0", "fact/0", "fact/1") else \
+            (comps[r["task"]][1 - r["task_label"]] if r["id"] != "fact/1" else '{"correctness": tru')
+
+    def fake_generate(heads, tokenizer, prompts, **kw):
+        by_prompt = {}
+        for r in rows:
+            by_prompt.setdefault(r["prompt"], texts[r["id"]])
+        return [GeneratedOutput(prompt_ids=[1], token_ids=[1], text=by_prompt[p], stop_reason="delimiter",
+                                embedding=np.zeros(4, np.float32)) for p in prompts]
+
+    monkeypatch.setattr(tr, "greedy_generate", fake_generate)
+    res = tr.count_verified(None, tok, FakeVerifier(), rows, comps)
+    assert res["documents"] == 10 and res["admitted_pred1"] == 10
+    assert res["count"] == 7 and res["task_correct"] == 7 and res["parse_failures"] == 1

@@ -72,6 +72,9 @@ class NetworkConfig:
     output_dir: str = ""
     data: str | None = None  #: task JSONL: id, label (task label 0..C-1), document
     verification_data: str | None = None  #: or: JSONL of verification rows (id, prompt, completion, label[, task_label])
+    #: or: several tasks trained together (universal verification): a list of mappings with ``name``,
+    #: ``data`` and ``preset`` or ``completions`` + ``prompt_template``; row ids become "<name>/<id>"
+    tasks: list | None = None
     completions: list | None = None  #: one completion per task label (default: the preset's)
     preset: str | None = None  #: "sentiment" | "factcheck": the paper's completions and instruction
     system: str | None = PAPER_SYSTEM
@@ -89,6 +92,7 @@ class NetworkConfig:
     max_new_tokens: int = 32
     generation_batch_size: int = 8
     embed_batch_size: int = 8
+    compile_step: bool = True  #: mx.compile the training step (on Linux CPUs eager can be faster for big heads)
     # verification layer
     verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
     alpha: float = 0.95
@@ -107,8 +111,26 @@ class NetworkConfig:
             raise ValueError("a base model (path or hub id) is required")
         if not self.output_dir:
             raise ValueError("an output directory is required")
-        if (self.data is None) == (self.verification_data is None):
-            raise ValueError("give exactly one of data (task JSONL) and verification_data (verification rows JSONL)")
+        if sum(x is not None for x in (self.data, self.verification_data, self.tasks)) != 1:
+            raise ValueError("give exactly one of data (task JSONL), verification_data (verification rows JSONL) "
+                             "and tasks (several task JSONLs)")
+        if self.tasks is not None:
+            if not isinstance(self.tasks, list) or not self.tasks:
+                raise ValueError("tasks must be a non-empty list of mappings (name, data, preset | completions)")
+            names = set()
+            for i, t in enumerate(self.tasks):
+                if not isinstance(t, dict) or "data" not in t or "name" not in t:
+                    raise ValueError(f"tasks[{i}] must be a mapping with at least 'name' and 'data'")
+                unknown = set(t) - {"name", "data", "preset", "completions", "prompt_template"}
+                if unknown:
+                    raise ValueError(f"tasks[{i}] has unknown key(s) {sorted(unknown)}")
+                if t["name"] in names:
+                    raise ValueError(f"task name {t['name']!r} repeats")
+                names.add(t["name"])
+                if t.get("preset") is not None and t["preset"] not in PRESETS:
+                    raise ValueError(f"tasks[{i}]: unknown preset {t['preset']!r}")
+                if not t.get("completions") and not t.get("preset"):
+                    raise ValueError(f"tasks[{i}] needs completions or a preset")
         for name in ("epochs",):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -126,7 +148,10 @@ class NetworkConfig:
         if self.prompt_template is not None and "{document}" not in self.prompt_template:
             raise ValueError("prompt_template must contain a {document} slot")
 
-    def resolved_completions(self) -> list | None:
+    def resolved_completions(self) -> list | dict | None:
+        """One completion per task label (a list), or ``{task name: list}`` with ``tasks``."""
+        if self.tasks:
+            return {t["name"]: list(t.get("completions") or PRESETS[t["preset"]]["completions"]) for t in self.tasks}
         if self.completions:
             return list(self.completions)
         if self.preset:
@@ -181,8 +206,26 @@ def _write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def _task_rows(path: str, completions, template, config: NetworkConfig, tokenizer) -> list[dict]:
+    if not completions:
+        raise ValueError("give completions (one per task label) or a preset")
+    if template is None:
+        raise ValueError("give a prompt_template with a {document} slot (or a preset)")
+    if "{document}" not in template:
+        raise ValueError("prompt_template must contain a {document} slot")
+    task_rows = _read_jsonl(path)
+    system = config.system or None
+
+    def prompt_fn(doc):
+        return _embed.chat_text(tokenizer, doc, system=system, prompt_template=template,
+                                use_chat_template=config.use_chat_template)
+
+    return make_verification_rows(task_rows, completions, prompt_fn, seed=config.negatives_seed,
+                                  where=lambda i: f"{path}: row {i + 1}")
+
+
 def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
-    """Verification rows (id, prompt, completion, label, task_label) from the configured data."""
+    """Verification rows (id, prompt, completion, label, task_label[, task]) from the configured data."""
     if config.verification_data:
         rows = _read_jsonl(config.verification_data)
         for i, r in enumerate(rows):
@@ -192,21 +235,16 @@ def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
             if r["label"] not in (0, 1) or isinstance(r["label"], bool):
                 raise ValueError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
         return rows
-    completions = config.resolved_completions()
-    template = config.resolved_template()
-    if not completions:
-        raise ValueError("give completions (one per task label) or a preset")
-    if template is None:
-        raise ValueError("give a prompt_template with a {document} slot (or a preset)")
-    task_rows = _read_jsonl(config.data)
-    system = config.system or None
-
-    def prompt_fn(doc):
-        return _embed.chat_text(tokenizer, doc, system=system, prompt_template=template,
-                                use_chat_template=config.use_chat_template)
-
-    return make_verification_rows(task_rows, completions, prompt_fn, seed=config.negatives_seed,
-                                  where=lambda i: f"{config.data}: row {i + 1}")
+    if config.tasks:
+        out = []
+        for t in config.tasks:
+            preset = PRESETS.get(t.get("preset")) if t.get("preset") else None
+            comps = t.get("completions") or (preset or {}).get("completions")
+            template = t.get("prompt_template") or (preset or {}).get("prompt_template")
+            for r in _task_rows(t["data"], comps, template, config, tokenizer):
+                out.append({**r, "id": f"{t['name']}/{r['id']}", "source_id": r["id"], "task": t["name"]})
+        return out
+    return _task_rows(config.data, config.resolved_completions(), config.resolved_template(), config, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,13 +381,14 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     }
 
 
-def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions: Sequence[str] | None,
+def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
                    *, max_new_tokens: int = 32, delimiter: str = _embed.DEFAULT_DELIMITER,
                    max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8, verbose: bool = False) -> dict:
     """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
     ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
     with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
     answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
+    ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``.
     """
     t0 = time.perf_counter()
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
@@ -359,12 +398,11 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     pred = verifier.predict(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)
     verified = admitted & (np.asarray(pred.prediction) == 1)
-    if completions:
-        task_pred = np.array([parse_task_prediction(g.text, completions) for g in gens], dtype=np.int64)
-    else:
-        task_pred = np.full(len(gens), -1, dtype=np.int64)
+    per_row = [(completions.get(r.get("task")) if isinstance(completions, dict) else completions) for r in rows]
+    task_pred = np.array([parse_task_prediction(g.text, c) if c else -1 for g, c in zip(gens, per_row)],
+                         dtype=np.int64)
     # the task restriction applies where a task label exists and answers can be parsed (completions known)
-    has_task = np.array([r.get("task_label") is not None for r in rows], dtype=bool) & bool(completions)
+    has_task = np.array([r.get("task_label") is not None and bool(c) for r, c in zip(rows, per_row)], dtype=bool)
     task_true = np.array([int(r["task_label"]) if r.get("task_label") is not None else -2 for r in rows])
     correct = np.where(has_task, task_pred == task_true, True)
     return {
@@ -372,7 +410,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
         "admitted_pred1": int(verified.sum()),
         "admitted": int(admitted.sum()),
         "task_correct": int((correct & has_task).sum()),
-        "parse_failures": int((task_pred < 0).sum()) if completions else None,
+        "parse_failures": int((task_pred[has_task] < 0).sum()),
         "documents": len(rows),
         "seconds": time.perf_counter() - t0,
         "example": gens[0].text if gens else None,
@@ -438,6 +476,7 @@ class SDMNetworkTrainer:
         return {
             "delimiter": c.delimiter, "max_new_tokens": c.max_new_tokens, "max_length": c.max_length,
             "system": c.system, "prompt_template": c.resolved_template(), "use_chat_template": c.use_chat_template,
+            "tasks": c.tasks,
             "completions": self.completions, "alpha": c.alpha,
         }
 
@@ -553,7 +592,7 @@ class SDMNetworkTrainer:
                  f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
 
         optimizer = make_optimizer(c.learning_rate)
-        step = make_train_step(self.heads, optimizer)
+        step = make_train_step(self.heads, optimizer, compile=c.compile_step)
         for epoch in range(1, c.epochs + 1):
             t0 = time.perf_counter()
             q_doc, d_doc, _ = self.document_qd(est, pos_rows)
