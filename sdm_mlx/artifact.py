@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 
 import numpy as np
 from safetensors import SafetensorError
@@ -33,7 +34,7 @@ class ArtifactError(ValueError):
     """A missing, corrupt, tampered or incompatible artifact."""
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -82,36 +83,23 @@ def unpack_ragged(prefix: str, group: dict, count: int) -> list[np.ndarray]:
         raise ArtifactError(f"artifact is missing array {e.args[0]!r}") from None
 
 
-def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict) -> None:
-    """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically."""
+@contextmanager
+def atomic_directory(path, error=ArtifactError):
+    """``with atomic_directory(path) as tmp:`` write into ``tmp``; on success it replaces ``path``.
+
+    The new directory is fsynced and swapped in with two renames (the old one is moved aside
+    first and deleted last); an exception leaves ``path`` untouched and removes ``tmp``.
+    """
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ArtifactError(f"{path} exists and is not a directory")
+        raise error(f"{path} exists and is not a directory")
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        files = {}
-        for group, arrays in groups.items():
-            name = f"{group}.safetensors"
-            fpath = os.path.join(tmp, name)
-            save_file({k: _to_storable(v) for k, v in arrays.items()}, fpath)
-            files[name] = _sha256(fpath)
-        manifest = {
-            "format": FORMAT,
-            "kind": kind,
-            "format_version": version,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "files": files,
-            "meta": meta,
-            "meta_sha256": _meta_digest(meta),
-        }
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,12 +113,42 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
     shutil.rmtree(backup, ignore_errors=True)
 
 
-def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]:
-    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta)."""
+def recover_interrupted_save(path) -> str:
+    """Absolute ``path``; restores the previous directory if a save died between its two renames."""
     path = os.path.abspath(os.fspath(path))
     backup = path + _BACKUP_SUFFIX
     if not os.path.exists(path) and os.path.isdir(backup):
-        os.rename(backup, path)  # a save was interrupted between its two renames
+        os.rename(backup, path)
+    return path
+
+
+def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict) -> None:
+    """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically."""
+    with atomic_directory(path) as tmp:
+        files = {}
+        for group, arrays in groups.items():
+            name = f"{group}.safetensors"
+            fpath = os.path.join(tmp, name)
+            save_file({k: _to_storable(v) for k, v in arrays.items()}, fpath)
+            files[name] = sha256_file(fpath)
+        manifest = {
+            "format": FORMAT,
+            "kind": kind,
+            "format_version": version,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "files": files,
+            "meta": meta,
+            "meta_sha256": _meta_digest(meta),
+        }
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, allow_nan=True)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]:
+    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta)."""
+    path = recover_interrupted_save(path)
     if not os.path.isdir(path):
         raise ArtifactError(f"no model artifact at {path} (expected a directory with {MANIFEST})")
     mpath = os.path.join(path, MANIFEST)
@@ -157,7 +175,7 @@ def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]
         fpath = os.path.join(path, name)
         if not os.path.exists(fpath):
             raise ArtifactError(f"{path}: file {name} is missing")
-        if _sha256(fpath) != digest:
+        if sha256_file(fpath) != digest:
             raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
         try:
             loaded = load_file(fpath)

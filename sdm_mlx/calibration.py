@@ -551,7 +551,6 @@ def estimate(
         raise ValueError(f"offsets must be a finite [C, B] array with C = {C}")
     arrays = _check_lists("sample_size_arrays", sample_size_arrays, C)
 
-    rows = np.arange(n)
     y_hat = z.argmax(axis=1).astype(np.int64)
     sdm_flip = ~unique_argmax_is(sdm, y_hat)
     log_base = np.log(2.0 + q)

@@ -467,3 +467,16 @@ def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
     res = tr.count_verified(None, tok, FakeVerifier(), rows, comps)
     assert res["documents"] == 10 and res["admitted_pred1"] == 10
     assert res["count"] == 7 and res["task_correct"] == 7 and res["parse_failures"] == 1
+
+
+def test_float32_reference_head_for_quantized_models(tiny_phi3_path):
+    model, _ = load_model(tiny_phi3_path)
+    nn.quantize(model, group_size=32, bits=4)
+    heads = SDMHeads(model, reference_head="float32")
+    assert [k for k, _ in tree_flatten(heads.trainable_parameters())] == ["pos.weight"]
+    h = heads.hidden_states([[3, 10, 20, 30, 40]])
+    # float32 copy: z_ref is exactly z_pos at initialisation, and close to the quantised matmul
+    np.testing.assert_array_equal(np.array(heads.ref_logits(h)), np.array(heads.pos_logits(h)))
+    np.testing.assert_allclose(np.array(heads.ref_logits(h)), np.array(SDMHeads(model).ref_logits(h)), atol=1e-3)
+    with pytest.raises(ValueError, match="reference_head"):
+        SDMHeads(model, reference_head="bf16")

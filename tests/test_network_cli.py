@@ -72,3 +72,18 @@ def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
     recipe = _recipe(tmp_path, str(tmp_path / "no_such_model"))
     assert main(["network-train", "--config", recipe]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny_sentiment", "phi35_sentiment", "phi35_factcheck", "phi35_universal"])
+def test_recipes_have_only_known_keys(name):
+    from sdm_mlx.cli import _load_yaml_config, build_parser
+
+    _, subparsers = build_parser()
+    parser, _ = subparsers["network-train"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    values = _load_yaml_config(os.path.join(root, "recipes", f"{name}.yaml"), parser)
+    assert values["model"] and values["output_dir"]
+    if name == "phi35_universal":
+        from sdm_mlx.network import NetworkConfig
+
+        NetworkConfig(model="m", output_dir="o", tasks=values["tasks"]).validate()

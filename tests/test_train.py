@@ -1,4 +1,3 @@
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten

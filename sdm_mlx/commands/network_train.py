@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
     t.add_argument("--no-compile", action="store_true",
                    help="run the training step eagerly (MLX's fused CPU kernels were slower for Phi-3.5-sized "
                         "heads on a Linux CPU; keep compilation on Apple silicon)")
+    t.add_argument("--reference-head", choices=["model", "float32"], default="model",
+                   help="z_ref = z_neg from the model's own (possibly quantised) head, or from a frozen float32 "
+                        "copy (+|V|*D*4 bytes; much faster on Linux CPUs for quantised models)")
     t.add_argument("--seed", type=int, default=0)
     v = p.add_argument_group("verification layer (SDM estimator)")
     v.add_argument("--verifier", default=None, help="reuse an already trained verification layer (directory)")
@@ -97,7 +100,7 @@ def run(args) -> int:
         epochs=args.epochs, beta_min=args.beta_min, beta_max=args.beta_max, learning_rate=args.learning_rate,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         generation_batch_size=args.generation_batch_size, embed_batch_size=args.embed_batch_size,
-        compile_step=not args.no_compile,
+        compile_step=not args.no_compile, reference_head=args.reference_head,
         verifier=args.verifier, alpha=args.alpha, verifier_iterations=args.verifier_iterations,
         verifier_epochs=args.verifier_epochs, verifier_exemplar_dim=args.verifier_exemplar_dim,
         verifier_batch_size=args.verifier_batch_size, verifier_learning_rate=args.verifier_learning_rate,

@@ -18,7 +18,6 @@ the head checksum and the format version, with errors that say what is wrong.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..artifact import atomic_directory, recover_interrupted_save, sha256_file
 from .heads import HeadShapeError, SDMHeads, model_dims
 
 FORMAT = "sdm_mlx_network"
@@ -35,32 +35,10 @@ CONFIG_FILE = "network_config.json"
 HEAD_FILE = "positive_head.safetensors"
 HEAD_KEY = "W_pos"
 VERIFIER_DIR = "verifier"
-_BACKUP = ".previous"
 
 
 class NetworkArtifactError(ValueError):
     """A missing, corrupt or incompatible SDM-network artifact."""
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def base_model_reference(path_or_id: str) -> str:
@@ -79,14 +57,7 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
     ``training``: epoch, calibration count, etc.
     """
     path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NetworkArtifactError(f"{path} exists and is not a directory")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with atomic_directory(path, NetworkArtifactError) as tmp:
         head_path = os.path.join(tmp, HEAD_FILE)
         mx.save_safetensors(head_path, {HEAD_KEY: heads.pos.weight.astype(mx.float32)}, metadata={"format": "mlx"})
         vdir = os.path.join(tmp, VERIFIER_DIR)
@@ -105,7 +76,7 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
             "head_file": HEAD_FILE,
             "head_key": HEAD_KEY,
             "head_dtype": "float32",
-            "head_sha256": _sha256(head_path),
+            "head_sha256": sha256_file(head_path),
             "verifier": VERIFIER_DIR,
             "settings": settings or {},
             "training": training or {},
@@ -114,26 +85,12 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
             json.dump(config, f, indent=1, allow_nan=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    backup = path + _BACKUP
-    if os.path.exists(path):
-        shutil.rmtree(backup, ignore_errors=True)
-        os.rename(path, backup)
-    os.rename(tmp, path)
-    _fsync_dir(parent)
-    shutil.rmtree(backup, ignore_errors=True)
     return path
 
 
 def read_network_config(path) -> dict:
     """The validated ``network_config.json`` of a network directory."""
-    path = os.path.abspath(os.fspath(path))
-    backup = path + _BACKUP
-    if not os.path.exists(path) and os.path.isdir(backup):
-        os.rename(backup, path)  # a save was interrupted between its two renames
+    path = recover_interrupted_save(path)
     cpath = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
         raise NetworkArtifactError(f"no SDM network at {path} (expected a directory with {CONFIG_FILE})")
@@ -163,7 +120,7 @@ def load_head_weight(path, config: dict | None = None) -> np.ndarray:
     hpath = os.path.join(path, config["head_file"])
     if not os.path.exists(hpath):
         raise NetworkArtifactError(f"{path}: head file {config['head_file']} is missing")
-    if config.get("head_sha256") and _sha256(hpath) != config["head_sha256"]:
+    if config.get("head_sha256") and sha256_file(hpath) != config["head_sha256"]:
         raise NetworkArtifactError(f"{path}: checksum mismatch for {config['head_file']} (corrupt or modified)")
     try:
         arrays = mx.load(hpath)
@@ -231,7 +188,7 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
             f"{path}: the positive head is [{w.shape[0]}, {w.shape[1]}] (vocabulary x hidden) but the base model "
             f"{config['base_model']!r} has an LM head of [{vocab}, {hidden}]: wrong base model for this network"
         )
-    heads = SDMHeads(model, mx.array(w))
+    heads = SDMHeads(model, mx.array(w), reference_head=config.get("settings", {}).get("reference_head", "model"))
     verifier = None
     if load_verifier:
         from ..estimator import SDMEstimator

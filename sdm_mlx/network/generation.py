@@ -227,6 +227,9 @@ def greedy_generate(
 ) -> list[GeneratedOutput]:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
+    ``heads``: an :class:`SDMHeads`, or any object with the same ``model``,
+    ``hidden_states(token_ids_batch, cache=None)`` and ``next_tokens(h)`` (only
+    these are used; :mod:`sdm_mlx.verified.decoding` wraps them to stream).
     Returns one :class:`GeneratedOutput` per prompt, in input order.  With
     ``features=True`` each carries the verifier input (see the module docstring).
     ``progress(k)`` is called after each batch of ``k`` prompts.

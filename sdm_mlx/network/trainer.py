@@ -53,6 +53,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .. import embed as _embed
+from ..data import id_key, read_objects
 from ..progress import Progress, log
 from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 from .artifact import base_model_reference, save_network
@@ -93,6 +94,7 @@ class NetworkConfig:
     generation_batch_size: int = 8
     embed_batch_size: int = 8
     compile_step: bool = True  #: mx.compile the training step (on Linux CPUs eager can be faster for big heads)
+    reference_head: str = "model"  #: "model" (the base model's own, possibly quantised head) or "float32" copy
     # verification layer
     verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
     alpha: float = 0.95
@@ -177,26 +179,7 @@ class NetworkConfig:
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"input file not found: {path}")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {lineno} is not a JSON object")
-            rows.append(row)
-    return rows
-
-
-def _key(value) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
-
+    return [row for _, row in read_objects(path)]
 
 def _write_json_atomic(path: str, obj) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -454,7 +437,7 @@ class SDMNetworkTrainer:
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
-        self.heads = SDMHeads(model)
+        self.heads = SDMHeads(model, reference_head=config.reference_head)
         if estimator_factory is None:
             from ..estimator import SDMEstimator
 
@@ -476,7 +459,7 @@ class SDMNetworkTrainer:
         return {
             "delimiter": c.delimiter, "max_new_tokens": c.max_new_tokens, "max_length": c.max_length,
             "system": c.system, "prompt_template": c.resolved_template(), "use_chat_template": c.use_chat_template,
-            "tasks": c.tasks,
+            "tasks": c.tasks, "reference_head": c.reference_head,
             "completions": self.completions, "alpha": c.alpha,
         }
 
@@ -518,10 +501,10 @@ class SDMNetworkTrainer:
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())
             est.fit(X, y, ids_train=ids)
-        by_key = {_key(r["id"]): r for r in rows}
+        by_key = {id_key(r["id"]): r for r in rows}
         try:
-            train_rows = [by_key[_key(i)] for i in est.support_ids_]
-            cal_rows = [by_key[_key(i)] for i in est.calibration_ids_]
+            train_rows = [by_key[id_key(i)] for i in est.support_ids_]
+            cal_rows = [by_key[id_key(i)] for i in est.calibration_ids_]
         except KeyError as e:
             raise ValueError(f"the verification layer's split names id {e.args[0]} that is not in the data "
                              "(was it trained on other data?)") from None
@@ -557,12 +540,12 @@ class SDMNetworkTrainer:
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
         est.save(self.verifier_path)
-        split = {_key(r["id"]): "train" for r in train_rows}
-        split.update({_key(r["id"]): "calibration" for r in cal_rows})
+        split = {id_key(r["id"]): "train" for r in train_rows}
+        split.update({id_key(r["id"]): "calibration" for r in cal_rows})
         from ..data import write_jsonl_atomic
 
         write_jsonl_atomic(os.path.join(self.out, "verification_rows.jsonl"),
-                           [{**r, "split": split.get(_key(r["id"]), "unused")} for r in rows])
+                           [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
@@ -575,6 +558,7 @@ class SDMNetworkTrainer:
             raise ValueError("no training tokens: every y=1 training completion lies beyond max_length "
                              f"{c.max_length} (raise max_length or shorten the prompts)")
         hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
+        cache.hidden = None  # the device copy is the one used from here on
         targets = mx.array(cache.targets.astype(np.int32))
 
         metrics = {"config": _jsonable(asdict(c)), "base_model": base_model_reference(c.model),
