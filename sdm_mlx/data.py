@@ -149,12 +149,22 @@ def iter_jsonl(path_or_lines, source: str | None = None):
             fh.close()
 
 
-def read_objects(path) -> list[tuple[int, dict]]:
-    """``(line_number, row)`` for each non-blank line of a JSONL file; every row must be a JSON object."""
-    rows = []
+def read_objects(path, unique_ids: bool = False) -> list[tuple[int, dict]]:
+    """``(line_number, row)`` for each non-blank line of a JSONL file; every row must be a JSON object.
+
+    ``unique_ids``: every row must also have an ``id``, and no id may repeat.
+    """
+    rows, seen = [], {}
     for line_no, row in iter_jsonl(path):
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{line_no}: each line must be a JSON object")
+        if unique_ids:
+            if "id" not in row:
+                raise ValueError(f"{path}:{line_no}: missing field 'id'")
+            key = id_key(row["id"])
+            if key in seen:
+                raise ValueError(f"{path}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
+            seen[key] = line_no
         rows.append((line_no, row))
     return rows
 

@@ -246,7 +246,7 @@ def test_cli_embed_errors(tmp_path, tiny_phi3_path, capsys):
 
     _write_docs(inp, [{"id": 1, "document": "a", "completion": "{}"}, {"id": 1, "document": "b", "completion": "{}"}])
     assert _embed(tiny_phi3_path, inp, out) == 2
-    assert "line 2 repeats id 1" in capsys.readouterr().err
+    assert ":2: duplicate id 1" in capsys.readouterr().err
 
     _write_docs(inp, [{"id": 1, "document": "a", "completion": "{}"}, {"id": 2, "text": "b", "completion": "{}"}])
     assert _embed(tiny_phi3_path, inp, out) == 2

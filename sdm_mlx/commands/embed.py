@@ -115,15 +115,7 @@ def run(args) -> int:
     def say(msg):
         log(f"sdm-mlx embed: {msg}", enabled=not quiet)
 
-    rows = read_jsonl(args.input)
-    seen: dict[str, int] = {}
-    for lineno, row in rows:
-        if "id" not in row:
-            raise ValueError(f"{args.input}: line {lineno} has no 'id' field")
-        key = id_key(row["id"])
-        if key in seen:
-            raise ValueError(f"{args.input}: line {lineno} repeats id {row['id']!r} (first on line {seen[key]})")
-        seen[key] = lineno
+    rows = read_jsonl(args.input, unique_ids=True)
     done = scan_output(args.output, say)
     todo = [(n, r) for n, r in rows if id_key(r["id"]) not in done]
     if done:

@@ -142,15 +142,8 @@ def run(args) -> int:
 
     todo = []
     if args.input is not None:
-        rows = read_jsonl(args.input)
-        seen = {}
+        rows = read_jsonl(args.input, unique_ids=True)
         for lineno, row in rows:
-            if "id" not in row:
-                raise ValueError(f"{args.input}: line {lineno} has no 'id' field")
-            key = id_key(row["id"])
-            if key in seen:
-                raise ValueError(f"{args.input}: line {lineno} repeats id {row['id']!r} (first on line {seen[key]})")
-            seen[key] = lineno
             doc = row.get(args.document_field)
             if not isinstance(doc, str) or not doc:
                 raise ValueError(f"{args.input}: line {lineno}: missing, empty or non-string field "
