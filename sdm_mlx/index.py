@@ -175,15 +175,18 @@ class ExactIndex:
             else:
                 cand = mx.broadcast_to(cols[None, :], dist.shape)
             cand_np = np.array(cand).astype(np.int64)
-            for r in range(stop - start):
-                row = start + r
-                idx = cand_np[r]
+            # exact float64 re-rank of the candidates, vectorised in chunks of rows
+            for c0 in range(0, stop - start, 256):
+                c1 = min(c0 + 256, stop - start)
+                idx = cand_np[c0:c1]
+                diff = self._support_np[idx].astype(np.float64) - qc[start + c0 : start + c1, None, :]
+                d64 = np.einsum("rcm,rcm->rc", diff, diff)
                 if ex is not None:
-                    idx = idx[idx != ex[row]]
-                d64 = self._exact64(qc[row], idx)
-                order = np.lexsort((idx, d64))[:n]
-                out_d[row, : order.size] = d64[order].astype(np.float32)
-                out_i[row, : order.size] = idx[order]
+                    d64[idx == ex[start + c0 : start + c1, None]] = np.inf
+                order = np.lexsort((idx, d64), axis=-1)[:, :n]
+                out_d[start + c0 : start + c1, : order.shape[1]] = np.take_along_axis(d64, order, 1)
+                out_i[start + c0 : start + c1, : order.shape[1]] = np.take_along_axis(idx, order, 1)
+        out_i[~np.isfinite(out_d)] = -1
         return out_d, out_i
 
     # -- similarity q and d0 ------------------------------------------------------------------
