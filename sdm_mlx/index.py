@@ -23,6 +23,8 @@ the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 
@@ -69,38 +71,47 @@ def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
     return ex
 
 
-@mx.compile
-def _similarity_block(qc, support, support_sq, good_by_class, y_hat, exclude, tol):
-    """Fused q/d0 kernel for one query block (see :meth:`ExactIndex.similarity`)."""
+@partial(mx.compile, shapeless=True)
+def _squared_distances(qc, support, support_sq):
+    """Squared L2 [b, N_s] between centred queries and centred support, clamped at 0; and ‖q‖²."""
     q_sq = (qc * qc).sum(axis=1)
-    dist = mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0)
-    cols = mx.arange(support.shape[0])
-    excluded = cols[None, :] == exclude[:, None]
-    good = good_by_class[y_hat] & ~excluded
-    bad = ~good & ~excluded
-    inf = mx.array(float("inf"), dtype=dist.dtype)
-    first_bad_d = mx.where(bad, dist, inf).min(axis=1, keepdims=True)
-    first_bad_i = mx.where(bad & (dist == first_bad_d), cols[None, :], support.shape[0]).min(axis=1, keepdims=True)
-    before = (dist < first_bad_d) | ((dist == first_bad_d) & (cols[None, :] < first_bad_i))
-    count = (good & before).sum(axis=1)
-    # float32 error of the norm expansion is ~ eps·(‖q‖² + ‖s‖²): rows with a good/bad pair that
-    # close to the first-bad distance are re-ranked exactly in float64 on the host
-    band = tol * (q_sq[:, None] + support_sq[None, :]) + 1e-30
-    near = (mx.abs(dist - first_bad_d) <= band) & ~excluded
-    ambiguous = (near & good).any(axis=1)
-    nearest = mx.argmin(mx.where(excluded, inf, dist), axis=1)
-    return count, nearest, ambiguous, first_bad_d
+    return mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0), q_sq
 
 
-def _near_tie_rows(qc, support, support_sq, good_by_class, y_hat, exclude, first_bad_d, tol):
-    """(dist, good, near) for the few query rows that need an exact float64 re-rank."""
-    q_sq = (qc * qc).sum(axis=1)
-    dist = mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0)
-    excluded = mx.arange(support.shape[0])[None, :] == exclude[:, None]
-    good = good_by_class[y_hat] & ~excluded
-    band = tol * (q_sq[:, None] + support_sq[None, :]) + 1e-30
-    near = (mx.abs(dist - first_bad_d) <= band) & ~excluded
-    return dist, good, near
+@partial(mx.compile, shapeless=True)
+def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tol):
+    """(#good closer than the first bad, any good within the float32 error band of it, nearest good)."""
+    fb = first_bad[:, None]
+    count = (good_dist < fb).sum(axis=1)
+    band = tol * (q_sq[:, None] + good_sq[None, :]) + 1e-30
+    near = (mx.abs(good_dist - fb) <= band).any(axis=1)
+    return count, near
+
+
+class _Grouping:
+    """Support columns permuted into contiguous groups G_0 … G_{C−1}, then the incorrect rows.
+
+    G_c holds the support rows that count towards q of class c (label = prediction = c).
+    Within a group the original order is kept, so ties stay ordered by support index.
+    """
+
+    def __init__(self, good_by_class: np.ndarray, support: mx.array, support_sq: mx.array):
+        num_classes, n = good_by_class.shape
+        if (good_by_class.sum(axis=0) > 1).any():
+            raise ValueError("good_by_class must mark each support row good for at most one class")
+        category = np.full(n, num_classes, dtype=np.int64)
+        for c in range(num_classes):
+            category[good_by_class[c]] = c
+        self.good_by_class = good_by_class.copy()
+        self.perm = np.argsort(category, kind="stable")
+        self.inverse = np.empty(n, dtype=np.int64)
+        self.inverse[self.perm] = np.arange(n)
+        self.bounds = np.searchsorted(category[self.perm], np.arange(num_classes + 1))
+        perm_mx = mx.array(self.perm)
+        self.support = support[perm_mx]
+        self.support_sq = support_sq[perm_mx]
+        mx.eval(self.support, self.support_sq)
+        self.support_sq_np = np.array(self.support_sq)
 
 
 class ExactIndex:
@@ -190,13 +201,22 @@ class ExactIndex:
         return out_d, out_i
 
     # -- similarity q and d0 ------------------------------------------------------------------
+    def _grouping(self, good_by_class: np.ndarray) -> _Grouping:
+        cached = getattr(self, "_grouping_cache", None)
+        if cached is None or not np.array_equal(cached.good_by_class, good_by_class):
+            cached = self._grouping_cache = _Grouping(good_by_class, self._support, self._support_sq)
+        return cached
+
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
         """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32).
 
-        d0 is recomputed in float64 for the nearest support vector.
-        q counts, without sorting, the good neighbours ordered before the first bad one by
-        (distance, index); rows whose first-bad distance is within a float32 tolerance of a
-        good neighbour's are recomputed exactly in float64 on the host.
+        The support columns are grouped so that, for queries predicted ŷ = c, the good
+        neighbours (label = prediction = c) are one contiguous slice: the first bad
+        neighbour's distance is a row-min over the other slices and q is a count over
+        the good slice, with no sorting.  Rows where a good neighbour lies within the
+        float32 error band of that distance (ties included) are resolved exactly in
+        float64 on the host, ordered by (distance, support index).  d0 is recomputed in
+        float64 for the nearest support vector.
         """
         qc = self._centre_queries(queries)
         ex = _exclusion(exclude, qc.shape[0])
@@ -204,40 +224,65 @@ class ExactIndex:
         if y_hat.shape[0] != qc.shape[0]:
             raise ValueError("y_hat must hold one prediction per query")
         good_np = np.asarray(good_by_class, dtype=bool)
-        good_mx = mx.array(good_np)
+        if good_np.ndim != 2 or good_np.shape[1] != self.size:
+            raise ValueError(f"good_by_class must be [C, {self.size}], got {good_np.shape}")
+        if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
+            raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
+        grouping = self._grouping(good_np)
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         q_out = np.zeros(qc.shape[0], dtype=np.int64)
-        d0_out = np.zeros(qc.shape[0], dtype=np.float32)
-        for start, stop, qb in self._blocks(qc):
-            y_b = mx.array(y_hat[start:stop])
-            ex_b = mx.array(ex[start:stop]) if ex is not None else mx.full((stop - start,), -1, dtype=mx.int64)
-            tol_mx = mx.array(tol, dtype=mx.float32)
-            count, nearest, ambiguous, first_bad_d = _similarity_block(
-                qb, self._support, self._support_sq, good_mx, y_b, ex_b, tol_mx
-            )
-            mx.eval(count, nearest, ambiguous)
-            q_out[start:stop] = np.array(count)
-            # d0 exactly (float64) to the nearest support vector
-            diff = self._support_np[np.array(nearest)].astype(np.float64) - qc[start:stop].astype(np.float64)
-            d0_out[start:stop] = np.einsum("ij,ij->i", diff, diff)
-            amb_rows = np.flatnonzero(np.array(ambiguous))
-            if amb_rows.size:
-                sel = mx.array(amb_rows)
-                dist, good, near = _near_tie_rows(
-                    qb[sel], self._support, self._support_sq, good_mx, y_b[sel], ex_b[sel], first_bad_d[sel], tol_mx
-                )
-                near_np, good_rows, dist_rows = np.array(near), np.array(good), np.array(dist)
-                fb = np.array(first_bad_d[sel]).reshape(-1)
-                for r, row_near, row_good, row_dist, fbd in zip(amb_rows, near_np, good_rows, dist_rows, fb):
-                    band_idx = np.flatnonzero(row_near)
-                    clear = int((row_good & ~row_near & (row_dist < fbd)).sum())
-                    d64 = self._exact64(qc[start + r], band_idx)
-                    order = band_idx[np.lexsort((band_idx, d64))]
-                    run = row_good[order]
-                    first_bad = np.flatnonzero(~run)
-                    q_out[start + r] = clear + (int(first_bad[0]) if first_bad.size else int(run.sum()))
+        nearest_out = np.zeros(qc.shape[0], dtype=np.int64)
+        tol_mx = mx.array(tol, dtype=mx.float32)
+        inf = mx.array(float("inf"), dtype=mx.float32)
+        cols = mx.arange(self.size)
+        for c in range(good_np.shape[0]):
+            rows_c = np.flatnonzero(y_hat == c)
+            a, b = int(grouping.bounds[c]), int(grouping.bounds[c + 1])
+            for start in range(0, rows_c.size, self.block_rows):
+                rows = rows_c[start : start + self.block_rows]
+                dist, q_sq = _squared_distances(mx.array(qc[rows]), grouping.support, grouping.support_sq)
+                if ex is not None:
+                    dist = mx.where(cols[None, :] == mx.array(grouping.inverse[ex[rows]])[:, None], inf, dist)
+                first_bad = mx.full((rows.size,), float("inf"))
+                if a > 0:
+                    first_bad = mx.minimum(first_bad, dist[:, :a].min(axis=1))
+                if b < self.size:
+                    first_bad = mx.minimum(first_bad, dist[:, b:].min(axis=1))
+                nearest = mx.argmin(dist, axis=1)
+                if b > a:
+                    count, ambiguous = _count_before_first_bad(
+                        dist[:, a:b], first_bad, q_sq, grouping.support_sq[a:b], tol_mx
+                    )
+                else:
+                    count, ambiguous = mx.zeros((rows.size,), mx.int32), mx.zeros((rows.size,), mx.bool_)
+                mx.eval(count, ambiguous, nearest, first_bad)
+                q_out[rows] = np.array(count)
+                nearest_out[rows] = grouping.perm[np.array(nearest)]
+                for r in np.flatnonzero(np.array(ambiguous)):
+                    q_out[rows[r]] = self._resolve_near_ties(
+                        qc[rows[r]], np.array(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
+                        float(q_sq[int(r)].item()), grouping, tol,
+                    )
         np.minimum(q_out, k_eff, out=q_out)
+        diff = self._support_np[nearest_out].astype(np.float64) - qc.astype(np.float64)
+        d0_out = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
         return q_out, d0_out
+
+    def _resolve_near_ties(self, qc_row, dist_row, first_bad, a, b, q_sq, grouping, tol) -> int:
+        """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
+        excluded = ~np.isfinite(dist_row)
+        band = tol * (q_sq + grouping.support_sq_np) + 1e-30
+        near = (np.abs(dist_row - first_bad) <= band) & ~excluded
+        good = np.zeros(self.size, dtype=bool)
+        good[a:b] = True
+        clear = int((good & ~near & (dist_row < first_bad)).sum())
+        cand = np.flatnonzero(near)  # permuted positions
+        original = grouping.perm[cand]
+        d64 = self._exact64(qc_row, original)
+        order = np.lexsort((original, d64))
+        run = good[cand[order]]
+        first = np.flatnonzero(~run)
+        return clear + (int(first[0]) if first.size else int(run.sum()))
 
 
 class HnswIndex:

@@ -148,3 +148,24 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="unknown index backend"):
         make_index(np.zeros((3, 2)), "faiss")
     assert default_k(np.array([0, 0, 1, 1, 1]), 2) == 3
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_similarity_with_many_duplicates_matches_reference(exclude):
+    # few distinct points, each repeated with mixed labels/predictions: exact good/bad ties everywhere
+    rng = np.random.default_rng(7)
+    distinct = rng.normal(size=(15, 6)).astype(np.float32)
+    support = distinct[rng.integers(0, 15, 400)]
+    labels = rng.integers(0, 3, 400)
+    preds = np.where(rng.random(400) < 0.7, labels, rng.integers(0, 3, 400))
+    good = good_neighbours_by_class(labels, preds, 3)
+    index = ExactIndex(support, block_bytes=4 * 400 * 37)  # several query blocks
+    if exclude:
+        queries, y_hat, ex = support, preds, np.arange(400)
+    else:
+        queries, y_hat, ex = distinct[rng.integers(0, 15, 60)], rng.integers(0, 3, 60), None
+    for k in (3, 40, 400):
+        q, d0 = index.similarity(queries, y_hat, good, k, exclude=ex)
+        np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, k, exclude=ex))
+    rd, _ = brute(queries, support, ex)
+    np.testing.assert_allclose(d0, rd[:, 0], atol=1e-5)
