@@ -23,8 +23,6 @@ the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 import numpy as np
 
@@ -71,14 +69,14 @@ def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
     return ex
 
 
-@partial(mx.compile, shapeless=True)
+# Not mx.compile'd: the group sizes change every epoch, and on the CPU backend each new shape
+# costs a ~2 s recompilation against a ~25% steady-state gain (shapeless compilation crashed).
 def _squared_distances(qc, support, support_sq):
     """Squared L2 [b, N_s] between centred queries and centred support, clamped at 0; and ‖q‖²."""
     q_sq = (qc * qc).sum(axis=1)
     return mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0), q_sq
 
 
-@partial(mx.compile, shapeless=True)
 def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tol):
     """(#good closer than the first bad, any good within the float32 error band of it, nearest good)."""
     fb = first_bad[:, None]
