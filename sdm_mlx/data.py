@@ -216,6 +216,18 @@ def scan_resumable_output(path, is_complete_row, log) -> set[str]:
     return done
 
 
+def pending_rows(rows, output_path, is_complete_row, log) -> list[tuple[int, dict]]:
+    """The ``(line, row)`` pairs whose id is not yet finished in a resumable output file.
+
+    See :func:`scan_resumable_output`; logs a "resuming" line when earlier results exist.
+    """
+    done = scan_resumable_output(output_path, is_complete_row, log)
+    todo = [(n, r) for n, r in rows if id_key(r["id"]) not in done]
+    if done:
+        log(f"resuming: {len(rows) - len(todo)} of {len(rows)} ids already in {output_path}")
+    return todo
+
+
 def read_jsonl(path, features: str = "auto", require_labels: bool = True) -> Dataset:
     """Read and validate a JSONL file of rows (see module docstring)."""
     return parse_rows(iter_jsonl(path), str(path), features, require_labels)

@@ -18,29 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdm_mlx import embed as E  # noqa: E402
 from sdm_mlx.blas import describe_blas  # noqa: E402
+from bench_common import SIZES, best_time, load_bench_model  # noqa: E402
 
-SIZES = {
-    "tiny": None,
-    "small": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
-              "num_key_value_heads": 8, "vocab_size": 32064},
-    "medium": {"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "vocab_size": 32064},
-}
 WORDS = ("the film was warm funny dull wooden long moving sharp plot cast acting review minute year classic "
          "water boils sun orbits paris capital spiders insects").split()
 
@@ -54,22 +45,12 @@ def make_docs(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120):
     return docs, comps
 
 
-def _best(fn, repeat: int):
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bench(model, tok, prompts, comps, batch_size: int, max_length: int, repeat: int) -> dict:
     def features():
         return E.prompt_completion_features(model, tok, prompts, comps, batch_size=batch_size, max_length=max_length)
 
     feats = features()
-    t_feat = _best(features, repeat)
+    t_feat = best_time(features, repeat)
     n_kept = feats.n_kept
     tokens = int(n_kept.sum())
 
@@ -79,7 +60,7 @@ def bench(model, tok, prompts, comps, batch_size: int, max_length: int, repeat: 
             ids = E.encode(tok, p + c)
             E.delimiter_token_index_in_text(tok, p + c, ids, (len(p), None))
 
-    t_host = _best(host, repeat)
+    t_host = best_time(host, repeat)
 
     # the same cut, padded batches through the full model (logits)
     order = np.argsort(-n_kept, kind="stable")
@@ -99,8 +80,8 @@ def bench(model, tok, prompts, comps, batch_size: int, max_length: int, repeat: 
         for b in batches:
             mx.eval(E.hidden_states(model, b))
 
-    t_logits = _best(logits, repeat)
-    t_trunk = _best(trunk_only, repeat)
+    t_logits = best_time(logits, repeat)
+    t_trunk = best_time(trunk_only, repeat)
     return {
         "batch_size": batch_size,
         "docs": len(prompts),
@@ -128,16 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            path, label = args.model, args.model
-        else:
-            from tiny_models import make_tiny_model
-
-            path = make_tiny_model(tmp, "phi3", overrides=SIZES[args.size])
-            label = f"random phi3 ({args.size})"
-        model, tok = E.load_model(path)
+    model, tok, label = load_bench_model(args.model, args.size)
     cfg = model.args
     docs, comps = make_docs(args.docs)
     prompts = [E.chat_text(tok, d, system="You are a helpful AI assistant.",

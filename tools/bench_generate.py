@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,18 +36,12 @@ import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdm_mlx import embed as E  # noqa: E402
 from sdm_mlx.blas import describe_blas  # noqa: E402
+from bench_common import SIZES, load_bench_model  # noqa: E402
 
-SIZES = {
-    "tiny": None,
-    "small": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
-              "num_key_value_heads": 8, "vocab_size": 32064},
-    "medium": {"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "vocab_size": 32064},
-}
 SYSTEM = "You are a helpful AI assistant."
 TEMPLATE = ("Classify the sentiment of the following movie review. "
             'Respond using the following JSON: {"sentiment": str}. REVIEW: {document}')
@@ -88,16 +80,7 @@ def main(argv=None) -> int:
     from sdm_mlx.network.heads import SDMHeads
     from sdm_mlx.verified import AnswerVerifier, GreedyDecoder
 
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            path, label = args.model, args.model
-        else:
-            from tiny_models import make_tiny_model
-
-            path = make_tiny_model(tmp, "phi3", overrides=SIZES[args.size])
-            label = f"random phi3 ({args.size})"
-        model, tok = E.load_model(path)
+    model, tok, label = load_bench_model(args.model, args.size)
     cfg = model.args
     n_real = len(tok.get_vocab())
     if cfg.vocab_size > n_real and getattr(model, "lm_head", None) is not None and not args.model:

@@ -23,20 +23,11 @@ import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
+from bench_common import best_time
 from sdm_mlx.blas import describe_blas
 from sdm_mlx.data import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
 from sdm_mlx.train import TrainConfig, train_round
-
-
-def _time(fn, repeat: int = 2) -> float:
-    fn()  # warm-up (compilation, allocation)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def bench_index(n_support: int, n_queries: int, dim: int, seed: int = 0) -> dict:
@@ -48,14 +39,14 @@ def bench_index(n_support: int, n_queries: int, dim: int, seed: int = 0) -> dict
     y_hat = rng.integers(0, 2, n_queries)
     index = ExactIndex(support)
     flops = 2.0 * n_queries * n_support * dim
-    t_sim = _time(lambda: index.similarity(queries, y_hat, good, n_support // 2))
-    t_search = _time(lambda: index.search(queries, 10))
+    t_sim = best_time(lambda: index.similarity(queries, y_hat, good, n_support // 2))
+    t_search = best_time(lambda: index.search(queries, 10))
     a, b = mx.array(queries), mx.array(support)
 
     def matmul():
         mx.eval(a @ b.T)
 
-    t_mm = _time(matmul)
+    t_mm = best_time(matmul)
     return {
         "support": n_support,
         "queries": n_queries,

@@ -17,7 +17,7 @@ import os
 import sys
 
 from ..cli import CLIError, require
-from ..data import id_key, scan_resumable_output
+from ..data import pending_rows
 from ..data import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
@@ -49,11 +49,6 @@ def add_arguments(p) -> None:
     p.add_argument("--max-length", type=int, default=500, help="keep at most this many leading token positions")
     p.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-
-
-def scan_output(path: str, log) -> set[str]:
-    """Ids already in ``path`` (feature rows with an embedding); a partial last line is truncated away."""
-    return scan_resumable_output(path, lambda row: "embedding" in row, log)
 
 
 def format_row(row: dict, embedding) -> str:
@@ -116,10 +111,7 @@ def run(args) -> int:
         log(f"sdm-mlx embed: {msg}", enabled=not quiet)
 
     rows = read_jsonl(args.input, unique_ids=True)
-    done = scan_output(args.output, say)
-    todo = [(n, r) for n, r in rows if id_key(r["id"]) not in done]
-    if done:
-        say(f"resuming: {len(rows) - len(todo)} of {len(rows)} ids already in {args.output}")
+    todo = pending_rows(rows, args.output, lambda row: "embedding" in row, say)
     if not todo:
         say("nothing to do")
         return 0

@@ -100,13 +100,6 @@ def add_arguments(p) -> None:
     p.add_argument("--document-field", default="document", help="field of --input rows holding the prompt")
 
 
-def scan_results(path: str, log) -> set:
-    """Ids already written to ``path``; a partial last line (interrupted run) is truncated away."""
-    from ..data import scan_resumable_output
-
-    return scan_resumable_output(path, lambda row: "verified" in row and "attempts" in row, log)
-
-
 def _stderr_stream(enabled: bool):
     if not enabled:
         return None, None
@@ -123,7 +116,7 @@ def _stderr_stream(enabled: bool):
 
 
 def run(args) -> int:
-    from ..data import id_key
+    from ..data import pending_rows
     from ..data import read_objects as read_jsonl
 
     if (args.prompt is None) == (args.input is None):
@@ -148,10 +141,7 @@ def run(args) -> int:
             if not isinstance(doc, str) or not doc:
                 raise ValueError(f"{args.input}: line {lineno}: missing, empty or non-string field "
                                  f"{args.document_field!r} (set --document-field)")
-        done = scan_results(args.output, say)
-        todo = [(n, r) for n, r in rows if id_key(r["id"]) not in done]
-        if done:
-            say(f"resuming: {len(rows) - len(todo)} of {len(rows)} ids already in {args.output}")
+        todo = pending_rows(rows, args.output, lambda row: "verified" in row and "attempts" in row, say)
         if not todo:
             say("nothing to do")
             return 0

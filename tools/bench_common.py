@@ -1,0 +1,46 @@
+"""Helpers shared by the benchmark scripts in tools/ (timing, random test-size models)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+#: Random phi3 sizes for benchmarks when no --model is given (None = the tiny test model).
+SIZES = {
+    "tiny": None,
+    "small": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "vocab_size": 32064},
+    "medium": {"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "vocab_size": 32064},
+}
+
+
+def best_time(fn, repeat: int = 2) -> float:
+    """Best wall time of ``repeat`` calls after one warm-up call (compilation, allocation)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def load_bench_model(model: str | None, size: str):
+    """(model, tokenizer, label): ``model`` (dir or hub id) via mlx-lm, else a random phi3 of ``size``."""
+    from sdm_mlx.embed import load_model
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if model:
+        return (*load_model(model), model)
+    from tiny_models import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(tmp, "phi3", overrides=SIZES[size])
+        loaded = load_model(path)
+    return (*loaded, f"random phi3 ({size})")
