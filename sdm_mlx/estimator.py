@@ -360,12 +360,11 @@ class SDMEstimator:
         if len(ids) != n:
             raise ValueError(f"got {len(ids)} ids for {n} rows")
         y_hat = z.argmax(axis=1)
-        q, d0 = self.index_.similarity(h, y_hat, self._good(), self.k_)
+        n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
+        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_ex)
         d = distance_quantile(d0, self.calibration_distance_ecdfs_)
         s = sdm_numpy(z, q, d)
         est = estimate_from_round(self.calibration_, self.robust_min_valid_, self.offsets_, z, q, d, s)
-        n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
-        ex_d, ex_i = self.index_.search(h, n_ex) if n_ex > 0 else (np.zeros((n, 0)), np.zeros((n, 0), np.int64))
         return Predictions(
             ids=ids, prediction=y_hat, logits=z, q=q, d0=d0, d=d, sdm=s,
             q_tilde=est["q_tilde"], hard_bin=est["hard_bin"],

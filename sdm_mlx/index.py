@@ -157,6 +157,21 @@ class ExactIndex:
         diff = self._support_np[idx].astype(np.float64) - qc_row.astype(np.float64)
         return np.einsum("ij,ij->i", diff, diff)
 
+    def _rerank_into(self, qc, rows, cand, ex, out_d, out_i) -> None:
+        """Exact float64 ordering by (distance, index) of candidate indices ``cand`` [len(rows), c];
+        writes the best ``out_d.shape[1]`` into ``out_d``/``out_i`` at ``rows`` (vectorised in chunks)."""
+        n = out_d.shape[1]
+        for c0 in range(0, rows.size, 256):
+            r = rows[c0 : c0 + 256]
+            idx = cand[c0 : c0 + 256]
+            diff = self._support_np[idx].astype(np.float64) - qc[r, None, :]
+            d64 = np.einsum("rcm,rcm->rc", diff, diff)
+            if ex is not None:
+                d64[idx == ex[r, None]] = np.inf
+            order = np.lexsort((idx, d64), axis=-1)[:, :n]
+            out_d[r, : order.shape[1]] = np.take_along_axis(d64, order, 1)
+            out_i[r, : order.shape[1]] = np.take_along_axis(idx, order, 1)
+
     # -- top-n neighbours ---------------------------------------------------------------------
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
         """Top-n nearest exemplars (the neighbours of ``equation:q``): (squared distances [N, n], indices [N, n]).
@@ -183,18 +198,8 @@ class ExactIndex:
                 cand = mx.argpartition(dist, kth=n_cand - 1, axis=1)[:, :n_cand]
             else:
                 cand = mx.broadcast_to(cols[None, :], dist.shape)
-            cand_np = np.array(cand).astype(np.int64)
-            # exact float64 re-rank of the candidates, vectorised in chunks of rows
-            for c0 in range(0, stop - start, 256):
-                c1 = min(c0 + 256, stop - start)
-                idx = cand_np[c0:c1]
-                diff = self._support_np[idx].astype(np.float64) - qc[start + c0 : start + c1, None, :]
-                d64 = np.einsum("rcm,rcm->rc", diff, diff)
-                if ex is not None:
-                    d64[idx == ex[start + c0 : start + c1, None]] = np.inf
-                order = np.lexsort((idx, d64), axis=-1)[:, :n]
-                out_d[start + c0 : start + c1, : order.shape[1]] = np.take_along_axis(d64, order, 1)
-                out_i[start + c0 : start + c1, : order.shape[1]] = np.take_along_axis(idx, order, 1)
+            rows = np.arange(start, stop)
+            self._rerank_into(qc, rows, np.array(cand).astype(np.int64), ex, out_d, out_i)
         out_i[~np.isfinite(out_d)] = -1
         return out_d, out_i
 
@@ -206,7 +211,15 @@ class ExactIndex:
         return cached
 
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
-        """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32).
+        """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32)."""
+        q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude, tol)
+        return q, d0
+
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None,
+                                  tol: float = 4e-6):
+        """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
+
+        The top-n neighbours are those of :meth:`search`, taken from the same distance blocks.
 
         The support columns are grouped so that, for queries predicted ŷ = c, the good
         neighbours (label = prediction = c) are one contiguous slice: the first bad
@@ -230,6 +243,10 @@ class ExactIndex:
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         q_out = np.zeros(qc.shape[0], dtype=np.int64)
         nearest_out = np.zeros(qc.shape[0], dtype=np.int64)
+        n = max(0, int(n))
+        n_cand = min(self.size, n + 8 + (1 if ex is not None else 0))
+        top_d = np.full((qc.shape[0], n), np.inf, dtype=np.float32)
+        top_i = np.full((qc.shape[0], n), -1, dtype=np.int64)
         tol_mx = mx.array(tol, dtype=mx.float32)
         inf = mx.array(float("inf"), dtype=mx.float32)
         cols = mx.arange(self.size)
@@ -253,7 +270,16 @@ class ExactIndex:
                     )
                 else:
                     count, ambiguous = mx.zeros((rows.size,), mx.int32), mx.zeros((rows.size,), mx.bool_)
-                mx.eval(count, ambiguous, nearest, first_bad)
+                cand = None
+                if n > 0:
+                    cand = mx.argpartition(dist, kth=n_cand - 1, axis=1)[:, :n_cand] if n_cand < self.size else None
+                mx.eval(count, ambiguous, nearest, first_bad, *([cand] if cand is not None else []))
+                if n > 0:
+                    if cand is not None:
+                        positions = np.array(cand)
+                    else:
+                        positions = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
+                    self._rerank_into(qc, rows, grouping.perm[positions], ex, top_d, top_i)
                 q_out[rows] = np.array(count)
                 nearest_out[rows] = grouping.perm[np.array(nearest)]
                 for r in np.flatnonzero(np.array(ambiguous)):
@@ -264,7 +290,8 @@ class ExactIndex:
         np.minimum(q_out, k_eff, out=q_out)
         diff = self._support_np[nearest_out].astype(np.float64) - qc.astype(np.float64)
         d0_out = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
-        return q_out, d0_out
+        top_i[~np.isfinite(top_d)] = -1
+        return q_out, d0_out, top_d, top_i
 
     def _resolve_near_ties(self, qc_row, dist_row, first_bad, a, b, q_sq, grouping, tol) -> int:
         """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
@@ -343,15 +370,23 @@ class HnswIndex:
 
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
         """Similarity q (``equation:q``) and d0 from the k approximate nearest neighbours (k − 1 if self-excluded)."""
+        q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude)
+        return q, d0
+
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
+        """(q, d0, top-n distances, top-n indices) from one approximate k-NN query (``equation:q``)."""
         qn = np.asarray(queries, dtype=np.float32)
         ex = _exclusion(exclude, qn.shape[0])
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
-        if k_eff == 0:
-            d, _ = self._neighbours(qn, 1, ex)
-            return np.zeros(qn.shape[0], dtype=np.int64), d[:, 0]
-        dist, idx = self._neighbours(qn, k_eff, ex)
-        q = similarity_from_neighbours(idx, np.asarray(y_hat, dtype=np.int64), np.asarray(good_by_class, bool))
-        return q, dist[:, 0].astype(np.float32)
+        n = max(0, int(n))
+        dist, idx = self._neighbours(qn, max(k_eff, n, 1), ex)
+        q = similarity_from_neighbours(idx[:, :k_eff], np.asarray(y_hat, dtype=np.int64),
+                                       np.asarray(good_by_class, bool))
+        top_d = np.full((qn.shape[0], n), np.inf, dtype=np.float32)
+        top_i = np.full((qn.shape[0], n), -1, dtype=np.int64)
+        m = min(n, dist.shape[1])
+        top_d[:, :m], top_i[:, :m] = dist[:, :m], idx[:, :m]
+        return q, dist[:, 0].astype(np.float32), top_d, top_i
 
 
 def make_index(support, backend: str = "exact", **kwargs):

@@ -169,3 +169,23 @@ def test_similarity_with_many_duplicates_matches_reference(exclude):
         np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, k, exclude=ex))
     rd, _ = brute(queries, support, ex)
     np.testing.assert_allclose(d0, rd[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["exact", "hnsw"])
+@pytest.mark.parametrize("self_excluded", [False, True])
+def test_similarity_and_neighbours_equals_separate_calls(random_data, backend, self_excluded):
+    support, queries, labels, preds, rng = random_data
+    good = good_neighbours_by_class(labels, preds, 3)
+    index = make_index(support, backend, **({"ef": 300} if backend == "hnsw" else {}))
+    if self_excluded:
+        queries, y_hat, ex = support[:50], preds[:50], np.arange(50)
+    else:
+        y_hat, ex = rng.integers(0, 3, len(queries)), None
+    q, d0, top_d, top_i = index.similarity_and_neighbours(queries, y_hat, good, 40, 6, exclude=ex)
+    q2, d02 = index.similarity(queries, y_hat, good, 40, exclude=ex)
+    sd, si = index.search(queries, 6, exclude=ex)
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_allclose(d0, d02, rtol=1e-5)
+    np.testing.assert_array_equal(top_i, si)
+    np.testing.assert_allclose(top_d, sd, rtol=1e-5)
+    np.testing.assert_allclose(top_d[:, 0], d0, rtol=1e-4, atol=1e-6)
