@@ -146,27 +146,36 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
             os.fsync(f.fileno())
 
 
-def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]:
-    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta)."""
+def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=ArtifactError) -> tuple[str, dict]:
+    """(absolute path, parsed ``filename``) of an artifact directory whose JSON manifest has the given
+    ``format`` and ``format_version``; ``error`` names the problem otherwise (missing, corrupt, wrong format
+    or version).  Repairs a save interrupted between its two renames first."""
     path = recover_interrupted_save(path)
     if not os.path.isdir(path):
-        raise ArtifactError(f"no model artifact at {path} (expected a directory with {MANIFEST})")
-    mpath = os.path.join(path, MANIFEST)
+        raise error(f"no {what} at {path} (expected a directory with {filename})")
+    mpath = os.path.join(path, filename)
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise ArtifactError(f"{path} is not an sdm_mlx artifact: {MANIFEST} is missing") from None
+        raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing") from None
     except json.JSONDecodeError as e:
-        raise ArtifactError(f"{mpath} is corrupt: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not an sdm_mlx artifact (format {manifest.get('format')!r})")
+        raise error(f"{mpath} is corrupt: {e}") from None
+    if not isinstance(manifest, dict):
+        raise error(f"{mpath} is corrupt: expected a JSON object")
+    if manifest.get("format") != fmt:
+        raise error(f"{mpath} is not an sdm_mlx {what} (format {manifest.get('format')!r}, expected {fmt!r})")
+    if manifest.get("format_version") != version:
+        raise error(f"{mpath} has format version {manifest.get('format_version')}; this sdm_mlx reads version {version}")
+    return path, manifest
+
+
+def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]:
+    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta)."""
+    path, manifest = read_manifest(path, MANIFEST, FORMAT, version, "model artifact")
+    mpath = os.path.join(path, MANIFEST)
     if manifest.get("kind") != kind:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}")
-    if manifest.get("format_version") != version:
-        raise ArtifactError(
-            f"{path} has format version {manifest.get('format_version')}, this sdm_mlx reads version {version}"
-        )
     meta = manifest.get("meta", {})
     if manifest.get("meta_sha256") != _meta_digest(meta):
         raise ArtifactError(f"{mpath}: checksum mismatch for the metadata (the manifest was modified)")

@@ -149,6 +149,9 @@ def test_corrupt_and_tampered_artifacts(gaussian_model, tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="format version 99"):
         SDMEstimator.load(path)
+    (path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="expected a JSON object"):
+        SDMEstimator.load(path)
     est.save(path)
     os.remove(path / "support.safetensors")
     with pytest.raises(ArtifactError, match="missing"):

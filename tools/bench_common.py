@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +30,12 @@ def best_time(fn, repeat: int = 2) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def write_report(path, report: dict) -> None:
+    """Write a benchmark's JSON report and say where."""
+    Path(path).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    print(f"wrote {path}")
 
 
 def load_bench_model(model: str | None, size: str):

@@ -17,7 +17,6 @@ JSON with ``--json`` and states which BLAS MLX used.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdm_mlx import embed as E  # noqa: E402
 from sdm_mlx.blas import describe_blas  # noqa: E402
-from bench_common import SIZES, best_time, load_bench_model  # noqa: E402
+from bench_common import SIZES, best_time, load_bench_model, write_report  # noqa: E402
 
 WORDS = ("the film was warm funny dull wooden long moving sharp plot cast acting review minute year classic "
          "water boils sun orbits paris capital spiders insects").split()
@@ -139,8 +138,7 @@ def main(argv=None) -> int:
     print(f"({args.docs} documents, {rows[0]['tokens']} kept tokens; padding overhead at the largest batch "
           f"{rows[-1]['padded_tokens'] / rows[-1]['tokens'] - 1:.1%})")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

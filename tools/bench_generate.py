@@ -26,7 +26,6 @@ Prints a table, writes JSON with ``--json`` and states which BLAS MLX used.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdm_mlx import embed as E  # noqa: E402
 from sdm_mlx.blas import describe_blas  # noqa: E402
-from bench_common import SIZES, load_bench_model  # noqa: E402
+from bench_common import SIZES, load_bench_model, write_report  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."
 TEMPLATE = ("Classify the sentiment of the following movie review. "
@@ -166,8 +165,7 @@ def main(argv=None) -> int:
           f"{1e3 * lat['adaptor_and_support_search_s']:.2f} ms, whole estimate {1e3 * lat['estimate_s']:.2f} ms, "
           f"total {1e3 * lat['verification_total_s']:.2f} ms (p90 {1e3 * lat['verification_total_p90_s']:.2f} ms)")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

@@ -14,7 +14,6 @@ MLX's bundled BLAS instead. The report says which was used.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -23,7 +22,7 @@ import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-from bench_common import best_time
+from bench_common import best_time, write_report
 from sdm_mlx.blas import describe_blas
 from sdm_mlx.data import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
@@ -78,10 +77,26 @@ def bench_epoch(exemplar_dim: int) -> dict:
     }
 
 
-def bench_hnsw_vs_exact(epochs: int = 5) -> dict:
-    """q and d0 from hnswlib vs the exact index on a model trained on the embedded data."""
+def _compare_hnsw(support, queries, y_hat, good, k, q_exact, d0_exact, efs=(64, 256)) -> dict:
+    """Build hnswlib indexes (ef in ``efs``) and compare their q and d0 with the exact ones."""
     from sdm_mlx.index import HnswIndex
 
+    out = {}
+    for ef in efs:
+        t = time.perf_counter()
+        q_h, d_h = HnswIndex(support, ef=ef).similarity(queries, y_hat, good, k)
+        out[f"hnsw_ef{ef}"] = {
+            "seconds": time.perf_counter() - t,
+            "q_equal_fraction": float((q_h == q_exact).mean()),
+            "q_mean_abs_diff": float(np.abs(q_h - q_exact).mean()),
+            "q_positive_agreement": float(((q_h > 0) == (q_exact > 0)).mean()),
+            "d0_max_rel_diff": float(np.max(np.abs(d_h - d0_exact) / np.maximum(d0_exact, 1e-12))),
+        }
+    return out
+
+
+def bench_hnsw_vs_exact(epochs: int = 5) -> dict:
+    """q and d0 from hnswlib vs the exact index on a model trained on the embedded data."""
     pool, _, _ = factcheck_splits()
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(pool))
@@ -95,24 +110,12 @@ def bench_hnsw_vs_exact(epochs: int = 5) -> dict:
     exact = ExactIndex(h_tr)
     q_e, d_e = exact.similarity(h_ca, yhat, good, r.k)
     out["exact_seconds"] = time.perf_counter() - t
-    for ef in (64, 256):
-        t = time.perf_counter()
-        hn = HnswIndex(h_tr, ef=ef)
-        q_h, d_h = hn.similarity(h_ca, yhat, good, r.k)
-        out[f"hnsw_ef{ef}"] = {
-            "seconds": time.perf_counter() - t,
-            "q_equal_fraction": float((q_h == q_e).mean()),
-            "q_mean_abs_diff": float(np.abs(q_h - q_e).mean()),
-            "q_positive_agreement": float(((q_h > 0) == (q_e > 0)).mean()),
-            "d0_max_rel_diff": float(np.max(np.abs(d_h - d_e) / np.maximum(d_e, 1e-12))),
-        }
+    out.update(_compare_hnsw(h_tr, h_ca, yhat, good, r.k, q_e, d_e))
     return out
 
 
 def bench_hnsw_synthetic(n_support: int = 10_000, n_queries: int = 1000, dim: int = 1000, k: int = 5000) -> dict:
     """hnswlib vs exact q on clustered high-dimensional data (40 Gaussian clusters, 2 classes, 10% errors)."""
-    from sdm_mlx.index import HnswIndex
-
     rng = np.random.default_rng(1)
     centers = rng.normal(size=(40, dim)).astype(np.float32) * 0.35
     cluster_class = rng.integers(0, 2, 40)
@@ -129,16 +132,7 @@ def bench_hnsw_synthetic(n_support: int = 10_000, n_queries: int = 1000, dim: in
     q_e, d_e = ExactIndex(support).similarity(queries, y_hat, good, k)
     out = {"support": n_support, "queries": n_queries, "dim": dim, "k": k, "exact_seconds": time.perf_counter() - t,
            "exact_mean_q": float(q_e.mean())}
-    for ef in (64, 256):
-        t = time.perf_counter()
-        q_h, d_h = HnswIndex(support, ef=ef).similarity(queries, y_hat, good, k)
-        out[f"hnsw_ef{ef}"] = {
-            "seconds": time.perf_counter() - t,
-            "q_equal_fraction": float((q_h == q_e).mean()),
-            "q_mean_abs_diff": float(np.abs(q_h - q_e).mean()),
-            "q_positive_agreement": float(((q_h > 0) == (q_e > 0)).mean()),
-            "d0_max_rel_diff": float(np.max(np.abs(d_h - d_e) / np.maximum(d_e, 1e-12))),
-        }
+    out.update(_compare_hnsw(support, queries, y_hat, good, k, q_e, d_e))
     return out
 
 
@@ -175,8 +169,7 @@ def main(argv=None) -> int:
                   f"mean |Δq| {h['q_mean_abs_diff']:.2f}, q>0 agreement {h['q_positive_agreement']:.1%}, "
                   f"max rel Δd0 {h['d0_max_rel_diff']:.2g}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(args.json, report)
     return 0
 
 

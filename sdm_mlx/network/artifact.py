@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..artifact import atomic_directory, recover_interrupted_save, sha256_file
+from ..artifact import atomic_directory, read_manifest, sha256_file
 from .heads import HeadShapeError, SDMHeads, model_dims
 
 FORMAT = "sdm_mlx_network"
@@ -90,23 +90,8 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
 
 def read_network_config(path) -> dict:
     """The validated ``network_config.json`` of a network directory."""
-    path = recover_interrupted_save(path)
+    path, config = read_manifest(path, CONFIG_FILE, FORMAT, FORMAT_VERSION, "SDM network", NetworkArtifactError)
     cpath = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise NetworkArtifactError(f"no SDM network at {path} (expected a directory with {CONFIG_FILE})")
-    try:
-        with open(cpath, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise NetworkArtifactError(f"{path} is not an SDM network: {CONFIG_FILE} is missing") from None
-    except json.JSONDecodeError as e:
-        raise NetworkArtifactError(f"{cpath} is corrupt: {e}") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise NetworkArtifactError(f"{cpath} is not an SDM-network config (format {config.get('format')!r})")
-    if config.get("format_version") != FORMAT_VERSION:
-        raise NetworkArtifactError(
-            f"{cpath} has format version {config.get('format_version')}; this sdm_mlx reads version {FORMAT_VERSION}"
-        )
     for key in ("base_model", "vocab_size", "hidden_size", "head_file", "verifier"):
         if key not in config:
             raise NetworkArtifactError(f"{cpath} lacks the key {key!r}")
