@@ -114,18 +114,15 @@ def sdm_numpy(z: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def split_state(z, h, labels_support, support_index, good, k, ecdfs_for_d, exclude=None, labels_for_ecdfs=None,
-                num_classes=None):
-    """q, d0 (and optionally eCDFs built from this split) then d and the flip rule for one split.
+def split_state(z, h, labels, support_index, good, k, num_classes, exclude=None):
+    """One split's q, d0, its own distance eCDFs (``equation:d``), d and the flip rule.
 
-    Returns (SplitState, ecdfs) where ecdfs are built from this split when ``labels_for_ecdfs``
-    is given (and used for its own d), else ``ecdfs_for_d`` is used.
+    Training rows pass ``exclude`` (their own support index) and get training eCDFs;
+    calibration rows get calibration eCDFs.  Returns (SplitState, eCDFs).
     """
     y_hat = z.argmax(axis=1)
     q, d0 = support_index.similarity(h, y_hat, good, k, exclude=exclude)
-    ecdfs = ecdfs_for_d
-    if labels_for_ecdfs is not None:
-        ecdfs = distance_ecdfs(d0, labels_for_ecdfs, q, num_classes)
+    ecdfs = distance_ecdfs(d0, labels, q, num_classes)
     d = distance_quantile(d0, ecdfs)
     s = sdm_numpy(z, q, d)
     flipped = flip_rule(s, y_hat)
@@ -197,14 +194,8 @@ def train_round(
         yhat_tr = z_tr.argmax(axis=1)
         good = good_neighbours_by_class(y_tr, yhat_tr, num_classes)
         index = make_index(h_tr, config.index_backend)
-        tr_state, tr_ecdfs = split_state(
-            z_tr, h_tr, y_tr, index, good, k, None, exclude=np.arange(n_tr), labels_for_ecdfs=y_tr,
-            num_classes=num_classes,
-        )
-        ca_state, ca_ecdfs = split_state(
-            z_ca, h_ca, y_tr, index, good, k, None, labels_for_ecdfs=y_ca, num_classes=num_classes
-        )
-        # calibration rows use calibration eCDFs, training rows training eCDFs (built above)
+        tr_state, tr_ecdfs = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes, exclude=np.arange(n_tr))
+        ca_state, ca_ecdfs = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes)
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
         accuracy = float((ca_state.y_hat == y_ca).mean())
