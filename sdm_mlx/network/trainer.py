@@ -534,6 +534,7 @@ class SDMNetworkTrainer:
                                "seed": self.config.seed})
 
     def run(self) -> NetworkTrainResult:
+        """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
         c = self.config
         os.makedirs(self.out, exist_ok=True)
         t_start = time.perf_counter()
