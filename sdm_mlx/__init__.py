@@ -1,4 +1,9 @@
-"""sdm_mlx: Similarity-Distance-Magnitude activations, calibration and networks in MLX."""
+"""sdm_mlx: Similarity-Distance-Magnitude activations, calibration and networks in MLX.
+
+The public names below are imported on first use (PEP 562), so ``import sdm_mlx`` and
+``sdm-mlx --help`` stay instant and do not load MLX; importing the package does load a fast
+BLAS for MLX on Linux first (see :mod:`sdm_mlx.blas`).
+"""
 
 __version__ = "0.1.0"
 
@@ -6,15 +11,27 @@ from .blas import preload_openblas  # noqa: E402
 
 preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/blas.py)
 
-from .activation import log_sdm, sdm, sdm_nll_loss  # noqa: E402
-from .adaptor import ExemplarAdaptor  # noqa: E402
-from .data import Dataset, load_factcheck, read_jsonl  # noqa: E402
-from .distance import distance_ecdfs, distance_quantile  # noqa: E402
-from .estimator import Predictions, SDMEstimator  # noqa: E402
-from .index import ExactIndex, HnswIndex, make_index, similarity_from_neighbours  # noqa: E402
+#: public name -> the module that defines it
+_EXPORTS = {
+    "sdm": "activation", "log_sdm": "activation", "sdm_nll_loss": "activation",
+    "ExemplarAdaptor": "adaptor",
+    "Dataset": "data", "load_factcheck": "data", "read_jsonl": "data",
+    "distance_ecdfs": "distance", "distance_quantile": "distance",
+    "Predictions": "estimator", "SDMEstimator": "estimator",
+    "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = [
-    "sdm", "log_sdm", "sdm_nll_loss", "ExemplarAdaptor", "Dataset", "load_factcheck", "read_jsonl",
-    "distance_ecdfs", "distance_quantile", "Predictions", "SDMEstimator", "ExactIndex", "HnswIndex",
-    "make_index", "similarity_from_neighbours",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sdm_mlx' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -27,3 +27,10 @@ def test_python_dash_m_and_exit_codes():
     r = subprocess.run([sys.executable, "-m", "sdm_mlx", "predict", "--model", "/nonexistent", "--input", "x"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "no model artifact" in r.stderr
+
+
+def test_help_does_not_import_mlx():
+    code = ("import sys, sdm_mlx.cli as c; c.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]", r.stdout
