@@ -11,7 +11,8 @@ import pytest
 
 from sdm_mlx import cli
 from sdm_mlx.baselines import run_baselines
-from sdm_mlx.data import Dataset, read_jsonl, write_jsonl_atomic
+from sdm_mlx.data import Dataset, read_jsonl
+from sdm_mlx.io import write_jsonl
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.evaluate import (
     DEFAULT_BASELINES,
@@ -238,7 +239,7 @@ def _write(path, ds: Dataset, with_labels=True):
         if ds.documents[i] is not None:
             row["document"] = ds.documents[i]
         rows.append(row)
-    write_jsonl_atomic(path, rows)
+    write_jsonl(path, rows)
     return str(path)
 
 
