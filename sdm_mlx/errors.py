@@ -23,3 +23,7 @@ class OutputError(SDMError):
 
 class ArtifactError(SDMError):
     """A missing, corrupt, tampered or incompatible artifact."""
+
+
+class InputNotFoundError(InputError, FileNotFoundError):
+    """An input path that does not exist (also a ``FileNotFoundError`` for callers that catch that)."""

@@ -29,7 +29,7 @@ from dataclasses import asdict, is_dataclass
 
 import numpy as np
 
-from .errors import InputError, OutputError
+from .errors import InputError, InputNotFoundError, OutputError
 
 STDIO = "-"
 FILE_MODE = 0o644
@@ -250,7 +250,7 @@ def _open_input(path):
     if os.path.isdir(path):
         raise InputError(f"input {path} is a directory, expected a JSONL file")
     if not os.path.exists(path):
-        raise InputError(f"input file not found: {path}")
+        raise InputNotFoundError(f"input file not found: {path}")
     try:
         return open(path, encoding="utf-8-sig"), True
     except OSError as e:
