@@ -47,7 +47,7 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["selected_epoch"] in (0, 1) and len(summary["epochs"]) == 1
     out = tmp_path / "out"
-    assert sorted(os.listdir(out)) == ["metrics.json", "network", "verification_rows.jsonl", "verifier"]
+    assert sorted(os.listdir(out)) == [".sdm_mlx_run.json", "metrics.json", "network", "verification_rows.jsonl", "verifier"]
     assert sorted(os.listdir(out / "network")) == ["network_config.json", "positive_head.safetensors", "verifier"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["learning_rate"] == 0.01 and metrics["epochs"][0]["tokens"] > 0
