@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from .errors import ArtifactError, OutputError
-from .io import DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, refuse_inputs_inside, strict
+from .io import DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside, strict
 
 FORMAT = "sdm_mlx"
 MANIFEST = "manifest.json"
@@ -197,7 +197,7 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
     _check_replaceable(real, shown, overwrite, error)
     parent, base = os.path.split(real)
     try:
-        os.makedirs(parent, mode=DIR_MODE, exist_ok=True)
+        make_dirs(parent)
         _remove_stale_temporaries(real)
         tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", suffix=".sdm-tmp", dir=parent)
     except OSError as e:
@@ -274,8 +274,7 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
     if check_only:
         return real
     try:
-        os.makedirs(real, mode=DIR_MODE, exist_ok=True)
-        os.chmod(real, DIR_MODE)
+        make_dirs(real)
     except OSError as e:
         raise OutputError(f"cannot create {flag} {describe_os_error(e, shown)}") from None
     write_json(marker, {"format": "sdm_mlx_run", "kind": kind,

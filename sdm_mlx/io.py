@@ -74,12 +74,33 @@ def describe_os_error(e: OSError, path=None) -> str:
     return f"{where}: {reason}" if where is not None else reason
 
 
+def make_dirs(path) -> None:
+    """``os.makedirs`` whose new directories are 0755 whatever the umask (existing ones are left alone)."""
+    missing, p = [], os.path.abspath(os.fspath(path))
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        os.chmod(d, DIR_MODE)
+
+
 def make_parent(path) -> None:
     """Create the parent directory of ``path`` (0755) if it is missing."""
     parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise OutputError(f"cannot write {path}: {parent} is not a directory")
     if not os.path.isdir(parent):
         try:
-            os.makedirs(parent, mode=DIR_MODE)
+            make_dirs(parent)
         except OSError as e:
             raise OutputError(f"cannot create the directory for {path}: {describe_os_error(e, parent)}") from None
 
