@@ -34,7 +34,8 @@ from .errors import InputError, InputNotFoundError, OutputError
 STDIO = "-"
 FILE_MODE = 0o644
 DIR_MODE = 0o755
-_STREAM_PREFIXES = ("/dev/", "/proc/self/fd/")
+#: names of already open descriptors: always streamed, even when they point at a regular file
+_STREAM_PREFIXES = ("/dev/fd/", "/dev/stdout", "/dev/stderr", "/proc/self/fd/")
 
 
 # --------------------------------------------------------------------------------------------
