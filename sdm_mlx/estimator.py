@@ -28,17 +28,17 @@ from mlx.utils import tree_flatten
 
 from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
-from .io import put_float
-
-#: why a stored robust min valid q~ is null (+inf): every prediction is rejected
-ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
-                     "threshold reach the median, or a non-finite MAD), so every prediction is rejected")
 from .calibration import RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round
 from .data import check_features, check_labels
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
+from .io import put_float
 from .progress import log
 from .train import TrainConfig, sdm_numpy, train_rounds
+
+#: why a stored robust min valid q~ is null (+inf): every prediction is rejected
+ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
+                     "threshold reach the median, or a non-finite MAD), so every prediction is rejected")
 
 ARTIFACT_KIND = "sdm_estimator"
 ARTIFACT_VERSION = 1
