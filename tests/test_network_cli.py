@@ -57,6 +57,18 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     net = load_network(out / "network")
     assert net.verifier.input_dim_ == 2 * net.heads.hidden_size
     assert net.settings["completions"] == ['{"sentiment": "negative"}', '{"sentiment": "positive"}']
+    for p in (out / "network" / "network_config.json", out / "metrics.json"):
+        json.loads(p.read_text(), parse_constant=lambda c: pytest.fail(f"{p} holds {c}"))
+
+    # a second run into the same directory needs --overwrite; files of the user's in it are kept
+    (out / "notes.txt").write_text("mine")
+    assert main(["network-train", "--config", recipe]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["network-train", "--config", recipe, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert load_network(out / "network", load_verifier=False).config["base_model"] == str(tiny_phi3_path)
 
 
 def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
