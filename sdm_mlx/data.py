@@ -156,15 +156,16 @@ def read_objects(path, unique_ids: bool = False) -> list[tuple[int, dict]]:
     ``unique_ids``: every row must also have an ``id``, and no id may repeat.
     """
     rows, seen = [], {}
+    where = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
     for line_no, row in iter_jsonl(path):
         if not isinstance(row, dict):
-            raise InputError(f"{path}:{line_no}: each line must be a JSON object")
+            raise InputError(f"{where}:{line_no}: each line must be a JSON object")
         if unique_ids:
             if "id" not in row:
-                raise InputError(f"{path}:{line_no}: missing field 'id'")
+                raise InputError(f"{where}:{line_no}: missing field 'id'")
             key = id_key(row["id"])
             if key in seen:
-                raise InputError(f"{path}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
+                raise InputError(f"{where}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
             seen[key] = line_no
         rows.append((line_no, row))
     return rows
