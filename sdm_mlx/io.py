@@ -328,7 +328,8 @@ def _same(a: str, b: str) -> bool:
 
 
 def refuse_same_files(outputs, inputs) -> None:
-    """Raise :class:`OutputError` if an output file is the same file as an input (or as another output).
+    """Raise :class:`OutputError` if an output file is the same file as an input (or as another output),
+    or lies inside an input directory (e.g. a ``--model``).
 
     ``outputs``/``inputs``: ``[(flag, path or list of paths), ...]``; ``None``/``-`` are skipped;
     device outputs (``/dev/null``...) are streams and may repeat."""
@@ -336,6 +337,9 @@ def refuse_same_files(outputs, inputs) -> None:
     ins = _flag_paths(inputs)
     for i, (oflag, out) in enumerate(outs):
         for iflag, inp in ins:
+            if os.path.isdir(inp) and _inside(out, inp):
+                raise OutputError(f"{oflag} {out} is inside the {iflag} directory {inp}; refusing to write into an "
+                                  "input (choose another output path)")
             if _same(out, inp):
                 raise OutputError(f"{oflag} {out} is the same file as {iflag} {inp}; refusing to overwrite an input "
                                   "(choose another output path)")

@@ -124,7 +124,7 @@ def run(args) -> int:
 
     require(args, "model", "input")
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
-    in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data)]
+    in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
     refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)
     verbose = not args.quiet
     est = SDMEstimator.load(args.model)

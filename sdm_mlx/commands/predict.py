@@ -27,7 +27,8 @@ def run(args) -> int:
     from ..io import refuse_same_files, write_json, write_jsonl
 
     require(args, "model", "input")
-    refuse_same_files([("--output", args.output), ("--summary", args.summary)], [("--input", args.input)])
+    refuse_same_files([("--output", args.output), ("--summary", args.summary)],
+                      [("--input", args.input), ("--model", args.model)])
     est = SDMEstimator.load(args.model)
     est.verbose = False
     trained_on = getattr(est, "feature_field_", None)
