@@ -5,11 +5,19 @@ Layout of an artifact directory::
     manifest.json          {"format", "format_version", "kind", "created", "files": {name: sha256}, "meta": {...}}
     <group>.safetensors    named float/int arrays (one file per group)
 
-No pickle anywhere.  A save writes a sibling temporary directory, fsyncs it and
-swaps it into place, so a crash mid-save leaves the previous artifact intact
-(an interrupted swap is repaired on the next load).  Loading verifies the
-format, version and every file's SHA-256 and raises :class:`ArtifactError`
-with the reason otherwise.
+No pickle anywhere.  A save writes a hidden sibling temporary directory
+(``.<name>.<pid>.*.sdm-tmp``), fsyncs it and swaps it into place, so a crash (even
+``kill -9``) mid-save leaves the previous artifact intact (an interrupted swap is
+repaired on the next load; temporaries of dead processes are removed by the next
+save).  What may be replaced: a missing path, an empty directory, or — only with
+``overwrite`` — an sdm_mlx artifact; never a file, a foreign directory, the working
+directory or a directory holding an input.  Files are 0644 and directories 0755
+whatever the umask.  Loading verifies the format, version and every file's SHA-256
+and raises :class:`ArtifactError` with the reason otherwise.
+
+Run directories (``demo``, ``network-train``) hold several outputs; they are marked
+with ``.sdm_mlx_run.json`` (:func:`prepare_run_directory`) and written into again only
+with ``overwrite``; nothing else in them is touched.
 """
 
 from __future__ import annotations
