@@ -35,7 +35,10 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from .errors import ArtifactError, OutputError
-from .io import DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside, strict
+from .io import (
+    DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
+    remove_stale_temporaries, strict,
+)
 
 FORMAT = "sdm_mlx"
 MANIFEST = "manifest.json"
@@ -135,34 +138,6 @@ def _backup_path(real: str) -> str:
     return os.path.join(parent, f".{base}.sdm-previous")
 
 
-def _remove_stale_temporaries(real: str) -> None:
-    """Delete temporary directories of earlier saves of ``real`` whose process is gone (e.g. killed)."""
-    parent, base = os.path.split(real)
-    prefix = f".{base}."
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".sdm-tmp")):
-            continue
-        pid = name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def set_modes(root: str) -> None:
     """0755 for ``root`` and its directories, 0644 for its files (independent of the umask)."""
     os.chmod(root, DIR_MODE)
@@ -206,7 +181,7 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
     parent, base = os.path.split(real)
     try:
         make_dirs(parent)
-        _remove_stale_temporaries(real)
+        remove_stale_temporaries(real)
         tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", suffix=".sdm-tmp", dir=parent)
     except OSError as e:
         raise error(f"cannot write {describe_os_error(e, shown)}") from None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -66,6 +67,42 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: str) -> None:
+    """Delete the temporaries (``.<name>.<pid>.*.sdm-tmp``, files or directories) that earlier writes of
+    ``target`` left when their process died (e.g. ``kill -9``); those of live processes are kept."""
+    parent, base = os.path.split(os.path.abspath(target))
+    prefix = f".{base}."
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".sdm-tmp")):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            p = os.path.join(parent, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
 
 
 def describe_os_error(e: OSError, path=None) -> str:
@@ -135,7 +172,8 @@ def _replace_file(path: str, binary: bool):
         raise OutputError(f"cannot write {path}: it is a directory")
     make_parent(target)
     parent, base = os.path.split(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".sdm-tmp", dir=parent)
+    remove_stale_temporaries(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.{os.getpid()}.", suffix=".sdm-tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             yield f

@@ -240,6 +240,13 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path):
     assert p.read_text() == "old\n" and os.listdir(tmp_path) == ["out.jsonl"]
     write_jsonl(p, [{"x": float("inf")}])
     assert loads_strict(p.read_text()) == {"x": None}
+    # temporaries of a killed writer are removed by the next write; a live writer's are kept
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".out.jsonl.{dead.pid}.abc.sdm-tmp").write_text("partial")
+    (tmp_path / f".out.jsonl.{os.getpid()}.xyz.sdm-tmp").write_text("in progress")
+    write_jsonl(p, [{"x": 1}])
+    assert sorted(os.listdir(tmp_path)) == [f".out.jsonl.{os.getpid()}.xyz.sdm-tmp", "out.jsonl"]
 
 
 # ------------------------------------------------------------------------------------ kill -9
