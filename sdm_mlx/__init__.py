@@ -19,6 +19,7 @@ _EXPORTS = {
     "distance_ecdfs": "distance", "distance_quantile": "distance",
     "Predictions": "estimator", "SDMEstimator": "estimator",
     "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
+    "SDMError": "errors", "InputError": "errors", "OutputError": "errors", "ArtifactError": "errors",
 }
 __all__ = list(_EXPORTS)
 

@@ -58,6 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .io import get_float, put_float
 from .rescaler import (
     DEFAULT_LEARNING_RATE,
     DEFAULT_MAX_EPOCHS,
@@ -655,7 +656,9 @@ class RoundCalibration:
             lists = getattr(self, name)
             arrays[name + "_values"] = np.concatenate([np.asarray(a) for a in lists]) if lists else np.zeros(0)
             arrays[name + "_counts"] = np.array([len(a) for a in lists], dtype=np.int64)
-        meta = {"num_classes": int(self.num_classes), "alpha": float(self.alpha), "min_valid": float(self.min_valid)}
+        meta = {"num_classes": int(self.num_classes), "alpha": float(self.alpha)}
+        put_float(meta, "min_valid", self.min_valid, "no valid threshold: Alg. 3 found no q~ where psi_c >= alpha "
+                                                     "for every class, so this round rejects every prediction")
         if self.rescaler is not None:
             meta["rescaler"] = {
                 "epoch_losses": self.rescaler.epoch_losses.tolist(),
@@ -681,9 +684,16 @@ class RoundCalibration:
             y_hat=a["y_hat"].astype(np.int64), sdm_flip=a["sdm_flip"].astype(bool), v=a["v"],
             q_tilde_pre=a["q_tilde_pre"], o=a["o"], non_ood=a["non_ood"].astype(bool), q_tilde=a["q_tilde"],
             hard_bin=a["hard_bin"].astype(np.int64), o_true=a["o_true"], o_hat=a["o_hat"],
-            sample_size_arrays=split("sample_size_arrays"), min_valid=float(meta["min_valid"]),
+            sample_size_arrays=split("sample_size_arrays"), min_valid=_stored_min_valid(meta),
             psi=a["psi"], medians=a["medians"],
         )
+
+
+def _stored_min_valid(meta: dict) -> float:
+    value = get_float(meta, "min_valid")
+    if value is None:
+        raise ValueError("round metadata has min_valid null without a min_valid_reason")
+    return value
 
 
 def calibrate_round(

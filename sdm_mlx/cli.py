@@ -12,11 +12,13 @@ are rejected.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 
 from . import __version__
+from .errors import SDMError
 
 #: verb -> module name under sdm_mlx.commands, in the order shown by --help.
 VERBS = {
@@ -34,7 +36,7 @@ VERBS = {
 }
 
 
-class CLIError(Exception):
+class CLIError(SDMError):
     """A user-facing error: printed as ``sdm-mlx <verb>: error: ...`` with exit code 2."""
 
 
@@ -46,6 +48,19 @@ def require(args: argparse.Namespace, *names: str) -> None:
         raise CLIError(f"missing required option(s): {flags} (on the command line or in --config)")
 
 
+def user_message(e: BaseException) -> str:
+    """The one-line message for a user error (an OSError names its path and reason, never a traceback)."""
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    if isinstance(e, OSError) and not isinstance(e, SDMError):
+        from .io import describe_os_error
+
+        if e.errno == errno.ENOSPC:
+            return f"no space left on the device ({describe_os_error(e)})"
+        return describe_os_error(e)
+    return str(e)
+
+
 def _load_yaml_config(path: str, parser: argparse.ArgumentParser) -> dict:
     import yaml
 
@@ -54,6 +69,8 @@ def _load_yaml_config(path: str, parser: argparse.ArgumentParser) -> dict:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise CLIError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"cannot read the config file {path}: {getattr(e, 'strerror', None) or e}") from None
     except yaml.YAMLError as e:
         raise CLIError(f"config file {path} is not valid YAML: {e}") from None
     if data is None:
@@ -134,11 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError) as e:  # SDMError (a ValueError) and the OSErrors of user paths
         if os.environ.get("SDM_MLX_DEBUG"):
             raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"sdm-mlx {args.verb}: error: {msg}", file=sys.stderr)
+        print(f"sdm-mlx {args.verb}: error: {user_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sdm-mlx {args.verb}: interrupted", file=sys.stderr)

@@ -4,8 +4,10 @@ JSONL rows: ``id`` (required, unique), ``label`` (int 0..C−1; required for
 training, calibration and evaluation), ``embedding`` and/or ``attributes``
 (lists of floats), optional ``document``.  Feature selection (``features``):
 ``"embedding"``, ``"attributes"``, ``"embedding+attributes"`` (concatenated,
-embedding first) or ``"auto"`` (whichever the file has; both ⇒ concatenated).
-Every problem raises ``ValueError`` naming the file and line.
+embedding first) or ``"auto"`` (whichever the file has; both ⇒ concatenated, unless the
+model was trained on one of them: ``prefer``).  Every problem raises
+:class:`~sdm_mlx.errors.InputError` (a ``ValueError``) naming the file and line.
+Reading goes through :func:`sdm_mlx.io.iter_jsonl` (``-`` = stdin, UTF-8 BOM accepted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from importlib import resources
 
 import numpy as np
 
+from .errors import InputError
+from .io import is_stream, iter_jsonl  # noqa: F401  (the one JSONL reader; re-exported for callers of sdm_mlx.data)
+
 FEATURE_CHOICES = ("auto", "embedding", "attributes", "embedding+attributes")
 
 
@@ -31,6 +36,7 @@ class Dataset:
     y: np.ndarray | None = None
     documents: list = field(default_factory=list)
     source: str = ""
+    features: str | None = None  #: the row field(s) the features came from ("embedding", "attributes", both)
 
     def __post_init__(self):
         if not self.documents:
@@ -47,6 +53,7 @@ class Dataset:
             y=None if self.y is None else self.y[index],
             documents=[self.documents[i] for i in index],
             source=self.source,
+            features=self.features,
         )
 
     @staticmethod
@@ -57,96 +64,90 @@ class Dataset:
             y=None if any(p.y is None for p in parts) else np.concatenate([p.y for p in parts]),
             documents=[d for p in parts for d in p.documents],
             source="+".join(p.source for p in parts),
+            features=parts[0].features if len({p.features for p in parts}) == 1 else None,
         )
 
 
-def _row_features(row: dict, features: str, where: str) -> list:
+def resolve_features(row: dict, features: str, prefer: str | None = None) -> str:
+    """The concrete feature field(s) of ``row`` for a ``features`` choice; ``auto`` takes ``prefer`` (the
+    field a model was trained on) when the row has it, else whatever the row has (both ⇒ concatenated)."""
+    if features != "auto":
+        return features
+    if prefer and prefer != "auto" and all(name in row for name in prefer.split("+")):
+        return prefer
     has_e, has_a = "embedding" in row, "attributes" in row
-    if features == "auto":
-        features = "embedding+attributes" if has_e and has_a else "embedding" if has_e else "attributes"
+    return "embedding+attributes" if has_e and has_a else "embedding" if has_e else "attributes"
+
+
+def _row_features(row: dict, features: str, where: str) -> list:
     parts = []
     for name in features.split("+"):
         if name not in row:
-            raise ValueError(f"{where}: missing field {name!r} (features={features!r})")
+            raise InputError(f"{where}: missing field {name!r} (features={features!r})")
         value = row[name]
         if not isinstance(value, list) or not value:
-            raise ValueError(f"{where}: field {name!r} must be a non-empty list of numbers")
+            raise InputError(f"{where}: field {name!r} must be a non-empty list of numbers")
         parts.extend(value)
     return parts
 
 
-def parse_rows(rows, source: str, features: str = "auto", require_labels: bool = True) -> Dataset:
-    """Build a validated :class:`Dataset` from an iterable of (line_number, dict)."""
+def parse_rows(rows, source: str, features: str = "auto", require_labels: bool = True,
+               prefer: str | None = None) -> Dataset:
+    """Build a validated :class:`Dataset` from an iterable of (line_number, dict); see the module docstring."""
     if features not in FEATURE_CHOICES:
-        raise ValueError(f"features must be one of {FEATURE_CHOICES}, got {features!r}")
+        raise InputError(f"features must be one of {FEATURE_CHOICES}, got {features!r}")
     ids, feats, labels, docs, seen = [], [], [], [], {}
-    width = None
+    width, used = None, None
     for line_no, row in rows:
         where = f"{source}:{line_no}"
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: each line must be a JSON object")
+            raise InputError(f"{where}: each line must be a JSON object")
         if "id" not in row:
-            raise ValueError(f"{where}: missing field 'id'")
+            raise InputError(f"{where}: missing field 'id'")
         rid = row["id"]
         key = json.dumps(rid, sort_keys=True)
         if key in seen:
-            raise ValueError(f"{where}: duplicate id {rid!r} (first seen on line {seen[key]})")
+            raise InputError(f"{where}: duplicate id {rid!r} (first seen on line {seen[key]})")
         seen[key] = line_no
-        vec = _row_features(row, features, where)
+        field_ = resolve_features(row, features, prefer)
+        if used is None:
+            used = field_
+        elif field_ != used:
+            raise InputError(f"{where}: this row's features come from {field_!r}, earlier rows' from {used!r}; "
+                             "give every row the same fields or pass --features")
+        vec = _row_features(row, field_, where)
         if width is None:
             width = len(vec)
         elif len(vec) != width:
-            raise ValueError(f"{where}: feature vector has {len(vec)} values, earlier rows have {width}")
+            raise InputError(f"{where}: feature vector has {len(vec)} values, earlier rows have {width}")
         raw = np.asarray(vec)
         if raw.dtype.kind not in "iuf" or raw.ndim != 1:
-            raise ValueError(f"{where}: features must be flat lists of numbers (id {rid!r})")
+            raise InputError(f"{where}: features must be flat lists of numbers (id {rid!r})")
         arr = raw.astype(np.float32)
         if not np.isfinite(arr).all():
-            raise ValueError(f"{where}: features contain NaN or Inf (id {rid!r})")
+            raise InputError(f"{where}: features contain NaN or Inf (id {rid!r})")
         if require_labels or "label" in row:
             if "label" not in row:
-                raise ValueError(f"{where}: missing field 'label'")
+                raise InputError(f"{where}: missing field 'label'")
             lab = row["label"]
             if isinstance(lab, bool) or not isinstance(lab, int):
-                raise ValueError(f"{where}: label must be an integer class index, got {lab!r}")
+                raise InputError(f"{where}: label must be an integer class index, got {lab!r}")
             labels.append(lab)
         ids.append(rid)
         feats.append(arr)
         docs.append(row.get("document"))
     if not ids:
-        raise ValueError(f"{source}: no rows")
+        raise InputError(f"{source}: no rows")
     if labels and len(labels) != len(ids):
-        raise ValueError(f"{source}: some rows have a 'label' and others do not")
+        raise InputError(f"{source}: some rows have a 'label' and others do not")
     return Dataset(
         ids=ids,
         X=np.stack(feats),
         y=np.asarray(labels, dtype=np.int64) if labels else None,
         documents=docs,
         source=source,
+        features=used,
     )
-
-
-def iter_jsonl(path_or_lines, source: str | None = None):
-    """Yield (line_number, parsed object) for non-blank lines; malformed JSON raises ValueError."""
-    if isinstance(path_or_lines, (str, os.PathLike)):
-        source = source or str(path_or_lines)
-        if not os.path.exists(path_or_lines):
-            raise FileNotFoundError(f"input file not found: {path_or_lines}")
-        fh = open(path_or_lines, encoding="utf-8")
-    else:
-        fh = path_or_lines
-        source = source or "<lines>"
-    try:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{source}:{line_no}: malformed JSON ({e.msg}); is the file truncated?") from None
-    finally:
-        if isinstance(path_or_lines, (str, os.PathLike)):
-            fh.close()
 
 
 def read_objects(path, unique_ids: bool = False) -> list[tuple[int, dict]]:
@@ -155,15 +156,16 @@ def read_objects(path, unique_ids: bool = False) -> list[tuple[int, dict]]:
     ``unique_ids``: every row must also have an ``id``, and no id may repeat.
     """
     rows, seen = [], {}
+    where = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
     for line_no, row in iter_jsonl(path):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{line_no}: each line must be a JSON object")
+            raise InputError(f"{where}:{line_no}: each line must be a JSON object")
         if unique_ids:
             if "id" not in row:
-                raise ValueError(f"{path}:{line_no}: missing field 'id'")
+                raise InputError(f"{where}:{line_no}: missing field 'id'")
             key = id_key(row["id"])
             if key in seen:
-                raise ValueError(f"{path}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
+                raise InputError(f"{where}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
             seen[key] = line_no
         rows.append((line_no, row))
     return rows
@@ -182,7 +184,7 @@ def scan_resumable_output(path, is_complete_row, log) -> set[str]:
     message through ``log``; any other bad line is an error naming its line number.
     """
     done: set[str] = set()
-    if not os.path.exists(path):
+    if not os.path.exists(path) or is_stream(path):  # devices, FIFOs, stdout: nothing to resume from
         return done
 
     def parse(line: bytes):
@@ -228,9 +230,21 @@ def pending_rows(rows, output_path, is_complete_row, log) -> list[tuple[int, dic
     return todo
 
 
-def read_jsonl(path, features: str = "auto", require_labels: bool = True) -> Dataset:
-    """Read and validate a JSONL file of rows (see module docstring)."""
-    return parse_rows(iter_jsonl(path), str(path), features, require_labels)
+def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer: str | None = None) -> Dataset:
+    """Read and validate a JSONL file of rows (``-`` = stdin; see the module docstring)."""
+    source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
+    return parse_rows(iter_jsonl(path), source, features, require_labels, prefer)
+
+
+def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path) -> None:
+    """A dataset read for a model must have the model's feature width; the error names the file, the
+    field(s) used and the field the model was trained on, and suggests ``--features``."""
+    if ds.X.shape[1] == input_dim:
+        return
+    trained = f"trained on {trained_on!r}" if trained_on else "trained on an unrecorded field"
+    raise InputError(f"{path}: features from {ds.features!r} have dimension {ds.X.shape[1]}, but the model "
+                     f"({trained}) expects {input_dim}; choose the field with --features "
+                     "(embedding, attributes or embedding+attributes)")
 
 
 def check_labels(y: np.ndarray, num_classes: int, name: str) -> None:
@@ -256,18 +270,6 @@ def check_features(X: np.ndarray, name: str, dim: int | None = None) -> np.ndarr
         rows = np.flatnonzero(~np.isfinite(X).all(axis=1))[:5].tolist()
         raise ValueError(f"{name}: features contain NaN or Inf (rows {rows})")
     return X
-
-
-def write_jsonl_atomic(path, rows) -> None:
-    """Write rows (dicts) as JSONL to ``path`` atomically (temp file + rename)."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------

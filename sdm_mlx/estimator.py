@@ -32,8 +32,13 @@ from .calibration import RoundCalibration, aggregate_rounds, calibrate_round, ch
 from .data import check_features, check_labels
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
+from .io import put_float
 from .progress import log
 from .train import TrainConfig, sdm_numpy, train_rounds
+
+#: why a stored robust min valid q~ is null (+inf): every prediction is rejected
+ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
+                     "threshold reach the median, or a non-finite MAD), so every prediction is rejected")
 
 ARTIFACT_KIND = "sdm_estimator"
 ARTIFACT_VERSION = 1
@@ -379,8 +384,11 @@ class SDMEstimator:
         )
 
     # -- persistence ---------------------------------------------------------------------------
-    def save(self, path) -> None:
-        """Write a versioned safetensors + JSON artifact directory atomically."""
+    def save(self, path, overwrite: bool = False) -> None:
+        """Write a versioned safetensors + JSON artifact directory atomically.
+
+        An existing artifact at ``path`` is replaced only with ``overwrite=True``; any other existing
+        non-empty directory (or a file) is refused with :class:`ArtifactError` and left untouched."""
         self._check_fitted()
         C = self.num_classes_
         groups = {
@@ -414,9 +422,11 @@ class SDMEstimator:
             "history": self.history_,
             "support_ids": self.support_ids_,
             "calibration_ids": self.calibration_ids_,
-            "robust_min_valid": float(self.robust_min_valid_),
+            "feature_field": getattr(self, "feature_field_", None),
         }
-        save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, json.loads(json.dumps(meta, default=_json_default)))
+        put_float(meta, "robust_min_valid", self.robust_min_valid_, ROBUST_INF_REASON)
+        save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, json.loads(json.dumps(meta, default=_json_default)),
+                      overwrite=overwrite)
 
     @classmethod
     def load(cls, path) -> "SDMEstimator":
@@ -442,6 +452,7 @@ class SDMEstimator:
             est.support_labels_ = groups["support"]["labels"].astype(np.int64)
             est.support_predictions_ = groups["support"]["predictions"].astype(np.int64)
             est.support_ids_ = meta["support_ids"]
+            est.feature_field_ = meta.get("feature_field")  # absent before it was stored: "auto"
             est.calibration_ids_ = meta["calibration_ids"]
             cal = groups.get("calibration")  # absent in artifacts written before it was stored
             est.calibration_logits_ = None if cal is None else cal["logits"].astype(np.float32)

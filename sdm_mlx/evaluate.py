@@ -520,7 +520,9 @@ def write_plots(report: Mapping[str, Any], directory) -> list[str]:
 
     if not plots.plots_available():
         raise ImportError("plotting needs matplotlib; install it with: pip install 'sdm_mlx[plots]'")
-    os.makedirs(directory, exist_ok=True)
+    from .io import make_parent
+
+    make_parent(os.path.join(directory, "x"))  # the directory (0755) if missing; existing files are kept
     paths = []
     for name, ds in report["datasets"].items():
         base = os.path.join(directory, _safe_name(name))

@@ -38,12 +38,13 @@ def _new_figure(figsize):
 
 
 def _save(fig, path) -> str:
+    """Render ``fig`` as PNG and write it with :func:`sdm_mlx.io.atomic_write` (mode 0644, never a temp name)."""
+    from .io import atomic_write
+
     path = os.fspath(path)
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
+    with atomic_write(path, binary=True) as f:
+        fig.savefig(f, dpi=120, format="png")
     return path
 
 

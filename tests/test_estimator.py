@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -136,14 +137,14 @@ def test_corrupt_and_tampered_artifacts(gaussian_model, tmp_path):
     with pytest.raises(ArtifactError, match="checksum mismatch for adaptor"):
         SDMEstimator.load(path)
     # tampered metadata
-    est.save(path)
+    est.save(path, overwrite=True)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["meta"]["k"] = 1
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="metadata"):
         SDMEstimator.load(path)
     # wrong version / missing file / not an artifact
-    est.save(path)
+    est.save(path, overwrite=True)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["format_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
@@ -152,6 +153,9 @@ def test_corrupt_and_tampered_artifacts(gaussian_model, tmp_path):
     (path / "manifest.json").write_text("[1, 2]")
     with pytest.raises(ArtifactError, match="expected a JSON object"):
         SDMEstimator.load(path)
+    with pytest.raises(ArtifactError, match="not an sdm_mlx artifact"):  # no longer recognisable: never replaced
+        est.save(path, overwrite=True)
+    shutil.rmtree(path)
     est.save(path)
     os.remove(path / "support.safetensors")
     with pytest.raises(ArtifactError, match="missing"):
@@ -172,8 +176,8 @@ def test_atomic_save_keeps_previous_on_crash(gaussian_model, tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(artifact, "save_file", boom)
-    with pytest.raises(OSError):
-        est.save(path)
+    with pytest.raises(ArtifactError, match="disk full"):
+        est.save(path, overwrite=True)
     monkeypatch.undo()
     np.testing.assert_array_equal(SDMEstimator.load(path).predict(X).p_lower, before)
     assert not [p for p in os.listdir(tmp_path) if "tmp" in p]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from sdm_mlx import cli
 from sdm_mlx.baselines import run_baselines
-from sdm_mlx.data import Dataset, read_jsonl, write_jsonl_atomic
+from sdm_mlx.data import Dataset, read_jsonl
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.evaluate import (
     DEFAULT_BASELINES,
@@ -23,6 +24,7 @@ from sdm_mlx.evaluate import (
     label_error_records,
     predict_datasets,
 )
+from sdm_mlx.io import loads_strict, write_jsonl
 from sdm_mlx.metrics import REPORT_KEYS, index_conditional_report
 from sdm_mlx.plots import plots_available
 
@@ -238,7 +240,7 @@ def _write(path, ds: Dataset, with_labels=True):
         if ds.documents[i] is not None:
             row["document"] = ds.documents[i]
         rows.append(row)
-    write_jsonl_atomic(path, rows)
+    write_jsonl(path, rows)
     return str(path)
 
 
@@ -343,7 +345,8 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     for e in list(DEFAULT_BASELINES) + list(SDM_ESTIMATORS):
         assert out.count(f"\n{e} ") == 2
     assert "sdm-mlx evaluate --model" in out
-    rep = json.loads((out_dir / "report.json").read_text())
+    rep = loads_strict((out_dir / "report.json").read_text())  # strict JSON: no NaN / Infinity
+    loads_strict((out_dir / "model" / "manifest.json").read_text())
     assert list(rep["datasets"]) == ["heldout_topics", "generated"]
     assert rep["demo"]["settings"]["mode"] == "quick"
     assert rep["class_names"] == ["false", "true"]
@@ -353,3 +356,5 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
         assert len(read_jsonl(out_dir / "data" / f"{name}.jsonl")) == n
     est = SDMEstimator.load(out_dir / "model")
     assert len(est.rounds_) == 2 and est.calibration_logits_ is not None
+    assert est.feature_field_ == "attributes"
+    assert stat.S_IMODE(os.stat(out_dir / "model" / "manifest.json").st_mode) == 0o644

@@ -339,7 +339,9 @@ def test_save_load_roundtrip_and_errors(tiny_phi3_path, tiny_qwen2_path, tmp_pat
     assert sorted(os.listdir(out)) == ["network_config.json", "positive_head.safetensors", "verifier"]
     assert not any(p.name.startswith("net.") for p in tmp_path.iterdir())  # no temp / backup left
     cfg = json.loads((tmp_path / "net" / "network_config.json").read_text())
-    assert cfg["base_model"] == os.path.abspath(tiny_phi3_path) and cfg["verifier"] == "verifier"
+    assert cfg["base_model"] == os.path.relpath(os.path.realpath(tiny_phi3_path), os.path.realpath(out))
+    assert cfg["base_model_kind"] == "local" and cfg["verifier"] == "verifier"
+    assert cfg["base_model_absolute"] == os.path.realpath(tiny_phi3_path)
 
     net = load_network(out, load_verifier=False)  # a freshly mlx_lm.load-ed base model
     np.testing.assert_array_equal(np.array(net.heads.pos.weight), np.array(heads.pos.weight))
@@ -350,8 +352,10 @@ def test_save_load_roundtrip_and_errors(tiny_phi3_path, tiny_qwen2_path, tmp_pat
     g2 = net.generate(_prompts(tok), max_new_tokens=4)
     assert [g.token_ids for g in g1] == [g.token_ids for g in g2]
 
-    # saving again replaces atomically
-    save_network(tmp_path / "net", heads, tiny_phi3_path, str(vdir))
+    # saving again replaces atomically, only when asked to
+    with pytest.raises(NetworkArtifactError, match="--overwrite"):
+        save_network(tmp_path / "net", heads, tiny_phi3_path, str(vdir))
+    save_network(tmp_path / "net", heads, tiny_phi3_path, str(vdir), overwrite=True)
     qmodel, qtok = load_model(tiny_qwen2_path)
     with pytest.raises(HeadShapeError, match="wrong base model"):
         load_network(out, model=qmodel, tokenizer=qtok, load_verifier=False)
@@ -386,7 +390,7 @@ class FakeVerifier:
 
         return SimpleNamespace(admitted=np.ones(len(X), bool), prediction=np.ones(len(X), int))
 
-    def save(self, path):
+    def save(self, path, overwrite=False):
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "fake.json"), "w") as f:
             json.dump(self.params, f)

@@ -47,7 +47,7 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["selected_epoch"] in (0, 1) and len(summary["epochs"]) == 1
     out = tmp_path / "out"
-    assert sorted(os.listdir(out)) == ["metrics.json", "network", "verification_rows.jsonl", "verifier"]
+    assert sorted(os.listdir(out)) == [".sdm_mlx_run.json", "metrics.json", "network", "verification_rows.jsonl", "verifier"]
     assert sorted(os.listdir(out / "network")) == ["network_config.json", "positive_head.safetensors", "verifier"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["learning_rate"] == 0.01 and metrics["epochs"][0]["tokens"] > 0
@@ -57,6 +57,18 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     net = load_network(out / "network")
     assert net.verifier.input_dim_ == 2 * net.heads.hidden_size
     assert net.settings["completions"] == ['{"sentiment": "negative"}', '{"sentiment": "positive"}']
+    for p in (out / "network" / "network_config.json", out / "metrics.json"):
+        json.loads(p.read_text(), parse_constant=lambda c: pytest.fail(f"{p} holds {c}"))
+
+    # a second run into the same directory needs --overwrite; files of the user's in it are kept
+    (out / "notes.txt").write_text("mine")
+    assert main(["network-train", "--config", recipe]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["network-train", "--config", recipe, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert load_network(out / "network", load_verifier=False).config["base_model"] == str(tiny_phi3_path)
 
 
 def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):

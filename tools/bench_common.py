@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -34,7 +33,9 @@ def best_time(fn, repeat: int = 2) -> float:
 
 def write_report(path, report: dict) -> None:
     """Write a benchmark's JSON report and say where."""
-    Path(path).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    from sdm_mlx.io import write_json
+
+    write_json(path, report, indent=2)
     print(f"wrote {path}")
 
 

@@ -22,6 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+MARKER = ".sdm_mlx_tiny_model"  #: marks a model directory this tool built (and may replace)
 
 
 def build(out_dir: str, arch: str = "phi3", instruct: bool = True, rows: int = 1000, seed: int = 0,
@@ -37,6 +38,9 @@ def build(out_dir: str, arch: str = "phi3", instruct: bool = True, rows: int = 1
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     model_dir = os.path.join(out_dir, "model")
+    if os.path.lexists(model_dir) and not os.path.isfile(os.path.join(model_dir, MARKER)):
+        raise SystemExit(f"make_tiny_model: {model_dir} exists and was not built by this tool; refusing to "
+                         "replace it (choose another output directory)")
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         raw = make_tiny_model(tmp, arch, seed=seed)
         if instruct:
@@ -56,11 +60,12 @@ def build(out_dir: str, arch: str = "phi3", instruct: bool = True, rows: int = 1
             if not quiet:
                 print(f"lm_head fitted to the answer format (cross-entropy {losses[0]:.3f} -> {losses[-1]:.3f})",
                       file=sys.stderr)
-            shutil.rmtree(model_dir, ignore_errors=True)
-            save_model_copy(model, raw, model_dir)
+            built = save_model_copy(model, raw, os.path.join(tmp, "built"))
         else:
-            shutil.rmtree(model_dir, ignore_errors=True)
-            shutil.copytree(raw, model_dir)
+            built = shutil.copytree(raw, os.path.join(tmp, "built"))
+        open(os.path.join(built, MARKER), "w").close()
+        shutil.rmtree(model_dir, ignore_errors=True)  # only ever a model this tool built (checked above)
+        os.rename(built, model_dir)
     task = write_synthetic_sentiment(os.path.join(out_dir, "task.jsonl"), n=rows, seed=seed)
     if not quiet:
         print(f"model: {model_dir}\ntask data: {task} ({rows} rows)", file=sys.stderr)

@@ -6,8 +6,6 @@ The input format is documented in :mod:`sdm_mlx.api_features` (example:
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from ..cli import CLIError, require
@@ -18,8 +16,10 @@ HELP = ("7-dim features (mean top-1 token probability per JSON value ⊕ confide
 
 def add_arguments(p) -> None:
     p.add_argument("--input",
-                   help="JSONL: id, label, response (generated JSON), logprobs (per-token top-1), [refusal]")
-    p.add_argument("--output", help="output JSONL (input rows + the vector)")
+                   help="JSONL: id, label, response (generated JSON), logprobs (per-token top-1), [refusal]; "
+                        "'-' = stdin")
+    p.add_argument("--output", help="output JSONL (input rows + the vector; '-' = stdout); written atomically, "
+                                    "must not be the --input")
     p.add_argument("--field", default="attributes",
                    help="output field of the vector "
                         "(sdm-mlx train --features auto reads 'attributes' and/or 'embedding')")
@@ -33,10 +33,11 @@ def run(args) -> int:
     letters = str(args.letters).strip().upper()
     if len(letters) < 2 or len(set(letters)) != len(letters) or not letters.isalpha():
         raise CLIError("--letters must be at least two distinct letters, e.g. ABCD")
-    if not os.path.exists(args.input):
-        raise FileNotFoundError(f"input file not found: {args.input}")
     from ..api_features import APIFeatureError, feature_row
     from ..data import read_objects as read_jsonl
+    from ..io import refuse_same_files, write_jsonl
+
+    refuse_same_files([("--output", args.output)], [("--input", args.input)])
 
     rows = read_jsonl(args.input)
     out = []
@@ -45,9 +46,7 @@ def run(args) -> int:
             out.append(feature_row(row, args.field, letters, args.on_bad_letter))
         except APIFeatureError as e:
             raise ValueError(f"{args.input}: line {lineno} (id {row.get('id')!r}): {e}") from None
-    with open(args.output, "w", encoding="utf-8") as f:
-        for r in out:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    write_jsonl(args.output, out)
     n_ref = sum(1 for _, r in rows if r.get("refusal"))
     print(f"sdm-mlx api-features: wrote {len(out)} rows with {3 + len(letters)}-dim '{args.field}' to "
           f"{args.output} ({n_ref} refusal(s) as zero vectors)", file=sys.stderr, flush=True)

@@ -13,7 +13,6 @@ those of ``sdm-mlx generate``.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .generate import add_common_arguments, build_generator, verdict_line
@@ -31,7 +30,11 @@ def run(args) -> int:
     gen = build_generator(args)
     interactive = sys.stdin.isatty()
     stream = args.stream is not False and not args.json
-    out = open(args.output, "a", encoding="utf-8") if args.output else None
+    from contextlib import nullcontext
+
+    from ..io import dumps, open_append
+
+    out_ctx = open_append(args.output) if args.output else nullcontext()
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"sdm-mlx chat: {gen.decoding} decoding, on reject: {gen.on_reject}"
         + (f" (max {gen.max_attempts} attempts)" if gen.on_reject == "reask" else "")
@@ -50,7 +53,7 @@ def run(args) -> int:
         sys.stdout.flush()
 
     turn = 0
-    try:
+    with out_ctx as out:
         while True:
             if interactive:
                 sys.stderr.write("> ")
@@ -72,16 +75,13 @@ def run(args) -> int:
             else:
                 result = gen.generate(prompt, id=turn)
                 if args.json:
-                    w(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                    w(dumps(result.to_dict()) + "\n")
                 else:
                     w(result.text + "\n  " + verdict_line(result.attempts[-1]) + "\n")
             sys.stdout.flush()
             if out is not None:
-                out.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                out.write(dumps(result.to_dict()) + "\n")
                 out.flush()
-    finally:
-        if out is not None:
-            out.close()
     if interactive:
         sys.stderr.write("\n")
     return 0

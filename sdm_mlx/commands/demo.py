@@ -36,7 +36,11 @@ MODES = {
 
 def add_arguments(p) -> None:
     p.add_argument("--output", default=os.path.join("runs", "demo"),
-                   help="directory for the model, report, label errors, plots and data")
+                   help="directory for the model, report, label errors, plots and data (new or empty; an earlier "
+                        "demo run's directory only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier demo run in --output (a directory that sdm-mlx did not "
+                        "create is never written into)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
                       help="smoke run in seconds (J=%d, %d epochs, M=%d, rescaler <= %d epochs); not meaningful numbers"
@@ -81,7 +85,9 @@ def run(args) -> int:
     import time
     from types import SimpleNamespace
 
-    from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits, write_jsonl_atomic
+    from ..artifact import prepare_run_directory
+    from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
+    from ..io import make_parent, write_jsonl
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ..plots import plots_available
     from ..progress import log
@@ -96,7 +102,7 @@ def run(args) -> int:
     for key in MODES["default"]:
         setattr(args, key, cfg[key])
     out = args.output
-    os.makedirs(out, exist_ok=True)
+    prepare_run_directory(out, "demo", args.overwrite)
 
     pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=args.seed)
     log(f"factcheck data ({FACTCHECK_CITATION})", verbose)
@@ -104,11 +110,11 @@ def run(args) -> int:
         f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral attributes",
         verbose)
     data_dir = os.path.join(out, "data")
-    os.makedirs(data_dir, exist_ok=True)
     paths = {}
     for name, ds in (("pool", pool), ("heldout_topics", heldout), ("generated", generated)):
         paths[name] = os.path.join(data_dir, f"{name}.jsonl")
-        write_jsonl_atomic(paths[name], _rows(ds))
+        make_parent(paths[name])
+        write_jsonl(paths[name], _rows(ds))
 
     log(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
         f"M={cfg['exemplar_dim']}, alpha'={args.alpha}) ...", verbose)
@@ -117,7 +123,8 @@ def run(args) -> int:
     est.fit(pool.X, pool.y, ids_train=pool.ids)
     fit_seconds = time.perf_counter() - t0
     model_dir = os.path.join(out, "model")
-    est.save(model_dir)
+    est.feature_field_ = "attributes"
+    est.save(model_dir, overwrite=True)  # inside our own run directory (checked above)
     est.verbose = False
 
     t1 = time.perf_counter()

@@ -12,12 +12,11 @@ present, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from ..cli import CLIError, require
 from ..data import pending_rows
+from ..io import dumps
 from ..data import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
@@ -58,7 +57,7 @@ def format_row(row: dict, embedding) -> str:
     if not np.all(np.isfinite(embedding)):
         raise ValueError(f"non-finite hidden state for id {row.get('id')!r} (model numerics)")
     out = {k: v for k, v in row.items() if k != "embedding"}
-    body = json.dumps(out, ensure_ascii=False)
+    body = dumps(out)
     vec = "[" + ",".join(map("{:.9g}".format, embedding.tolist())) + "]"
     return body[:-1] + (", " if len(out) else "") + '"embedding": ' + vec + "}\n"
 
@@ -100,10 +99,10 @@ def run(args) -> int:
         raise CLIError("--position delimiter needs --completion-field (the delimiter is searched in the completion)")
     if args.prompt_template is not None and "{document}" not in args.prompt_template:
         raise CLIError("--prompt-template must contain a {document} slot")
-    if not os.path.exists(args.input):
-        raise FileNotFoundError(f"input file not found: {args.input}")
-
+    from ..io import open_append, refuse_same_files
     from ..progress import Progress, log
+
+    refuse_same_files([("--output", args.output)], [("--input", args.input)])
 
     quiet = args.quiet
 
@@ -122,7 +121,7 @@ def run(args) -> int:
     chunk = args.batch_size * 32
     n_trunc, n_missing, width, trunc_ids = 0, 0, None, []
     bar = Progress(len(todo), "embed", unit="doc", enabled=not quiet)
-    with open(args.output, "a", encoding="utf-8") as out, bar:
+    with open_append(args.output) as out, bar:
         for c0 in range(0, len(todo), chunk):
             part = todo[c0 : c0 + chunk]
             docs, spans = _texts(args, part, tokenizer, args.input)

@@ -34,7 +34,8 @@ def add_arguments(p) -> None:
                         "the baselines from the model's calibration ids (default: the logits stored in the model)")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("--plots", default=None,
-                   help="directory for PNG plots (needs matplotlib: pip install 'sdm_mlx[plots]')")
+                   help="directory for PNG plots (needs matplotlib: pip install 'sdm_mlx[plots]'); created if missing, "
+                        "only the plot files are (re)written")
     p.add_argument("--label-errors", default=None,
                    help="JSONL of admitted rows whose label differs from the prediction, by p_lower descending")
     p.add_argument("--alpha", type=float, default=None, help="evaluate at this alpha' (default: the model's)")
@@ -77,7 +78,8 @@ def calibration_logits(est, calibration_data: str | None, features: str, verbose
         from ..evaluate import calibration_from_data
 
         log(f"recomputing the calibration logits from {calibration_data} ...", verbose)
-        return calibration_from_data(est, read_jsonl(calibration_data, features))
+        return calibration_from_data(est, read_jsonl(calibration_data, features,
+                                                     prefer=getattr(est, "feature_field_", None)))
     z = getattr(est, "calibration_logits_", None)
     y = getattr(est, "calibration_labels_", None)
     if z is not None and y is not None:
@@ -89,18 +91,16 @@ def calibration_logits(est, calibration_data: str | None, features: str, verbose
 
 def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
     """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
-    import json
     import sys
 
-    from ..data import write_jsonl_atomic
     from ..evaluate import format_evaluation, label_error_records, write_plots
+    from ..io import write_json, write_jsonl
     from ..progress import log
 
     print(format_evaluation(report), file=sys.stdout, flush=True)
     if getattr(args, "label_errors", None):
         rows = label_error_records(datasets, predictions, class_names)
-        _parent(args.label_errors)
-        write_jsonl_atomic(args.label_errors, rows)
+        write_jsonl(args.label_errors, rows)
         log(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}", True)
     if getattr(args, "plots", None):
         try:
@@ -110,29 +110,22 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
         else:
             log(f"plots: {', '.join(paths)}", True)
     if getattr(args, "report", None):
-        _parent(args.report)
-        tmp = f"{args.report}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, allow_nan=False)
-        os.replace(tmp, args.report)
+        write_json(args.report, report)
         log(f"report: {args.report}", True)
 
 
-def _parent(path) -> None:
-    parent = os.path.dirname(os.fspath(path))
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-
-
 def run(args) -> int:
-    from ..cli import CLIError, require
-    from ..data import read_jsonl
+    from ..cli import require
+    from ..data import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
+    from ..io import refuse_same_files
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ..progress import log
 
     require(args, "model", "input")
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
+    in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
+    refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)
     verbose = not args.quiet
     est = SDMEstimator.load(args.model)
     est.verbose = False
@@ -140,10 +133,8 @@ def run(args) -> int:
         est.recalibrate(args.alpha)
     datasets = {}
     for name, path in zip(dataset_names(inputs), inputs):
-        ds = read_jsonl(path, args.features, require_labels=True)
-        if ds.X.shape[1] != est.input_dim_:
-            raise CLIError(f"{path}: features have dimension {ds.X.shape[1]}, the model expects {est.input_dim_} "
-                           "(check --features)")
+        ds = read_jsonl(path, args.features, require_labels=True, prefer=getattr(est, "feature_field_", None))
+        check_model_width(ds, est.input_dim_, getattr(est, "feature_field_", None), path)
         datasets[name] = ds
         log(f"{name}: {len(ds)} rows from {path}", verbose)
     z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, verbose)

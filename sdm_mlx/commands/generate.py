@@ -17,8 +17,6 @@ progress go to stderr.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 from ..cli import CLIError, require
@@ -118,13 +116,13 @@ def _stderr_stream(enabled: bool):
 def run(args) -> int:
     from ..data import pending_rows
     from ..data import read_objects as read_jsonl
+    from ..io import dumps, open_append, refuse_same_files
 
     if (args.prompt is None) == (args.input is None):
         raise CLIError("give exactly one of --prompt and --input")
     if args.input is not None:
         require(args, "output")
-        if not os.path.exists(args.input):
-            raise FileNotFoundError(f"input file not found: {args.input}")
+        refuse_same_files([("--output", args.output)], [("--input", args.input)])
     elif not args.prompt.strip():
         raise CLIError("--prompt is empty")
     quiet = args.quiet
@@ -157,7 +155,7 @@ def run(args) -> int:
                 sys.stderr.flush()
 
         result = gen.generate(args.prompt, on_text=on_text, on_attempt_start=on_start, on_attempt=on_attempt)
-        sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+        sys.stdout.write(dumps(result.to_dict()) + "\n")
         sys.stdout.flush()
         say(f"{result.status} ({result.reason or 'admitted'}) after {len(result.attempts)} attempt(s)")
         return 0
@@ -165,7 +163,7 @@ def run(args) -> int:
     stream = bool(args.stream) and not quiet
     on_text, on_start = _stderr_stream(stream)
     counts, tokens, seconds = {}, 0, 0.0
-    with open(args.output, "a", encoding="utf-8") as out:
+    with open_append(args.output) as out:
         for i, (_, row) in enumerate(todo, 1):
             if stream:
                 sys.stderr.write(f"[{i}/{len(todo)}] id={row['id']!r}\n")
@@ -173,7 +171,7 @@ def run(args) -> int:
                                   on_attempt_start=on_start,
                                   on_attempt=(lambda a: sys.stderr.write(" " + verdict_line(a) + "\n")) if stream
                                   else None)
-            out.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+            out.write(dumps(result.to_dict()) + "\n")
             out.flush()
             counts[result.status] = counts.get(result.status, 0) + 1
             tokens += result.tokens

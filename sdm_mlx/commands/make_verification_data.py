@@ -9,7 +9,6 @@ See :mod:`sdm_mlx.verification_data`.  Example (the paper's sentiment task)::
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -55,8 +54,11 @@ def _completions(args) -> list[str]:
 
 def run(args) -> int:
     require(args, "input", "output")
-    from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
     from ..data import read_objects as read_jsonl
+    from ..io import refuse_same_files, write_jsonl
+    from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
+
+    refuse_same_files([("--output", args.output)], [("--input", args.input)])
 
     if args.completions:
         completions = _completions(args)
@@ -85,17 +87,13 @@ def run(args) -> int:
         def prompt_fn(doc):
             return phi3_chat_prompt(template.replace("{document}", doc), system)
 
-    if not os.path.exists(args.input):
-        raise FileNotFoundError(f"input file not found: {args.input}")
     numbered = read_jsonl(args.input)
     rows = [r for _, r in numbered]
     out = make_verification_rows(
         rows, completions, prompt_fn, seed=args.seed,
         where=lambda i: f"{args.input}: line {numbered[i][0]}",
     )
-    with open(args.output, "w", encoding="utf-8") as f:
-        for r in out:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    write_jsonl(args.output, out)
     n_neg = sum(1 for r in out if r["label"] == 0)
     print(f"sdm-mlx make-verification-data: wrote {len(out)} rows ({len(out) - n_neg} label 1, "
           f"{n_neg} constructed negatives with label 0) to {args.output}", flush=True, file=sys.stderr)

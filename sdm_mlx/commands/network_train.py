@@ -41,7 +41,11 @@ def add_arguments(p) -> None:
     g.add_argument("--delimiter", default="}", help="closing delimiter of the answer")
     g.add_argument("--max-length", type=int, default=500, help="token positions kept for features and targets")
     g.add_argument("--negatives-seed", type=int, default=0, help="seed of the constructed-negative assignment")
-    g.add_argument("--output-dir", help="output directory")
+    g.add_argument("--output-dir", help="output directory (new or empty; an earlier network-train run's directory "
+                                        "only with --overwrite)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier network-train run in --output-dir (a directory that "
+                        "sdm-mlx did not create is never written into)")
     t = p.add_argument_group("next-token training of W_pos")
     t.add_argument("--epochs", type=int, default=5)
     t.add_argument("--beta-min", type=float, default=0.0, help="β at the first mini-batch of every epoch")
@@ -89,6 +93,7 @@ def run(args) -> int:
     if args.data and completions and not args.preset and not args.prompt_template:
         raise CLIError("--prompt-template (with a {document} slot) is needed with custom --completions")
 
+    from ..io import dumps
     from ..network.trainer import NetworkConfig, train_network
 
     config = NetworkConfig(
@@ -105,6 +110,7 @@ def run(args) -> int:
         verifier_epochs=args.verifier_epochs, verifier_exemplar_dim=args.verifier_exemplar_dim,
         verifier_batch_size=args.verifier_batch_size, verifier_learning_rate=args.verifier_learning_rate,
         verifier_rescaler_max_epochs=args.verifier_rescaler_max_epochs, seed=args.seed, verbose=not args.quiet,
+        overwrite=bool(args.overwrite),
     )
     try:
         config.validate()
@@ -119,7 +125,7 @@ def run(args) -> int:
                     "beta_last": e["beta_last"], "tokens_per_s": e["tokens_per_s"],
                     "seconds": e["epoch_seconds"]} for e in result.history],
     }
-    print(json.dumps(summary), flush=True)
+    print(dumps(summary), flush=True)
     return 0
 
 

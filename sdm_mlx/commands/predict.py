@@ -7,40 +7,41 @@ HELP = "Predict with a trained SDM estimator: one JSON result per input row (ids
 
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
-    p.add_argument("--input", help="JSONL rows (id, embedding and/or attributes; label optional)")
-    p.add_argument("--output", default="-", help="JSONL results ('-' = stdout); written atomically")
-    p.add_argument("--features", choices=["auto", "embedding", "attributes", "embedding+attributes"], default="auto")
+    p.add_argument("--input", help="JSONL rows (id, embedding and/or attributes; label optional); '-' = stdin")
+    p.add_argument("--output", default="-",
+                   help="JSONL results ('-' = stdout); a file is replaced atomically, a symlink written through, "
+                        "a device/FIFO streamed; must not be the --input")
+    p.add_argument("--features", choices=["auto", "embedding", "attributes", "embedding+attributes"], default="auto",
+                   help="row field(s) to use; auto = the field the model was trained on when the row has it")
     p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
     p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
 
 
 def run(args) -> int:
-    import json
     import sys
     from collections import Counter
 
     from ..cli import require
-    from ..data import read_jsonl, write_jsonl_atomic
+    from ..data import check_labels, check_model_width, read_jsonl
     from ..estimator import SDMEstimator
+    from ..io import refuse_same_files, write_json, write_jsonl
 
     require(args, "model", "input")
+    refuse_same_files([("--output", args.output), ("--summary", args.summary)],
+                      [("--input", args.input), ("--model", args.model)])
     est = SDMEstimator.load(args.model)
     est.verbose = False
-    data = read_jsonl(args.input, args.features, require_labels=False)
+    trained_on = getattr(est, "feature_field_", None)
+    data = read_jsonl(args.input, args.features, require_labels=False, prefer=trained_on)
+    check_model_width(data, est.input_dim_, trained_on, args.input)
     if data.y is not None:
-        from ..data import check_labels
-
         check_labels(data.y, est.num_classes_, args.input)
     pred = est.predict(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
     rows = pred.to_dicts()
     if data.y is not None:
         for row, label in zip(rows, data.y.tolist()):
             row["label"] = label
-    if args.output == "-":
-        for row in rows:
-            sys.stdout.write(json.dumps(row) + "\n")
-    else:
-        write_jsonl_atomic(args.output, rows)
+    write_jsonl(args.output, rows)
     summary = {
         "rows": len(rows),
         "admitted": int(pred.admitted.sum()),
@@ -53,8 +54,7 @@ def run(args) -> int:
         summary["accuracy"] = float((pred.prediction == data.y).mean())
         summary["admitted_accuracy"] = float((pred.prediction[adm] == data.y[adm]).mean()) if adm.any() else None
     if args.summary:
-        with open(args.summary, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+        write_json(args.summary, summary)
     print(
         f"{summary['rows']} rows, {summary['admitted']} admitted ({summary['admitted_fraction']:.1%}) at "
         f"alpha={est.alpha}" + (f", output: {args.output}" if args.output != "-" else ""),

@@ -44,7 +44,10 @@ def estimator_from_args(args, class_names=None):
 def add_arguments(p) -> None:
     p.add_argument("--train", help="training JSONL (id, label, embedding and/or attributes, optional document)")
     p.add_argument("--calibration", default=None, help="calibration JSONL (pooled with --train, as in the paper)")
-    p.add_argument("--output", help="model directory to write")
+    p.add_argument("--output", help="model directory to write (new or empty; an existing model only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing sdm_mlx model at --output (atomically); other directories are never "
+                        "replaced")
     p.add_argument(
         "--features", choices=["auto", "embedding", "attributes", "embedding+attributes"], default="auto",
         help="which row fields form the feature vector",
@@ -56,7 +59,10 @@ def add_arguments(p) -> None:
 
 
 def training_report(est, seconds: float) -> dict:
-    return {
+    from ..estimator import ROBUST_INF_REASON
+    from ..io import put_float
+
+    report = {
         "seconds": round(seconds, 3),
         "num_classes": est.num_classes_,
         "input_dim": est.input_dim_,
@@ -67,25 +73,32 @@ def training_report(est, seconds: float) -> dict:
         "rounds": est.round_summaries_,
         "best_round_history": est.history_,
         "alpha": est.alpha,
-        "min_valid_qbin": est.calibration_.min_valid,
         "psi": est.calibration_.psi.tolist(),
-        "robust_min_valid_qbin": est.robust_min_valid_,
         "params": est.get_params(),
     }
+    # +inf thresholds are stored as null with the reason (strict JSON)
+    put_float(report, "min_valid_qbin", est.calibration_.min_valid,
+              "no valid threshold: Alg. 3 found no q~ where psi_c >= alpha for every class in the best round")
+    put_float(report, "robust_min_valid_qbin", est.robust_min_valid_, ROBUST_INF_REASON)
+    return report
 
 
 def run(args) -> int:
-    import json
     import os
     import sys
     import time
 
+    from ..artifact import check_artifact_output
     from ..cli import require
     from ..data import read_jsonl
+    from ..io import refuse_same_files, write_json
 
     require(args, "train", "output")
+    inputs = [("--train", args.train), ("--calibration", args.calibration)]
+    refuse_same_files([("--report", args.report)], inputs)
+    check_artifact_output(args.output, args.overwrite, inputs)
     train = read_jsonl(args.train, args.features)
-    cal = read_jsonl(args.calibration, args.features) if args.calibration else None
+    cal = read_jsonl(args.calibration, args.features, prefer=train.features) if args.calibration else None
     if cal is not None and cal.X.shape[1] != train.X.shape[1]:
         raise ValueError(
             f"{args.calibration}: feature width {cal.X.shape[1]} differs from {args.train} ({train.X.shape[1]})"
@@ -97,15 +110,15 @@ def run(args) -> int:
         ids_train=train.ids, ids_cal=None if cal is None else cal.ids, num_classes=args.num_classes,
     )
     seconds = time.perf_counter() - t0
-    est.save(args.output)
+    est.feature_field_ = train.features
+    est.save(args.output, overwrite=args.overwrite)
     report = training_report(est, seconds)
     report_path = args.report or os.path.join(args.output, "training_report.json")
-    with open(report_path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    write_json(report_path, report)
     print(
         f"trained in {seconds:.1f}s: {report['support_size']} support / {report['calibration_size']} calibration rows, "
-        f"best round {report['best_round'] + 1}, min valid q~ {report['min_valid_qbin']:.3f}, "
-        f"robust min valid q~ {report['robust_min_valid_qbin']:.3f}\nmodel: {args.output}\nreport: {report_path}",
+        f"best round {est.best_round_ + 1}, min valid q~ {est.calibration_.min_valid:.3f}, "
+        f"robust min valid q~ {est.robust_min_valid_:.3f}\nmodel: {args.output}\nreport: {report_path}",
         file=sys.stdout,
     )
     return 0

@@ -18,7 +18,6 @@ the head checksum and the format version, with errors that say what is wrong.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -27,6 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifact import atomic_directory, read_manifest, sha256_file
+from ..errors import ArtifactError
+from ..io import dumps
 from .heads import HeadShapeError, SDMHeads, model_dims
 
 FORMAT = "sdm_mlx_network"
@@ -37,7 +38,7 @@ HEAD_KEY = "W_pos"
 VERIFIER_DIR = "verifier"
 
 
-class NetworkArtifactError(ValueError):
+class NetworkArtifactError(ArtifactError):
     """A missing, corrupt or incompatible SDM-network artifact."""
 
 
@@ -47,17 +48,49 @@ def base_model_reference(path_or_id: str) -> str:
     return os.path.abspath(expanded) if os.path.exists(expanded) else str(path_or_id)
 
 
+def base_model_entry(path_or_id: str, artifact_dir: str) -> dict:
+    """How a network config stores its base model: a hub id as given; a local directory relative to the
+    artifact directory (so a run directory moved together with its model still works), plus the absolute
+    path at save time as a fallback."""
+    expanded = os.path.expanduser(str(path_or_id))
+    if not os.path.exists(expanded):
+        return {"base_model": str(path_or_id), "base_model_kind": "hub"}
+    absolute = os.path.realpath(expanded)
+    return {"base_model": os.path.relpath(absolute, os.path.realpath(artifact_dir)), "base_model_kind": "local",
+            "base_model_absolute": absolute}
+
+
+def resolve_base_model(config: dict, artifact_dir: str) -> str:
+    """The base model to load for a stored config (see :func:`base_model_entry`; older configs hold an
+    absolute path or a hub id)."""
+    stored = str(config["base_model"])
+    if config.get("base_model_kind") != "local":
+        return stored
+    candidates = [stored if os.path.isabs(stored) else os.path.normpath(os.path.join(artifact_dir, stored))]
+    if config.get("base_model_absolute"):
+        candidates.append(str(config["base_model_absolute"]))
+    for c in candidates:
+        if os.path.exists(c):
+            return c
+    raise NetworkArtifactError(
+        f"{artifact_dir}: the base model {stored!r} (relative to the network directory) is missing; looked at "
+        f"{', '.join(candidates)} (move the model together with the run directory, or pass the model explicitly)"
+    )
+
+
 def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dict | None = None,
-                 training: dict | None = None) -> str:
+                 training: dict | None = None, overwrite: bool = False) -> str:
     """Write the network directory ``path`` atomically; returns its absolute path.
 
     ``verifier``: a fitted ``SDMEstimator`` (saved with its ``save``) or the path
     of an already saved one (copied).  ``settings``: generation/prompt settings
     stored for reuse (delimiter, system, prompt template, completions, ...);
-    ``training``: epoch, calibration count, etc.
+    ``training``: epoch, calibration count, etc.  An existing network at ``path`` is replaced only with
+    ``overwrite``; anything else there is refused (see :func:`sdm_mlx.artifact.atomic_directory`).
     """
+    shown = path
     path = os.path.abspath(os.fspath(path))
-    with atomic_directory(path, NetworkArtifactError) as tmp:
+    with atomic_directory(shown, NetworkArtifactError, overwrite=overwrite) as tmp:
         head_path = os.path.join(tmp, HEAD_FILE)
         mx.save_safetensors(head_path, {HEAD_KEY: heads.pos.weight.astype(mx.float32)}, metadata={"format": "mlx"})
         vdir = os.path.join(tmp, VERIFIER_DIR)
@@ -69,7 +102,7 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "base_model": base_model_reference(base_model),
+            **base_model_entry(base_model, os.path.realpath(path)),
             "vocab_size": int(heads.vocab_size),
             "hidden_size": int(heads.hidden_size),
             "tied_embeddings": bool(heads.tied),
@@ -82,19 +115,20 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
             "training": training or {},
         }
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=1, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(dumps(config, indent=1) + "\n")
     return path
 
 
 def read_network_config(path) -> dict:
-    """The validated ``network_config.json`` of a network directory."""
+    """The validated ``network_config.json`` of a network directory; ``base_model`` is resolved to the
+    model to load (the stored value is kept as ``base_model_stored``)."""
     path, config = read_manifest(path, CONFIG_FILE, FORMAT, FORMAT_VERSION, "SDM network", NetworkArtifactError)
     cpath = os.path.join(path, CONFIG_FILE)
     for key in ("base_model", "vocab_size", "hidden_size", "head_file", "verifier"):
         if key not in config:
             raise NetworkArtifactError(f"{cpath} lacks the key {key!r}")
+    config["base_model_stored"] = config["base_model"]
+    config["base_model"] = resolve_base_model(config, os.path.realpath(path))
     return config
 
 

@@ -9,7 +9,6 @@ short in tokens.  Use with the ``sentiment`` preset (completions
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -37,11 +36,10 @@ def synthetic_sentiment_rows(n: int = 1000, seed: int = 0, min_words: int = 3, m
 
 def write_synthetic_sentiment(path, n: int = 1000, seed: int = 0) -> str:
     """Write :func:`synthetic_sentiment_rows` as JSONL; returns the path."""
+    from ..io import write_jsonl
+
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in synthetic_sentiment_rows(n, seed):
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(path, synthetic_sentiment_rows(n, seed))
     return path
 
 

@@ -53,7 +53,9 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .. import embed as _embed
+from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
+from ..io import write_json, write_jsonl
 from ..progress import Progress, log
 from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 from .artifact import base_model_reference, save_network
@@ -107,6 +109,7 @@ class NetworkConfig:
     verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
     seed: int = 0
     verbose: bool = True
+    overwrite: bool = False  #: replace the outputs of an earlier network-train run in output_dir
 
     def validate(self) -> None:
         if not self.model:
@@ -181,12 +184,13 @@ class NetworkConfig:
 def _read_jsonl(path: str) -> list[dict]:
     return [row for _, row in read_objects(path)]
 
-def _write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, allow_nan=True)
-        f.write("\n")
-    os.replace(tmp, path)
+def _input_paths(config: NetworkConfig) -> list:
+    """(flag, path) of every input a run reads, for the output-directory guard."""
+    pairs = [("--data", config.data), ("--verification-data", config.verification_data)]
+    pairs += [(f"--tasks[{i}].data", t.get("data")) for i, t in enumerate(config.tasks or []) if isinstance(t, dict)]
+    if config.model and os.path.exists(os.path.expanduser(str(config.model))):
+        pairs.append(("--model", os.path.expanduser(str(config.model))))
+    return pairs
 
 
 def _task_rows(path: str, completions, template, config: NetworkConfig, tokenizer) -> list[dict]:
@@ -432,6 +436,8 @@ class SDMNetworkTrainer:
     def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None):
         config.validate()
         self.config = config
+        prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
+                              "--output-dir", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
         elif tokenizer is None:
@@ -531,21 +537,19 @@ class SDMNetworkTrainer:
                      training={"epoch": epoch, "calibration_count": count,
                                "learning_rate": self.config.learning_rate, "beta_min": self.config.beta_min,
                                "beta_max": self.config.beta_max, "batch_size": self.config.batch_size,
-                               "seed": self.config.seed})
+                               "seed": self.config.seed}, overwrite=True)
 
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
         c = self.config
-        os.makedirs(self.out, exist_ok=True)
+        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output-dir")
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
-        est.save(self.verifier_path)
+        est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked above)
         split = {id_key(r["id"]): "train" for r in train_rows}
         split.update({id_key(r["id"]): "calibration" for r in cal_rows})
-        from ..data import write_jsonl_atomic
-
-        write_jsonl_atomic(os.path.join(self.out, "verification_rows.jsonl"),
+        write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
                            [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
@@ -572,7 +576,7 @@ class SDMNetworkTrainer:
         self.save(self.verifier_path, 0, best)
         metrics["initial"] = initial
         metrics["selected_epoch"], metrics["best_count"] = selected, best
-        _write_json_atomic(self.metrics_path, metrics)
+        write_json(self.metrics_path, metrics)
         self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
                  f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
 
@@ -597,7 +601,7 @@ class SDMNetworkTrainer:
                    "epoch_seconds": time.perf_counter() - t0}
             metrics["epochs"].append(row)
             metrics["selected_epoch"], metrics["best_count"] = selected, best
-            _write_json_atomic(self.metrics_path, metrics)
+            write_json(self.metrics_path, metrics)
             self.log(
                 f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
                 f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
@@ -605,7 +609,7 @@ class SDMNetworkTrainer:
                 f"{m['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
             )
         metrics["total_seconds"] = time.perf_counter() - t_start
-        _write_json_atomic(self.metrics_path, metrics)
+        write_json(self.metrics_path, metrics)
         self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
                  f"{self.network_path}")
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
