@@ -77,6 +77,7 @@ class Attempt:
     verifier: dict = field(default_factory=dict)
     reask_message: str | None = None
     token_ids: list = field(default_factory=list)
+    row: dict = field(default_factory=dict, repr=False)  # the verifier's full per-row output (not in to_dict)
 
     def to_dict(self) -> dict:
         return {
@@ -304,7 +305,7 @@ class VerifiedGenerator:
                 reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
                 prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
                 generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
-                reask_message=reask_message, token_ids=list(dec.token_ids),
+                reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
             )
             attempts.append(att)
             if on_attempt is not None:
