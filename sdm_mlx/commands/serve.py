@@ -82,7 +82,8 @@ def load_engine(args):
         path = getattr(args, name)
         if path and not os.path.isdir(path):
             raise CLIError(f"--{name} {path}: no such directory")
-    defaults = {"on_reject": "abstain", "max_attempts": 3, "reask_fallback": "abstain", "reask_template": None}
+    defaults = {"on_reject": "abstain", "max_attempts": 3, "reask_fallback": "abstain", "reask_template": None,
+                "served_model_name": None}  # options of serve that mcp does not have
     for k, v in defaults.items():
         if not hasattr(args, k):
             setattr(args, k, v)
