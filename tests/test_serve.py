@@ -286,6 +286,10 @@ def test_sigterm_during_stream_exits_cleanly(setup):  # noqa: F811
             while b"data:" not in got:
                 got += s.recv(4096)
             assert srv.stop(signal.SIGTERM, timeout=30) == 0, "".join(srv.lines)
+            while chunk := s.recv(65536):
+                got += chunk
+        # the open stream ended at once with an error event, not a cut connection
+        assert b'"code": "shutting_down"' in got and b"data: [DONE]" in got
         assert "stopped" in "".join(srv.lines)
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
@@ -303,3 +307,33 @@ def test_cli_errors(setup, server):  # noqa: F811
     missing = subprocess.run(sdm_mlx("serve", "--model", setup.model_path, "--verifier", "/nonexistent"),
                              capture_output=True, text=True, timeout=TIMEOUT)
     assert missing.returncode == 2 and "--verifier /nonexistent" in missing.stderr
+
+
+# --------------------------------------------------------------------------- decoding options used by the server
+
+
+def test_decoder_stop_strings_and_temperature(tiny_phi3_path):
+    import mlx.core as mx
+
+    from sdm_mlx.network.heads import SDMHeads
+    from sdm_mlx.verified import GreedyDecoder
+
+    model, tok = E.load_model(tiny_phi3_path)
+    dec = GreedyDecoder(model, tok, stop_at_delimiter=False)
+    ids = E.encode(tok, E.chat_text(tok, "Hello", system=SYSTEM, prompt_template=TEMPLATE))
+    full = dec(ids, 30)
+    assert len(full.text) > 8
+    stop = full.text[4:7]
+    streamed = []
+    got = dec(ids, 30, streamed.append, stop=[stop, "never-there"])
+    assert got.stop_reason == "stop" and got.text == full.text[: full.text.index(stop)] == "".join(streamed)
+    assert got.token_ids == full.token_ids[: len(got.token_ids)] and got.text.startswith(tok.decode(got.token_ids))
+    mx.random.seed(3)
+    a = dec(ids, 20, temperature=1.5)
+    mx.random.seed(3)
+    b = dec(ids, 20, temperature=1.5)
+    assert a.token_ids == b.token_ids != full.token_ids[: len(a.token_ids)]  # sampled, reproducibly
+    with pytest.raises(ValueError, match="greedy"):
+        GreedyDecoder(model, tok, heads=SDMHeads(model))(ids, 5, temperature=0.5)
+    with pytest.raises(ValueError, match="stop"):
+        dec(ids, 5, stop=[""])

@@ -112,7 +112,7 @@ def run(args) -> int:
         print(f"sdm-mlx serve: {engine.model_id} ({engine.gen.decoding} decoding, on_reject={engine.gen.on_reject}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
         serve(create_app(engine, max_body_bytes=args.max_body_bytes), sock, access_log=not args.quiet,
-              log_level="warning" if args.quiet else "info")
+              log_level="warning" if args.quiet else "info", on_exit=engine.closing.set)
     finally:
         engine.close()
     print("sdm-mlx serve: stopped", file=sys.stderr, flush=True)

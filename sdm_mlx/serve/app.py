@@ -95,7 +95,8 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
         try:
             result, verification, n_prompt = fut.result()
         except (ValueError, Cancelled, concurrent.futures.CancelledError) as e:
-            err = APIError(400, str(e)) if isinstance(e, ValueError) else APIError(503, "the server is shutting down")
+            err = (APIError(400, str(e)) if isinstance(e, ValueError)
+                   else APIError(503, "the server is shutting down", code="shutting_down"))
             yield R.sse(err.body())
             yield R.DONE
             return

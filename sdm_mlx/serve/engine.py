@@ -235,6 +235,8 @@ def completion_verification(result, verdict_id: str) -> dict:
                n_attempts=len(result.attempts))
     out["attempts"] = [{"attempt": a.attempt, "text": a.text, "verified": a.verified,
                         "admitted": bool(a.verifier.get("admitted")), "p_lower": a.p_lower,
-                        "rejection_reason": a.reason, "tokens": a.tokens, "stop_reason": a.stop_reason}
+                        "rejection_reason": a.reason, "tokens": a.tokens, "stop_reason": a.stop_reason,
+                        "generation_seconds": round(a.generation_seconds, 6),
+                        "verification_seconds": round(a.verification_seconds, 6)}
                        for a in result.attempts]
     return out

@@ -16,7 +16,18 @@ class Server(uvicorn.Server):
     uvicorn re-raises SIGINT/SIGTERM once it has shut down (so the process dies of
     the signal); here a signal only requests the graceful shutdown, and ``run``
     returns normally so the command exits 0 after closing the engine.
+    ``on_exit()`` runs at the first signal (the engine aborts running generations,
+    so open streams end at once with a "shutting down" error event).
     """
+
+    def __init__(self, config, on_exit=None):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._on_exit is not None:
+            self._on_exit()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -48,8 +59,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app, sock: socket.socket, *, access_log: bool = True, log_level: str = "info",
-          graceful_timeout: float = 5.0) -> None:
+          graceful_timeout: float = 5.0, on_exit=None) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGINT / SIGTERM; returns after a graceful shutdown."""
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="off",
                             timeout_graceful_shutdown=graceful_timeout)
-    Server(config).run(sockets=[sock])
+    Server(config, on_exit=on_exit).run(sockets=[sock])
