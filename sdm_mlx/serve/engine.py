@@ -247,17 +247,17 @@ class Engine:
         """Keep one verdict (``v``: a Verdict or an Attempt) with the ids it was computed from."""
         return self.verdicts.put({
             "source": source, "created": time.time(), "prompt_ids": list(prompt_ids), "answer_ids": list(answer_ids),
+            "prompt": self.gen.tokenizer.decode(list(prompt_ids)),  # decoded here, on the model thread
             "answer": text, "verified": v.verified, "reason": v.reason, "p_lower": v.p_lower, "parsed": v.parsed,
             "exemplars": v.exemplars, "verifier": v.verifier, "row": row,
         })
 
     def explain(self, verdict_id: str) -> dict | None:
-        """The full per-row quantities of a stored verdict (None: unknown or evicted id)."""
+        """The full per-row quantities of a stored verdict (None: unknown or evicted id); no model work."""
         rec = self.verdicts.get(verdict_id)
         if rec is None:
             return None
         out = {k: v for k, v in rec.items() if k not in ("prompt_ids", "answer_ids")}
-        out["prompt"] = self.gen.tokenizer.decode(rec["prompt_ids"])
         out["prompt_tokens"], out["completion_tokens"] = len(rec["prompt_ids"]), len(rec["answer_ids"])
         out["answer_token_ids"] = rec["answer_ids"]
         return out
