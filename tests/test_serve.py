@@ -236,8 +236,9 @@ def test_bad_requests_get_openai_errors(server, client):
     for body, param in cases:
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    r = _post(server, "/v1/chat/completions", {"messages": _user("x"), "temperature": 0.7})
-    assert r.status_code == 400 and "greedy" in r.json()["error"]["message"]  # joint decoding with a head
+    for stream in (False, True):  # joint decoding with a head is greedy; refused before any stream starts
+        r = _post(server, "/v1/chat/completions", {"messages": _user("x"), "temperature": 0.7, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "greedy" in r.text
     r = _post(server, "/v1/verify", {"prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "completion"
     assert _get(server, "/v1/nothing").json()["error"]["code"] == "not_found"

@@ -58,6 +58,13 @@ def check_model(engine: Engine, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+def check_decoding(engine: Engine, req: GenerationRequest) -> None:
+    """Refuse sampling with joint decoding up front (before a stream's 200 is sent)."""
+    if req.temperature > 0 and engine.gen.decoding == "joint":
+        raise APIError(400, "joint neg+pos decoding (a positive head is attached) is greedy: temperature must be 0",
+                       param="temperature")
+
+
 async def run_on_model(engine: Engine, fn, *args):
     """Await ``fn(*args)`` on the model thread (ValueError -> 400, Cancelled -> 503)."""
     try:
@@ -85,7 +92,7 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
 
-    fut = engine.submit(engine.complete, req, (lambda seg: put(seg)) if live else None, cancel)
+    fut = engine.submit(engine.complete, req, put if live else None, cancel)
     fut.add_done_callback(lambda _: put(None))
     try:
         if kind == "chat":
@@ -116,6 +123,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def completions(request: Request, kind: str):
         req = parse_generation(await read_json(request, max_body_bytes), kind)
         check_model(engine, req.model)
+        check_decoding(engine, req)
         cid = R.new_id(kind)
         if req.stream:
             return StreamingResponse(stream_events(engine, req, cid), media_type="text/event-stream",
