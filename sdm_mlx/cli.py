@@ -33,6 +33,8 @@ VERBS = {
     "network-train": "network_train",
     "generate": "generate",
     "chat": "chat",
+    "serve": "serve",
+    "mcp": "mcp",
 }
 
 

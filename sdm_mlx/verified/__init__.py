@@ -48,7 +48,7 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
         text, parsed, verified, p_lower, reason, exemplars   as above, for this attempt
         tokens             int       generated tokens (EOS not counted)
         prompt_tokens      int       tokens of the generation prompt of this attempt
-        stop_reason        str       "delimiter" | "eos" | "max_tokens"
+        stop_reason        str       "delimiter" | "eos" | "max_tokens" | "stop" (a stop string; serve)
         seconds            num       generation + verification
         generation_seconds, verification_seconds, tokens_per_second
         verifier           obj       prediction, admitted, rejection_reason, p_lower, p_centroid,

@@ -16,6 +16,13 @@ unit is closed — for the delimiter ``"}"`` the ``}`` that balances the first
 ``{`` of the text (:func:`~sdm_mlx.network.generation.is_closed`; braces inside
 JSON strings ignored), for another delimiter its first occurrence —; an
 end-of-sequence token (not kept); or ``max_tokens`` generated tokens.
+
+Two request-level options (used by ``sdm-mlx serve``): ``stop`` strings end
+decoding as soon as the decoded text contains one (OpenAI semantics: the text is
+cut before it; the streamed text never shows it — the last ``len(stop) - 1``
+characters are held back until they cannot start one), and ``temperature > 0``
+samples with mlx-lm's sampler instead of greedy argmax (plain decoding only;
+joint decoding is greedy by construction).
 """
 
 from __future__ import annotations
@@ -26,7 +33,41 @@ from typing import Callable, Sequence
 
 from ..network.generation import is_closed
 
-STOP_REASONS = ("delimiter", "eos", "max_tokens")
+STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop")
+
+
+class _StopHit(Exception):
+    """Raised by the joint-decoding token hook when a stop string appears."""
+
+
+def first_stop(text: str, stop: Sequence[str]) -> int | None:
+    """Index of the earliest occurrence in ``text`` of any string of ``stop`` (None: none occurs)."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+class _Emitter:
+    """Forwards streamed text to ``on_text``, holding back a possible stop-string prefix and cutting at a stop."""
+
+    def __init__(self, on_text: Callable[[str], None], stop: Sequence[str]):
+        self.on_text, self.stop = on_text, list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.sent = "", 0
+
+    def push(self, segment: str) -> None:
+        self.text += segment
+        self._send(len(self.text) - self.hold)
+
+    def close(self) -> None:
+        self._send(len(self.text))
+
+    def _send(self, upto: int) -> None:
+        cut = first_stop(self.text, self.stop)
+        if cut is not None:
+            upto = min(upto, cut)
+        if upto > self.sent:
+            self.on_text(self.text[self.sent:upto])
+            self.sent = upto
 
 
 @dataclass
@@ -90,34 +131,54 @@ class GreedyDecoder:
     def mode(self) -> str:
         return "plain" if self.heads is None else "joint"
 
-    def __call__(self, prompt_ids: Sequence[int], max_tokens: int, on_text: Callable[[str], None] | None = None):
+    def __call__(self, prompt_ids: Sequence[int], max_tokens: int, on_text: Callable[[str], None] | None = None,
+                 *, stop: Sequence[str] = (), temperature: float = 0.0):
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt")
-        det = None
+        stop = list(stop or ())
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if not temperature >= 0:
+            raise ValueError("temperature must be >= 0")
+        if temperature > 0 and self.heads is not None:
+            raise ValueError("joint neg+pos decoding is greedy: temperature must be 0")
+        det = out = None
         if on_text is not None:
-            det = self.tokenizer.detokenizer
+            det, out = self.tokenizer.detokenizer, _Emitter(on_text, stop)
 
         def emit(t: int) -> None:
             if det is not None and t not in self.eos:
                 det.add_token(t)
                 seg = det.last_segment
                 if seg:
-                    on_text(seg)
+                    out.push(seg)
 
         t0 = time.perf_counter()
         if self.heads is None:
-            tokens, reason = self._plain(prompt_ids, max_tokens, emit)
+            tokens, reason = self._plain(prompt_ids, max_tokens, emit, stop, temperature)
         else:
-            tokens, reason = self._joint(prompt_ids, max_tokens, emit)
+            tokens, reason = self._joint(prompt_ids, max_tokens, emit, stop)
         if det is not None:
             det.finalize()
             seg = det.last_segment
             if seg:
-                on_text(seg)
-        return Decoded(prompt_ids, tokens, self.tokenizer.decode(tokens), reason, time.perf_counter() - t0)
+                out.push(seg)
+            out.close()
+        text = self.tokenizer.decode(tokens)
+        if reason == "stop":
+            text, tokens = self._cut_at_stop(text, tokens, stop)
+        return Decoded(prompt_ids, tokens, text, reason, time.perf_counter() - t0)
+
+    def _cut_at_stop(self, text: str, tokens: list, stop: Sequence[str]) -> tuple[str, list]:
+        """Text cut before the stop string; the longest token prefix whose text is a prefix of it."""
+        text = text[: first_stop(text, stop)]
+        tokens = list(tokens)
+        while tokens and not text.startswith(self.tokenizer.decode(tokens)):
+            tokens.pop()
+        return text, tokens
 
     # -- plain greedy: mlx-lm's own generate_step ----------------------------------------------------------
     def _closes(self, tokens: list, t: int) -> bool:
@@ -126,12 +187,17 @@ class GreedyDecoder:
             return False  # an ASCII delimiter character cannot be split across tokens
         return is_closed(self.tokenizer.decode(tokens), self.delimiter)
 
-    def _plain(self, prompt_ids, max_tokens, emit):
+    def _plain(self, prompt_ids, max_tokens, emit, stop=(), temperature=0.0):
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
+        sampler = None
+        if temperature > 0:
+            from mlx_lm.sample_utils import make_sampler
+
+            sampler = make_sampler(temp=float(temperature))
         tokens, reason = [], "max_tokens"
-        steps = generate_step(mx.array(prompt_ids), self.model, max_tokens=max_tokens)
+        steps = generate_step(mx.array(prompt_ids), self.model, max_tokens=max_tokens, sampler=sampler)
         try:
             for tok, _ in steps:
                 t = int(tok)
@@ -143,6 +209,9 @@ class GreedyDecoder:
                 if self.stop_at_delimiter and self._closes(tokens, t):
                     reason = "delimiter"
                     break
+                if stop and first_stop(self.tokenizer.decode(tokens), stop) is not None:
+                    reason = "stop"
+                    break
                 if len(tokens) >= max_tokens:
                     break
         finally:
@@ -150,11 +219,24 @@ class GreedyDecoder:
         return tokens, reason
 
     # -- joint neg+pos: network.generation.greedy_generate ---------------------------------------------------
-    def _joint(self, prompt_ids, max_tokens, emit):
+    def _joint(self, prompt_ids, max_tokens, emit, stop=()):
         from ..network.generation import greedy_generate
 
-        out = greedy_generate(
-            _StreamingHeads(self.heads, emit), self.tokenizer, [prompt_ids], max_new_tokens=max_tokens,
-            delimiter=self.delimiter, stop_at_delimiter=self.stop_at_delimiter, batch_size=1, features=False,
-        )[0]
+        seen = []
+
+        def hook(t: int) -> None:
+            emit(t)
+            if t in self.eos:
+                return
+            seen.append(t)
+            if stop and first_stop(self.tokenizer.decode(seen), stop) is not None:
+                raise _StopHit
+
+        try:
+            out = greedy_generate(
+                _StreamingHeads(self.heads, hook), self.tokenizer, [prompt_ids], max_new_tokens=max_tokens,
+                delimiter=self.delimiter, stop_at_delimiter=self.stop_at_delimiter, batch_size=1, features=False,
+            )[0]
+        except _StopHit:
+            return seen, "stop"
         return list(out.token_ids), out.stop_reason

@@ -77,6 +77,7 @@ class Attempt:
     verifier: dict = field(default_factory=dict)
     reask_message: str | None = None
     token_ids: list = field(default_factory=list)
+    row: dict = field(default_factory=dict, repr=False)  # the verifier's full per-row output (not in to_dict)
 
     def to_dict(self) -> dict:
         return {
@@ -244,33 +245,67 @@ class VerifiedGenerator:
 
     def generate(self, prompt: str, id=None, *, on_text: Callable[[str], None] | None = None,
                  on_attempt_start: Callable[[int], None] | None = None,
-                 on_attempt: Callable[[Attempt], None] | None = None) -> VerificationResult:
+                 on_attempt: Callable[[Attempt], None] | None = None, **options) -> VerificationResult:
         """Generate, verify and branch for one prompt (the user message / document of the template).
 
         Callbacks: ``on_text(segment)`` streams the answer text of every attempt,
         ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict.
+        ``options``: per-call overrides of :meth:`generate_ids`.
         """
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt must be a non-empty string")
-        t_start = time.perf_counter()
         base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+
+        def reask(previous: str, reason: str | None, attempt: int) -> tuple[list, str]:
+            text, message = self.reask_text(prompt, previous, reason, attempt)
+            return _embed.encode(self.tokenizer, text), message
+
+        return self.generate_ids(base_ids, reask, prompt=prompt, id=id, on_text=on_text,
+                                 on_attempt_start=on_attempt_start, on_attempt=on_attempt, **options)
+
+    def generate_ids(self, base_ids, reask: Callable[[str, str | None, int], tuple[list, str]] | None, *,
+                     prompt: str = "", id=None, on_text: Callable[[str], None] | None = None,
+                     on_attempt_start: Callable[[int], None] | None = None,
+                     on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
+                     max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
+                     temperature: float = 0.0) -> VerificationResult:
+        """The generate-verify-branch loop on an already templated prompt (token ids ``base_ids``).
+
+        ``reask(previous, reason, attempt) -> (prompt ids, re-ask message)`` builds the prompt of a re-ask
+        attempt (required with ``on_reject="reask"``); every attempt is verified against ``base_ids``.
+        ``on_reject``, ``max_attempts``, ``max_tokens`` override the generator's settings for this call;
+        ``stop`` (strings) and ``temperature`` go to :class:`~.decoding.GreedyDecoder`.  ``prompt`` is only
+        recorded in the result.
+        """
+        on_reject = self.on_reject if on_reject is None else on_reject
+        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
+        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
+        if on_reject not in ON_REJECT:
+            raise ValueError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
+        if max_attempts < 1 or max_tokens < 1:
+            raise ValueError("max_attempts and max_tokens must be >= 1")
+        if on_reject == "reask" and reask is None:
+            raise ValueError("on_reject='reask' needs a reask prompt builder")
+        base_ids = [int(t) for t in base_ids]
+        decode_options = {k: v for k, v in (("stop", list(stop or ())), ("temperature", temperature)) if v}
+        t_start = time.perf_counter()
         gen_ids, reask_message = base_ids, None
         used = {tuple(base_ids)}
-        limit = self.max_attempts if self.on_reject == "reask" else 1
+        limit = max_attempts if on_reject == "reask" else 1
         attempts: list[Attempt] = []
         stopped = "rejected"
         for k in range(1, limit + 1):
             if on_attempt_start is not None:
                 on_attempt_start(k)
             t0 = time.perf_counter()
-            dec = self.decoder(gen_ids, self.max_tokens, on_text)
+            dec = self.decoder(gen_ids, max_tokens, on_text, **decode_options)
             verdict = self.verifier(base_ids, dec.token_ids, dec.text, id)
             att = Attempt(
                 attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
                 reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
                 prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
                 generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
-                reask_message=reask_message, token_ids=list(dec.token_ids),
+                reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
             )
             attempts.append(att)
             if on_attempt is not None:
@@ -279,16 +314,19 @@ class VerifiedGenerator:
                 stopped = "verified"
                 break
             if k == limit:
-                stopped = "max_attempts" if self.on_reject == "reask" else "rejected"
+                stopped = "max_attempts" if on_reject == "reask" else "rejected"
                 break
-            text, reask_message = self.reask_text(prompt, dec.text, att.reason, k + 1)
-            gen_ids = _embed.encode(self.tokenizer, text)
+            gen_ids, reask_message = reask(dec.text, att.reason, k + 1)
             if tuple(gen_ids) in used:
                 stopped = "repeated_prompt"
                 break
             used.add(tuple(gen_ids))
+        return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
+
+    def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
+        """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
         last = attempts[-1]
-        policy = self.on_reject if self.on_reject != "reask" else self.reask_fallback
+        policy = on_reject if on_reject != "reask" else self.reask_fallback
         if last.verified:
             status, shown = "verified", last.text
         elif policy == "return":
@@ -298,6 +336,6 @@ class VerifiedGenerator:
         return VerificationResult(
             id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
             status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,
-            on_reject=self.on_reject, stopped=stopped, decoding=self.decoding,
-            tokens=sum(a.tokens for a in attempts), seconds=time.perf_counter() - t_start,
+            on_reject=on_reject, stopped=stopped, decoding=self.decoding,
+            tokens=sum(a.tokens for a in attempts), seconds=seconds,
         )

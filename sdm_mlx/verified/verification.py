@@ -44,6 +44,17 @@ VERIFIER_FIELDS = ("prediction", "admitted", "rejection_reason", "p_lower", "p_c
                    "q_tilde_lower", "hard_bin_lower")
 
 
+def json_safe(value):
+    """``value`` with every non-finite float (recursively in lists / dicts) replaced by None."""
+    if isinstance(value, float):
+        return finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def finite_or_none(x):
     """``float(x)`` or None for NaN / inf / None (JSON has no NaN)."""
     if x is None:
@@ -64,6 +75,7 @@ class Verdict:
     verifier: dict = field(default_factory=dict)
     feature_seconds: float = 0.0
     estimate_seconds: float = 0.0
+    row: dict = field(default_factory=dict)  # the estimator's full per-row output (JSON-safe), for explanations
 
     @property
     def seconds(self) -> float:
@@ -126,5 +138,6 @@ class AnswerVerifier:
         return Verdict(
             verified=reason is None, reason=reason, p_lower=record["p_lower"], parsed=parsed,
             exemplars=row["exemplars"], verifier=record, feature_seconds=t1 - t0, estimate_seconds=t2 - t1,
+            row=json_safe(row),
         )
 

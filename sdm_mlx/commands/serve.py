@@ -1,0 +1,125 @@
+"""``sdm-mlx serve``: an OpenAI-compatible HTTP server for verified generation (docs/serving.md).
+
+Loads the model, the verification layer (and optional positive head) once,
+then serves ``/v1/chat/completions``, ``/v1/completions`` (streaming and not),
+``/v1/models``, ``/v1/verify`` and ``/v1/verdicts/{id}`` on ``--host:--port``
+(127.0.0.1 by default).  Every completion carries ``choices[0].verification``
+and ``X-SDM-*`` headers; ``--on-reject`` / ``--max-attempts`` set the policy,
+which a request overrides with ``"sdm": {"on_reject": ..., "max_attempts": ...}``.
+Requests are queued on one model thread.  Ctrl-C / SIGTERM shut down cleanly
+(exit 0).  Prints ``sdm-mlx serve: listening on http://HOST:PORT`` on stderr
+once ready (``--port 0`` picks a free port).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..cli import CLIError
+
+HELP = "OpenAI-compatible server for verified generation (/v1/chat/completions, /v1/completions, /v1/verify)"
+
+
+def add_generator_arguments(p) -> None:
+    """Model, verifier and generation options shared by ``serve`` and ``mcp`` (dests as ``generate``'s)."""
+    p.add_argument("-m", "--model", help="mlx-lm model directory or hub id (default with --head: its base model)")
+    p.add_argument("--verifier", help="verification layer: a saved SDMEstimator directory (default with --head: "
+                                      "HEAD/verifier)")
+    p.add_argument("--head", default=None, help="SDM-network directory with the positive head W_pos (joint neg+pos "
+                                                "decoding; its stored settings become the defaults)")
+    p.add_argument("--system", default=None, help="system message added to chats without one (default: the head's)")
+    p.add_argument("--prompt-template", default=None,
+                   help="template with a {document} slot for the last user message (default: the head's; "
+                        "'{document}' sends messages unchanged)")
+    p.add_argument("--no-chat-template", action="store_true", help="join chat messages as raw text (base models)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default max generated tokens per attempt (the head's max_new_tokens, else 256)")
+    p.add_argument("--delimiter", default=None, help="closing delimiter of the verification unit (default '}')")
+    p.add_argument("--max-length", type=int, default=None, help="kept positions of the verifier features (500)")
+    p.add_argument("--n-exemplars", type=int, default=5, help="nearest training exemplars reported per verdict")
+    p.add_argument("--allow-non-json", action="store_true",
+                   help="do not require a parseable JSON object (only the closing delimiter) for verification")
+    p.add_argument("--max-verdicts", type=int, default=1000, help="verdicts kept in memory by id (oldest dropped)")
+
+
+def add_arguments(p) -> None:
+    add_generator_arguments(p)
+    p.add_argument("--on-reject", choices=["abstain", "reask", "return"], default="abstain",
+                   help="default policy for a rejected answer (a request overrides it with sdm.on_reject)")
+    p.add_argument("--max-attempts", type=int, default=3, help="default attempts in total with on_reject=reask")
+    p.add_argument("--reask-fallback", choices=["abstain", "return"], default="abstain",
+                   help="result when no re-asked attempt is verified")
+    p.add_argument("--reask-template", default=None, help="re-ask user message with a {previous} slot")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed on stderr)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id of /v1/models and the 'model' field (default: the model directory's name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413 beyond)")
+    p.add_argument("--quiet", action="store_true", help="no access log")
+
+
+def model_names(args) -> tuple[str, list]:
+    """``(served model id, other accepted names)`` from the options."""
+    path = args.model
+    if path is None and args.head:
+        from ..network.artifact import read_network_config
+
+        path = read_network_config(args.head)["base_model"]
+    name = args.served_model_name or os.path.basename(os.path.normpath(str(path))) or str(path)
+    return name, [str(path)] if path else []
+
+
+def load_engine(args):
+    """Validate the options and load the :class:`~sdm_mlx.serve.engine.Engine` (CLIError on bad ones)."""
+    from .generate import build_generator
+
+    if args.max_verdicts < 1:
+        raise CLIError("--max-verdicts must be >= 1")
+    if args.n_exemplars < 0:
+        raise CLIError("--n-exemplars must be >= 0")
+    for name in ("verifier", "head"):
+        path = getattr(args, name)
+        if path and not os.path.isdir(path):
+            raise CLIError(f"--{name} {path}: no such directory")
+    defaults = {"on_reject": "abstain", "max_attempts": 3, "reask_fallback": "abstain", "reask_template": None,
+                "served_model_name": None}  # options of serve that mcp does not have
+    for k, v in defaults.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    from ..serve.engine import Engine
+
+    name, aliases = model_names(args)
+    return Engine(lambda: build_generator(args), name, aliases=aliases, max_verdicts=args.max_verdicts)
+
+
+def run(args) -> int:
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_body_bytes < 1:
+        raise CLIError("--max-body-bytes must be >= 1")
+    from ..serve.app import create_app
+    from ..serve.server import bind, serve
+
+    engine = load_engine(args)
+    try:
+        try:
+            sock = bind(args.host, args.port)
+        except OSError as e:
+            raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"sdm-mlx serve: {engine.model_id} ({engine.gen.decoding} decoding, on_reject={engine.gen.on_reject}) "
+              f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
+        serve(create_app(engine, max_body_bytes=args.max_body_bytes), sock, access_log=not args.quiet,
+              log_level="warning" if args.quiet else "info", on_exit=engine.closing.set)
+    finally:
+        engine.close()
+    print("sdm-mlx serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from ..cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

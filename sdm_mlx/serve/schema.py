@@ -1,0 +1,244 @@
+"""Wire format of ``sdm-mlx serve``: request validation and OpenAI-style error objects.
+
+Requests are parsed by hand (not by a schema library) so that every problem
+becomes an OpenAI error object naming the offending field in ``param``::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
+
+=====================  ===========================================================
+``model``              optional; must be the served model's id (else 404)
+``messages``           chat: list of ``{"role": system|user|assistant, "content": str
+                       or [{"type": "text", "text": str}, ...]}``
+``prompt``             completions: a string (or a list holding one string)
+``max_tokens``         int >= 1 (``max_completion_tokens`` is an alias); default: the server's
+``temperature``        number >= 0 (0 = greedy; > 0 only with plain decoding)
+``stop``               a string or a list of up to 4 non-empty strings
+``stream``             bool; ``stream_options.include_usage`` adds usage to the last chunk
+``n``                  1 only; ``user``, ``seed`` are accepted and not used
+``sdm``                ``{"on_reject": "abstain"|"reask"|"return", "max_attempts": int >= 1}``
+=====================  ===========================================================
+
+Any other field is rejected (400) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+ROLES = ("system", "user", "assistant")
+ON_REJECT = ("abstain", "reask", "return")
+MAX_STOP = 4
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
+           "user", "seed", "sdm"}
+CHAT_FIELDS = _COMMON | {"messages"}
+TEXT_FIELDS = _COMMON | {"prompt"}
+VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body (``status``, ``message``, ``type``, ``param``, ``code``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """A validated chat or text completion request."""
+
+    kind: str                       # "chat" | "text"
+    messages: list | None = None    # chat
+    prompt: str | None = None       # text
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    on_reject: str | None = None
+    max_attempts: int | None = None
+
+
+@dataclass
+class VerifyRequest:
+    """A validated ``/v1/verify`` request: ``messages`` or ``prompt``, and the ``completion`` to verify."""
+
+    completion: str
+    messages: list | None = None
+    prompt: str | None = None
+    model: str | None = None
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object (400 ``invalid_json`` otherwise)."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise bad("request body is not UTF-8", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise bad(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                  code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_fields(body: dict, allowed: set) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"unsupported field(s): {', '.join(unknown)} (supported: {', '.join(sorted(allowed))})",
+                  param=unknown[0], code="unsupported_field")
+
+
+def _int(body: dict, key: str, minimum: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise bad(f"'{key}' must be an integer >= {minimum}, got {json.dumps(v)}", param=key)
+    return v
+
+
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {json.dumps(v)}", param=key)
+    return v
+
+
+def _model(body: dict) -> str | None:
+    v = body.get("model")
+    if v is not None and not isinstance(v, str):
+        raise bad("'model' must be a string", param="model")
+    return v
+
+
+def _content(content, where: str) -> str:
+    """Message content: a string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": str}}",
+                          param=f"{where}.content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def parse_messages(value) -> list:
+    """``[{"role", "content"}]`` with string contents; at least one user message."""
+    if not isinstance(value, list) or not value:
+        raise bad("'messages' must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with 'role' and 'content'", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", param=f"{where}.role")
+        if "content" not in m or m["content"] is None:
+            raise bad(f"{where} has no content", param=f"{where}.content")
+        out.append({"role": role, "content": _content(m["content"], where)})
+    if not any(m["role"] == "user" for m in out):
+        raise bad("'messages' must contain a user message", param="messages")
+    return out
+
+
+def parse_prompt(value) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str) or not value:
+        raise bad("'prompt' must be a non-empty string (batches of prompts are not supported)", param="prompt")
+    return value
+
+
+def _stop(value) -> list:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
+                  param="stop")
+    return list(stops)
+
+
+def _policy(value) -> tuple[str | None, int | None]:
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise bad("'sdm' must be an object {\"on_reject\": ..., \"max_attempts\": ...}", param="sdm")
+    unknown = sorted(set(value) - {"on_reject", "max_attempts"})
+    if unknown:
+        raise bad(f"unsupported sdm option(s): {', '.join(unknown)} (supported: on_reject, max_attempts)",
+                  param=f"sdm.{unknown[0]}")
+    on_reject = value.get("on_reject")
+    if on_reject is not None and on_reject not in ON_REJECT:
+        raise bad(f"sdm.on_reject must be one of {', '.join(ON_REJECT)}, got {json.dumps(on_reject)}",
+                  param="sdm.on_reject")
+    max_attempts = _int(value, "max_attempts", 1)
+    return on_reject, max_attempts
+
+
+def parse_generation(body: dict, kind: str) -> GenerationRequest:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` (``"text"``) body."""
+    _check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
+    req = GenerationRequest(kind=kind, model=_model(body))
+    if kind == "chat":
+        req.messages = parse_messages(body.get("messages"))
+    else:
+        req.prompt = parse_prompt(body.get("prompt"))
+    req.max_tokens = _int(body, "max_tokens", 1)
+    alias = _int(body, "max_completion_tokens", 1)
+    req.max_tokens = alias if req.max_tokens is None else req.max_tokens
+    t = body.get("temperature")
+    if t is not None:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
+            raise bad(f"'temperature' must be a number in [0, 2], got {json.dumps(t)}", param="temperature")
+        req.temperature = float(t)
+    req.stop = _stop(body.get("stop"))
+    req.stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or not set(opts) <= {"include_usage"}:
+            raise bad("'stream_options' must be {\"include_usage\": bool}", param="stream_options")
+        req.include_usage = _bool(opts, "include_usage")
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise bad("only n = 1 is supported", param="n")
+    req.on_reject, req.max_attempts = _policy(body.get("sdm"))
+    return req
+
+
+def parse_verify(body: dict) -> VerifyRequest:
+    """Validate a ``/v1/verify`` body: exactly one of ``messages`` / ``prompt``, and ``completion``."""
+    _check_fields(body, VERIFY_FIELDS)
+    if ("messages" in body) == ("prompt" in body):
+        raise bad("give exactly one of 'messages' and 'prompt'", param="messages")
+    completion = body.get("completion")
+    if not isinstance(completion, str) or not completion:
+        raise bad("'completion' must be a non-empty string (the answer to verify)", param="completion")
+    req = VerifyRequest(completion=completion, model=_model(body))
+    if "messages" in body:
+        req.messages = parse_messages(body["messages"])
+    else:
+        req.prompt = parse_prompt(body["prompt"])
+    return req

@@ -1,0 +1,269 @@
+"""Benchmark: ``sdm-mlx serve`` (verified generation over HTTP) vs ``mlx_lm.server`` on the same model.
+
+    python tools/bench_serve.py [--size small] [--requests 8] [--tokens 32] [--support 1000] [--json out.json]
+
+Without ``--model`` a random Phi-3-architecture model is built with
+``tests/tiny_models.py`` (``--size``: ``tiny`` hidden 64 / 2 layers, ``small``
+hidden 512 / 4 layers, ``medium`` hidden 1024 / 8 layers; the vocabulary is
+the tokenizer's own, a few hundred tokens); the
+verification layer is an ``SDMEstimator`` fitted (tiny settings) on
+``--support`` synthetic rows of the model's feature width (its size is what
+matters for timing; see tools/bench_generate.py).  Both servers run as
+subprocesses on loopback and get the same chat requests (distinct review
+prompts, greedy, ``max_tokens=--tokens``, no system message or template; ours
+with ``on_reject=return`` so every request is one generation + one
+verification).  Reported, for 1 and 4 concurrent clients (each sending
+``--requests`` non-streaming requests back to back):
+
+* requests/s and completion tokens/s, latency mean / p50 / p95, and the ratio
+  sdm-mlx / mlx_lm of mean latency (the verification overhead, end to end);
+* time to first token of a streamed request (median over the prompts):
+  ``mlx_lm``; ``sdm return`` (tokens streamed live, verdict in the last chunk);
+  ``sdm abstain`` (only verified text is released, so the first token arrives
+  after generation + verification).
+
+Prints a table, writes JSON with ``--json`` and names the BLAS MLX used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from bench_common import SIZES, write_report  # noqa: E402
+from bench_generate import make_verifier  # noqa: E402
+from sdm_mlx.blas import describe_blas  # noqa: E402
+from server_process import ServerProcess, sdm_mlx  # noqa: E402
+
+WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
+
+
+def prompts(n: int) -> list:
+    rng = np.random.default_rng(0)
+    return [f"Review {i}: the film is {' and '.join(rng.choice(WORDS, 2, replace=False))}. Sentiment as JSON?"
+            for i in range(n)]
+
+
+def post(port: int, path: str, body: dict, stream: bool = False, timeout: float = 600):
+    """``(seconds to first body byte after the headers, total seconds, parsed JSON or SSE lines)``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
+    if not stream:
+        data = json.loads(r.read())
+        conn.close()
+        return None, time.perf_counter() - t0, data
+    first, lines = None, []
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if first is None and obj.get("choices") and obj["choices"][0].get("delta", {}).get("content"):
+            first = time.perf_counter() - t0
+        lines.append(obj)
+    conn.close()
+    return first, time.perf_counter() - t0, lines
+
+
+def chat(prompt: str, tokens: int, **extra) -> dict:
+    return {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0.0, **extra}
+
+
+def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int, extra: dict) -> dict:
+    """``clients`` threads each sending ``per_client`` non-streaming requests back to back."""
+    lat, ntok, gen_s, ver_s, errors = [], [], [], [], []
+    lock = threading.Lock()
+
+    def worker(c: int):
+        for k in range(per_client):
+            body = chat(texts[(c * per_client + k) % len(texts)], tokens, **extra)
+            try:
+                _, dt, data = post(port, "/v1/chat/completions", body)
+            except Exception as e:  # reported, never silently dropped
+                with lock:
+                    errors.append(repr(e))
+                continue
+            with lock:
+                lat.append(dt)
+                ntok.append(data["usage"]["completion_tokens"])
+                for a in data["choices"][0].get("verification", {}).get("attempts", []):
+                    gen_s.append(a["generation_seconds"])
+                    ver_s.append(a["verification_seconds"])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[:3]}")
+    lat = np.array(lat)
+    return {"clients": clients, "requests": len(lat), "wall_s": wall, "requests_per_s": len(lat) / wall,
+            "tokens_per_s": float(sum(ntok)) / wall, "completion_tokens": int(sum(ntok)),
+            "latency_mean_s": float(lat.mean()), "latency_p50_s": float(np.median(lat)),
+            "latency_p95_s": float(np.quantile(lat, 0.95)),
+            "server_generation_s": float(np.mean(gen_s)) if gen_s else None,
+            "server_verification_s": float(np.mean(ver_s)) if ver_s else None}
+
+
+def ttft(port: int, texts: list, tokens: int, extra: dict) -> float:
+    firsts = [post(port, "/v1/chat/completions", chat(t, tokens, stream=True, **extra), stream=True)[0]
+              for t in texts]
+    return float(np.median([f for f in firsts if f is not None]))
+
+
+def start_mlx_lm(model_path: str, port: int) -> subprocess.Popen:
+    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/blas.py)."""
+    from sdm_mlx.blas import find_openblas
+
+    env = dict(os.environ)
+    if sys.platform.startswith("linux") and find_openblas():
+        env["LD_PRELOAD"] = find_openblas()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--port", str(port),
+                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("mlx_lm.server did not start")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(tmp: str, size: str, support: int) -> tuple[str, str]:
+    from tiny_models import make_tiny_model
+
+    # the tokenizer's own vocabulary: a padded vocab_size lets greedy decoding pick ids the tokenizer cannot
+    # detokenize, which mlx_lm.server's streaming detokenizer does not survive
+    overrides = {k: v for k, v in (SIZES[size] or {}).items() if k != "vocab_size"} or None
+    model_path = make_tiny_model(tmp, "phi3", overrides=overrides)
+    width = 2 * json.loads(Path(model_path, "config.json").read_text())["hidden_size"]
+    verifier = os.path.join(tmp, "verifier")
+    make_verifier(width, support).save(verifier)
+    return model_path, verifier
+
+
+def best(runs: list) -> list:
+    """Per number of clients, the run with the highest throughput (the least disturbed by other load)."""
+    out = {}
+    for run in runs:
+        c = run["clients"]
+        if c not in out or run["requests_per_s"] > out[c]["requests_per_s"]:
+            out[c] = run
+    return [out[c] for c in sorted(out)]
+
+
+def measure(servers: dict, texts: list, args) -> dict:
+    """Alternate the servers ``--repeats`` times (load at 1 and 4 clients, then TTFT); keep the best runs."""
+    runs = {name: [] for name in servers}
+    firsts = {key: [] for name, (_, _, modes) in servers.items() for key in modes}
+    few = texts[: args.ttft_prompts]
+    for name, (port, extra, _) in servers.items():  # warm-up (compilation, allocation)
+        post(port, "/v1/chat/completions", chat(texts[0], args.tokens, **extra))
+    for rep in range(args.repeats):
+        for name, (port, extra, modes) in servers.items():
+            runs[name] += [load_run(port, texts, args.tokens, c, args.requests, extra) for c in (1, 4)]
+            for key, mode in modes.items():
+                firsts[key].append(ttft(port, few, args.tokens, {**extra, **mode}))
+        print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
+    out = {name: {"load": best(r), "all_runs": r} for name, r in runs.items()}
+    out["ttft_s"] = {key: min(v) for key, v in firsts.items()}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--requests", type=int, default=8, help="requests per client")
+    ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
+    ap.add_argument("--support", type=int, default=1000, help="support rows of the verifier")
+    ap.add_argument("--ttft-prompts", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best run of each is kept")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    texts = prompts(4 * args.requests)
+    report = {"size": args.size, "tokens": args.tokens, "requests_per_client": args.requests,
+              "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
+              "machine": platform.platform(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, verifier = build(tmp, args.size, args.support)
+        port = free_port()
+        proc = start_mlx_lm(model_path, port)
+        srv = None
+        try:
+            srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0,
+                                        "--quiet", "--system", "", "--prompt-template", "{document}",
+                                        "--served-model-name", "bench", "--on-reject", "return"), timeout=300)
+            servers = {  # name: (port, request fields, TTFT modes)
+                "mlx_lm": (port, {"model": model_path}, {"mlx_lm": {}}),  # mlx_lm.server loads the named model
+                "sdm": (srv.port, {}, {"sdm_return": {}, "sdm_abstain": {"sdm": {"on_reject": "abstain"}}}),
+            }
+            report.update(measure(servers, texts, args))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            report["sdm_exit_code"] = srv.stop() if srv is not None else None
+    print_table(report)
+    if args.json:
+        write_report(args.json, report)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    print(f"\nmodel: random phi3 ({r['size']}), {r['tokens']} max tokens, verifier support {r['support']} rows; "
+          f"BLAS: {r['blas']}")
+    print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}")
+    for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):
+        for row in r[key]["load"]:
+            print(f"{name:<16}{row['clients']:>8}{row['requests_per_s']:>9.2f}{row['tokens_per_s']:>9.1f}"
+                  f"{row['latency_mean_s']:>9.3f}{row['latency_p50_s']:>9.3f}{row['latency_p95_s']:>9.3f}")
+    for a, b in zip(r["sdm"]["load"], r["mlx_lm"]["load"]):
+        print(f"latency ratio sdm/mlx_lm at {a['clients']} client(s): {a['latency_mean_s'] / b['latency_mean_s']:.2f}; "
+              f"throughput ratio (req/s): {a['requests_per_s'] / b['requests_per_s']:.2f}")
+    for row in r["sdm"]["load"]:
+        print(f"sdm-mlx serve, {row['clients']} client(s): per request {row['server_generation_s']:.3f} s generation "
+              f"+ {row['server_verification_s']:.3f} s verification (inside the server)")
+    t = r["ttft_s"]
+    print(f"time to first token (median over prompts, best repeat): mlx_lm {t['mlx_lm'] * 1e3:.1f} ms; "
+          f"sdm return (live) {t['sdm_return'] * 1e3:.1f} ms; sdm abstain (verified before release) "
+          f"{t['sdm_abstain'] * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
