@@ -19,17 +19,24 @@ not depend on the batch (issue 10 §4), ``Y = X Wᵀ`` is instead computed as an
 
 The result is a deterministic function of one row of X and of W (independent of the batch,
 of the BLAS library and of its thread count), accurate to ≈ D·2^−2β relative to
-‖x‖∞‖w‖∞ — far below float32 rounding.  Cost: three float64 GEMM widths.
+‖x‖∞‖w‖∞ — far below float32 rounding.  Cost: three float64 GEMM widths, run by MLX on
+the CPU stream (the BLAS MLX uses; NumPy's own multithreaded OpenBLAS next to MLX's was
+measured to stall other NumPy LAPACK calls by ~0.8 s each on a shared 2-core machine).
 """
 
 from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import numpy as np
 
 #: Rows per float64 GEMM chunk (bounds memory; the result does not depend on it).
 CHUNK_ROWS = 4096
+
+
+def _f64(a: np.ndarray) -> mx.array:
+    return mx.array(np.ascontiguousarray(a, dtype=np.float64), dtype=mx.float64)
 
 
 def slice_bits(width: int) -> int:
@@ -60,8 +67,8 @@ class ExactRowProduct:
         self.out_dim, self.in_dim = w.shape
         self.beta = slice_bits(self.in_dim)
         w_hi, w_lo, self._w_exp = split_rows(w, self.beta)
-        self._w_hi_t = np.ascontiguousarray(w_hi.T)  # [D, K]
-        self._w_cross_t = np.ascontiguousarray(np.concatenate([w_lo, w_hi], axis=1).T)  # [2D, K]
+        self._w_hi_t = _f64(w_hi.T)  # [D, K]
+        self._w_cross_t = _f64(np.concatenate([w_lo, w_hi], axis=1).T)  # [2D, K]
         self._bias = None if bias is None else np.asarray(bias, dtype=np.float64).reshape(1, -1)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -77,8 +84,10 @@ class ExactRowProduct:
     def _chunk(self, x: np.ndarray) -> np.ndarray:
         b = self.beta
         x_hi, x_lo, x_exp = split_rows(x, b)
-        p = x_hi @ self._w_hi_t  # exact integers
-        q = np.concatenate([x_hi, x_lo], axis=1) @ self._w_cross_t  # exact integers
+        p = mx.matmul(_f64(x_hi), self._w_hi_t, stream=mx.cpu)  # exact integers
+        q = mx.matmul(_f64(np.concatenate([x_hi, x_lo], axis=1)), self._w_cross_t, stream=mx.cpu)  # exact
+        mx.eval(p, q)
+        p, q = np.array(p), np.array(q)
         y = p + np.ldexp(q, -b)  # one rounding
         y = np.ldexp(y, x_exp[:, None] + self._w_exp[None, :] - 2 * b)
         return y if self._bias is None else y + self._bias

@@ -103,17 +103,22 @@ def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tau, max_sq):
 def _screen_top(dist, q_sq, col_sq, max_sq, n: int, tau):
     """Column positions [b, c ≥ n] holding every row's exact float64 top-n, or None for all columns.
 
-    Column j can be among the exact top-n only if dist_j ≤ v + τ(2‖q‖² + ‖s_j‖² + max‖s‖²), v the
-    row's n-th smallest float32 distance (see :func:`screening_tolerance`).  c is the largest count
-    of such columns over the block, and the c smallest of ``dist_j − τ‖s_j‖²`` contain them all.
+    With key_j = dist_j − τ‖s_j‖² and v the row's n-th smallest key, every column of the exact
+    top-n has key_j ≤ v + 2τ(‖q‖² + max‖s‖²) (:func:`screening_tolerance`); the c smallest keys,
+    c the largest such count over the block (usually ≤ n + 8: one partition), contain them all.
     """
     size = dist.shape[1]
-    if n >= size:
+    n_cand = n + 8
+    if n_cand >= size:
         return None
     key = dist - tau * col_sq[None, :]
-    v = mx.partition(dist, kth=n - 1, axis=1)[:, n - 1]
-    limit = v + tau * (2.0 * q_sq + max_sq) + 1e-30
+    cand = mx.argpartition(key, kth=n_cand - 1, axis=1)[:, :n_cand]
+    v = mx.sort(mx.take_along_axis(key, cand, axis=1), axis=1)[:, n - 1]
+    limit = v + 2.0 * tau * (q_sq + max_sq) + 1e-30
+    mx.eval(key, cand, limit)
     c = int((key <= limit[:, None]).sum(axis=1).max().item())
+    if c <= n_cand:
+        return cand
     if c >= size:
         return None
     return mx.argpartition(key, kth=c - 1, axis=1)[:, :c]
@@ -240,6 +245,7 @@ class ExactIndex:
             dist, q_sq = _squared_distances(mx.array(qc[rows]), self._support, self._support_sq)
             if ex is not None:
                 dist = mx.where(cols[None, :] == mx.array(ex[rows])[:, None], mx.inf, dist)
+            mx.eval(dist, q_sq)
             self._top_into(queries, rows, dist, q_sq, self._support_sq, identity, ex, top_d, top_i)
         top_i[~np.isfinite(top_d)] = -1
         return top_d.astype(np.float32), top_i
@@ -299,6 +305,7 @@ class ExactIndex:
                 dist, q_sq = _squared_distances(mx.array(qc[rows]), grouping.support, grouping.support_sq)
                 if ex is not None:
                     dist = mx.where(cols[None, :] == mx.array(grouping.inverse[ex[rows]])[:, None], mx.inf, dist)
+                mx.eval(dist, q_sq)  # once: the q count and the top-n screening both read it
                 q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
                 self._top_into(queries, rows, dist, q_sq, grouping.support_sq, grouping.perm, ex, top_d, top_i)
         np.minimum(q_out, k_eff, out=q_out)

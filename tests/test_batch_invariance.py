@@ -54,7 +54,9 @@ def assert_same_predictions(a, b, rows_a=slice(None)):
         va, vb = np.asarray(getattr(a, name))[rows_a], np.asarray(getattr(b, name))
         assert va.dtype == vb.dtype, name
         assert np.array_equal(va, vb), f"field {name} differs"
-    sub = [a.to_dicts()[i] for i in np.arange(len(a))[rows_a]]
+    if not hasattr(a, "_dicts"):
+        a._dicts = a.to_dicts()
+    sub = [a._dicts[i] for i in np.arange(len(a))[rows_a]]
     got = b.to_dicts()
     for ra, rb in zip(sub, got):
         rb["id"] = ra["id"]
