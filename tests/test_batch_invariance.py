@@ -218,3 +218,27 @@ def test_alg3_alpha_071_n100_uses_rank_29():
     mv, psi = cal.min_valid_qbin(o, q, y, np.ones(200, bool), 2, 0.71)
     assert mv == 1.5
     np.testing.assert_array_equal(psi, [0.9, 0.99])
+
+
+# ------------------------------------------------------------------ the error-free row product
+
+
+def test_exact_row_product_is_row_local_and_accurate(monkeypatch):
+    from sdm_mlx import exact_product
+    from sdm_mlx.exact_product import ExactRowProduct
+
+    rng = np.random.default_rng(8)
+    W = rng.uniform(-0.03, 0.03, size=(64, 1000)).astype(np.float32)
+    b = rng.normal(size=64).astype(np.float32)
+    X = rng.normal(size=(37, 1000)).astype(np.float32)
+    X[:, 3] *= 300.0  # an outlier feature
+    X[5] = 0.0
+    f = ExactRowProduct(W, b)
+    whole = f(X)
+    ref = X.astype(np.float64) @ W.astype(np.float64).T + b
+    np.testing.assert_allclose(whole, ref, rtol=0, atol=1e-9 * np.abs(ref).max())
+    assert np.array_equal(whole[5], b.astype(np.float64))
+    monkeypatch.setattr(exact_product, "CHUNK_ROWS", 4)
+    assert np.array_equal(f(X[::-1]), whole[::-1])
+    for i in range(X.shape[0]):
+        assert np.array_equal(f(X[i : i + 1])[0], whole[i])
