@@ -7,6 +7,10 @@ exactly; exact duplicates of support rows are exact ties (d0 = 0, q by the (dist
 rule of DESIGN #4, checked against a float64 NumPy brute force).
 """
 
+import json
+import os
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -137,6 +141,29 @@ def test_support_duplicates_are_exact_ties(factcheck_model):
     for j, i in enumerate(sample[:25]):
         one = est.predict(Xs[i : i + 1])
         assert one.d0[0] == 0.0 and one.q[0] == pred.q[j]
+
+
+def test_saved_model_same_answers_with_another_blas(factcheck_model, tmp_path):
+    """Load in a fresh process on MLX's bundled BLAS, one thread: every field of every row unchanged."""
+    est, pool, heldout = factcheck_model
+    X = np.concatenate([heldout.X[:200], _rows_by_id(pool, est.support_ids_[:100])])
+    est.save(tmp_path / "model")
+    np.save(tmp_path / "x.npy", X)
+    code = (
+        "import json, sys, numpy as np\n"
+        "from sdm_mlx.estimator import SDMEstimator\n"
+        f"est = SDMEstimator.load({str(tmp_path / 'model')!r})\n"
+        f"X = np.load({str(tmp_path / 'x.npy')!r})\n"
+        "rows = [est.predict(X[i : i + 1], ids=[i]).to_dicts()[0] for i in range(0, len(X), 7)]\n"
+        "json.dump([est.predict(X).to_dicts(), rows], sys.stdout)\n"
+    )
+    env = dict(os.environ, SDM_MLX_NO_BLAS_PRELOAD="1", OPENBLAS_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    whole, alone = json.loads(out.stdout)
+    expected = json.loads(json.dumps(est.predict(X).to_dicts()))
+    assert whole == expected
+    assert alone == expected[::7]
+    assert all(r["d0"] == 0.0 for r in whole[200:])
 
 
 # ------------------------------------------------------------------ the support index on its own
