@@ -210,6 +210,28 @@ def test_exact_index_many_duplicates_keep_the_index_order():
     assert np.all(d == 0.0)
 
 
+def test_exact_index_float32_noise_cannot_change_the_answer():
+    # far from the centring row, float32 distances of 60 near-duplicates are mostly rounding noise:
+    # the screening band must still hand every float64 top-n (and the first bad neighbour) to the re-rank
+    rng = np.random.default_rng(6)
+    p = rng.normal(size=16) * 300
+    cloud = (p + rng.normal(size=(60, 16)) * 1e-3).astype(np.float32)
+    support = np.concatenate([np.full((1, 16), -3000, np.float32), cloud, rng.normal(size=(30, 16)).astype(np.float32)])
+    labels = np.zeros(len(support), dtype=np.int64)
+    preds = np.where(rng.random(len(support)) < 0.2, 1, 0)
+    good = good_neighbours_by_class(labels, preds, 2)
+    queries = (p + rng.normal(size=(20, 16)) * 1e-3).astype(np.float32)
+    y_hat = np.zeros(20, dtype=np.int64)
+    index = ExactIndex(support)
+    q, d0, top_d, top_i = index.similarity_and_neighbours(queries, y_hat, good, 50, 12)
+    d = ((queries[:, None, :].astype(np.float64) - support[None].astype(np.float64)) ** 2).sum(-1)
+    order = np.argsort(d, axis=1, kind="stable")
+    assert np.array_equal(top_i, order[:, :12])
+    assert np.array_equal(top_d, np.take_along_axis(d, order[:, :12], 1).astype(np.float32))
+    assert np.array_equal(q, _brute_q(queries, support, y_hat, good, 50)[0])
+    assert np.array_equal(d0, top_d[:, 0])
+
+
 def test_hnsw_rows_are_batch_invariant(tie_heavy):
     support, queries, labels, preds = tie_heavy
     good = good_neighbours_by_class(labels, preds, 3)
