@@ -101,27 +101,24 @@ def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tau, max_sq):
 
 
 def _screen_top(dist, q_sq, col_sq, max_sq, n: int, tau):
-    """Column positions [b, c ≥ n] holding every row's exact float64 top-n, or None for all columns.
+    """(key, first [b, w], count [b]) for screening every row's exact float64 top-n (n < columns).
 
     With key_j = dist_j − τ‖s_j‖² and v the row's n-th smallest key, every column of the exact
-    top-n has key_j ≤ v + 2τ(‖q‖² + max‖s‖²) (:func:`screening_tolerance`); the c smallest keys,
-    c the largest such count over the block (usually ≤ n + 8: one partition), contain them all.
+    top-n has key_j ≤ v + 2τ(‖q‖² + max‖s‖²) (:func:`screening_tolerance`); ``count`` is the
+    number of such columns and ``first`` the w smallest keys (w = 1 for n = 1: an argmin, else
+    n + 8), which hold them all wherever count ≤ w.
     """
-    size = dist.shape[1]
-    n_cand = n + 8
-    if n_cand >= size:
-        return None
     key = dist - tau * col_sq[None, :]
-    cand = mx.argpartition(key, kth=n_cand - 1, axis=1)[:, :n_cand]
-    v = mx.sort(mx.take_along_axis(key, cand, axis=1), axis=1)[:, n - 1]
+    if n == 1:
+        first = mx.argmin(key, axis=1)[:, None]
+        v = mx.take_along_axis(key, first, axis=1)[:, 0]
+    else:
+        first = mx.argpartition(key, kth=n + 7, axis=1)[:, : n + 8]
+        v = mx.sort(mx.take_along_axis(key, first, axis=1), axis=1)[:, n - 1]
     limit = v + 2.0 * tau * (q_sq + max_sq) + 1e-30
-    mx.eval(key, cand, limit)
-    c = int((key <= limit[:, None]).sum(axis=1).max().item())
-    if c <= n_cand:
-        return cand
-    if c >= size:
-        return None
-    return mx.argpartition(key, kth=c - 1, axis=1)[:, :c]
+    count = (key <= limit[:, None]).sum(axis=1)
+    mx.eval(first, count)
+    return key, np.array(first), np.array(count)
 
 
 class _Grouping:
@@ -215,12 +212,22 @@ class ExactIndex:
 
     def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, ex, out_d, out_i) -> None:
         """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
-        cand = _screen_top(dist, q_sq, col_sq, self._max_support_sq, out_d.shape[1], self._tau)
-        if cand is None:
-            positions = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
-        else:
-            positions = np.array(cand)
-        self._rerank_into(queries, rows, perm[positions], ex, out_d, out_i)
+        n = out_d.shape[1]
+        if n + (8 if n > 1 else 0) >= self.size:
+            every = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
+            self._rerank_into(queries, rows, perm[every], ex, out_d, out_i)
+            return
+        key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
+        easy = count <= first.shape[1]
+        self._rerank_into(queries, rows[easy], perm[first[easy]], ex, out_d, out_i)
+        hard = np.flatnonzero(~easy)  # rows with more near-tied candidates (e.g. duplicates)
+        if hard.size:
+            c = int(count[hard].max())
+            if c >= self.size:
+                positions = np.broadcast_to(np.arange(self.size), (hard.size, self.size))
+            else:
+                positions = np.array(mx.argpartition(key[mx.array(hard)], kth=c - 1, axis=1)[:, :c])
+            self._rerank_into(queries, rows[hard], perm[positions], ex, out_d, out_i)
 
     # -- top-n neighbours ---------------------------------------------------------------------
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
