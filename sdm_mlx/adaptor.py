@@ -13,10 +13,10 @@ Every weight and bias is initialised U(±1/sqrt(fan_in)) from an explicit MLX ke
 Exemplar coordinates.  The support index only needs squared L2 distances
 between exemplar vectors.  When D < M, every h' lies in a D-dimensional affine
 subspace: with the thin QR factorisation W_g = Q R (Q: M×D orthonormal
-columns), ‖h'_i − h'_j‖² = ‖R (x_i − x_j)_norm‖², so distances (and hence q,
+columns; R computed as the Cholesky factor of W_gᵀ W_g), ‖h'_i − h'_j‖² = ‖R (x_i − x_j)_norm‖², so distances (and hence q,
 d0, d and every neighbour) are computed exactly on the D-dim coordinates
 ``x_norm Rᵀ`` at M/D times less cost.  When D ≥ M the coordinates are h'
-itself.  :func:`exemplar_coordinates` returns whichever applies.
+itself.  :class:`InvariantForward` returns whichever applies, batch-invariantly.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from .exact_product import ExactRowProduct
 
 
 def _uniform_linear(fan_in: int, fan_out: int, key: mx.array) -> nn.Linear:
@@ -78,49 +80,74 @@ def scalar_normalization(x: np.ndarray) -> tuple[float, float]:
 
 
 def exemplar_basis(model: ExemplarAdaptor) -> np.ndarray | None:
-    """Rᵀ [D, D] with ‖h'_i − h'_j‖ = ‖(x_i − x_j)_norm Rᵀ‖ (W_g = QR) when D < M, else None."""
+    """Rᵀ [D, D] with ‖h'_i − h'_j‖ = ‖(x_i − x_j)_norm Rᵀ‖ when D < M, else None.
+
+    R is the Cholesky factor of the Gram matrix, W_gᵀ W_g = Rᵀ R (the R of the thin QR
+    W_g = Q R up to row signs), the Gram matrix an exact product (:mod:`sdm_mlx.exact_product`).
+    Not ``np.linalg.qr``: right after MLX's float64 GEMMs it was measured at ~0.8 s per call on
+    the shared 2-core machine (two OpenBLAS thread pools), against < 1 ms for this.
+    """
     w = np.array(model.projection.weight, dtype=np.float64)  # [M, D]
     if w.shape[1] >= w.shape[0]:
         return None
-    _, r = np.linalg.qr(w)
-    return np.ascontiguousarray(r.T, dtype=np.float32)
+    gram = ExactRowProduct(w.T)(w.T)  # W_gᵀ W_g [D, D]
+    try:
+        lower = np.linalg.cholesky(gram)  # = Rᵀ
+    except np.linalg.LinAlgError:  # W_g rank-deficient: fall back to QR
+        lower = np.linalg.qr(w)[1].T
+    return np.ascontiguousarray(lower, dtype=np.float32)
 
 
 _NO_BASIS = object()
 
 
-def forward_with_coordinates(model: ExemplarAdaptor, x: np.ndarray, batch_size: int = 1024, basis=_NO_BASIS):
-    """(z' [N, C], exemplar coordinates [N, min(D, M)]) — distance-equivalent to h' (see module doc).
+class InvariantForward:
+    """Batch-invariant scoring forward: rows ↦ (z' [N, C], exemplar coordinates [N, min(D, M)]), float32.
 
-    ``basis`` is :func:`exemplar_basis` of the model (computed here when not given).
+    Every value that feeds q, d0, d and z' at calibration and predict time comes from here
+    (the training loop's gradients keep the fast batched MLX forward).  Each row's result is
+    a function of that row and the weights alone, bit for bit, whatever the batch around it
+    (issue 10 §4): the linear maps are error-free float64 products
+    (:class:`~sdm_mlx.exact_product.ExactRowProduct`), rounded once to float32.
+
+    * D ≥ M: h' = W_g x_norm + b_g (the coordinates), z' = W' h' + b' (h' in float32, as in the model);
+    * D < M: coordinates = x_norm Rᵀ (``basis``, see the module doc) and z' = (W' W_g) x_norm + (W' b_g + b'),
+      the two maps folded once in float64 so no row pays for the M-wide h'.
+
+    x_norm = (x − μ) / σ is evaluated in float64.  ``basis`` is :func:`exemplar_basis` of the
+    model (computed when not given); pass the stored one to reproduce stored support vectors.
     """
-    if basis is _NO_BASIS:
-        basis = exemplar_basis(model)
-    if basis is None:
-        return forward_in_batches(model, x, batch_size)
-    basis_mx = mx.array(basis)
-    zs, cs = [], []
-    for start in range(0, x.shape[0], batch_size):
-        xb = mx.array(x[start : start + batch_size])
-        z, _ = model(xb)
-        c = ((xb - model.input_mean) / model.input_std) @ basis_mx
-        mx.eval(z, c)
-        zs.append(np.array(z))
-        cs.append(np.array(c))
-    if not zs:
-        return np.zeros((0, model.dims[2]), np.float32), np.zeros((0, basis.shape[1]), np.float32)
-    return np.concatenate(zs), np.concatenate(cs)
+
+    def __init__(self, model: ExemplarAdaptor, basis=_NO_BASIS):
+        self.basis = exemplar_basis(model) if basis is _NO_BASIS else basis
+        self.dims = model.dims
+        self._mean = float(np.array(model.input_mean, dtype=np.float64))
+        self._std = float(np.array(model.input_std, dtype=np.float64))
+        w_g = np.array(model.projection.weight, dtype=np.float64)
+        b_g = np.array(model.projection.bias, dtype=np.float64)
+        w_c = np.array(model.classifier.weight, dtype=np.float64)
+        b_c = np.array(model.classifier.bias, dtype=np.float64)
+        if self.basis is None:
+            self._hidden = ExactRowProduct(w_g, b_g)
+            self._logits = ExactRowProduct(w_c, b_c)
+        else:
+            classifier = ExactRowProduct(w_c, b_c)
+            folded_w = ExactRowProduct(w_c)(w_g.T).T  # W' W_g [C, D]
+            folded_b = classifier(b_g[None, :])[0]  # W' b_g + b'
+            self._logits = ExactRowProduct(folded_w, folded_b)
+            self._coordinates = ExactRowProduct(np.asarray(self.basis, dtype=np.float64).T)
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(x)
+        if x.shape[0] == 0:
+            return np.zeros((0, self.dims[2]), np.float32), np.zeros((0, min(self.dims[:2])), np.float32)
+        x_norm = (x.astype(np.float64) - self._mean) / self._std
+        if self.basis is None:
+            h = self._hidden(x_norm).astype(np.float32)
+            return self._logits(h).astype(np.float32), h
+        return self._logits(x_norm).astype(np.float32), self._coordinates(x_norm).astype(np.float32)
 
 
-def forward_in_batches(model: ExemplarAdaptor, x: np.ndarray, batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-    """(z' [N, C], h' [N, M]) as float32 NumPy, evaluated in batches without gradients."""
-    zs, hs = [], []
-    for start in range(0, x.shape[0], batch_size):
-        z, h = model(mx.array(x[start : start + batch_size]))
-        mx.eval(z, h)
-        zs.append(np.array(z))
-        hs.append(np.array(h))
-    d, m, c = model.dims
-    if not zs:
-        return np.zeros((0, c), np.float32), np.zeros((0, m), np.float32)
-    return np.concatenate(zs), np.concatenate(hs)
+def forward_with_coordinates(model: ExemplarAdaptor, x: np.ndarray, basis=_NO_BASIS) -> tuple[np.ndarray, np.ndarray]:
+    """(z' [N, C], exemplar coordinates [N, min(D, M)]) by the batch-invariant :class:`InvariantForward`."""
+    return InvariantForward(model, basis)(x)

@@ -58,6 +58,7 @@ All computation is host-side float64 NumPy (these are O(N·C log C) post-process
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -254,12 +255,13 @@ class TemperatureScaling(Baseline):
 def conformal_quantile(scores, coverage: float) -> float:
     """The ⌈(n+1)·coverage⌉-th smallest of the n calibration scores (split-conformal
     quantile at level ⌈(n+1)(1-ε)⌉/n with coverage = 1 - ε); ``+inf`` if that rank
-    exceeds n.  A 1e-9 slack keeps e.g. (19+1)·0.95 = 19 from rounding up to 20."""
+    exceeds n.  The rank is exact: coverage is read as the decimal it prints as (``str``), so
+    (19+1)·0.95 is 19, not 19.000000000000004 → 20."""
     s = np.sort(np.asarray(scores, dtype=np.float64).reshape(-1))
     n = s.size
     if n == 0:
         raise ValueError("empty calibration set")
-    k = math.ceil((n + 1) * float(coverage) - 1e-9)
+    k = math.ceil((n + 1) * Fraction(str(float(coverage))))
     if k > n:
         return math.inf
     return float(s[max(k, 1) - 1])

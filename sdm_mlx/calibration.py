@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -109,7 +110,7 @@ REJECTION_REASONS = (
     "below_threshold_psi",
 )
 
-#: Decimals 1 − α is rounded to before the quantile index (DESIGN #13).
+#: Decimals 1 − α is rounded to before the quantile index (DESIGN #13), exactly (:func:`exact_one_minus`).
 _QUANTILE_ROUND = 10
 
 
@@ -305,11 +306,24 @@ def dkw_bounds(v: np.ndarray, epsilon: np.ndarray, y_hat: np.ndarray) -> tuple[n
 # Alg. 3
 
 
+def exact_one_minus(alpha: float) -> Fraction:
+    """round(1 − α, 10) as an exact rational, α read as the decimal it prints as (``str(α)``).
+
+    Float arithmetic puts 1 − 0.71 at 0.29000000000000004 and 0.29·100 at 28.999999999999996;
+    the rational 29/100 has neither error.
+    """
+    return round(1 - Fraction(str(float(alpha))), _QUANTILE_ROUND)
+
+
 def _quantile_index(n: np.ndarray, alpha: float) -> np.ndarray:
-    """min(int(round(1−α, 10)·n), n−1) elementwise (DESIGN #13)."""
-    r = round(1.0 - float(alpha), _QUANTILE_ROUND)
+    """min(⌊round(1−α, 10)·n⌋, n−1) elementwise (DESIGN #13), in exact integer arithmetic.
+
+    With r = a/b (:func:`exact_one_minus`) the index is (a·n) // b: α' = 0.71, n = 100 gives 29
+    (float arithmetic gives 28).
+    """
+    r = exact_one_minus(alpha)
     n = np.asarray(n, dtype=np.int64)
-    return np.minimum(np.floor(r * n.astype(np.float64)).astype(np.int64), n - 1)
+    return np.minimum((r.numerator * n) // r.denominator, n - 1)
 
 
 def min_valid_qbin(

@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates
+from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
-from .calibration import RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round
+from .calibration import (
+    RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round, exact_one_minus,
+)
 from .data import check_features, check_labels
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
@@ -256,7 +258,7 @@ class SDMEstimator:
                 "class needs rows in both the training and the calibration half"
             )
         alpha = check_alpha(self.alpha, C)
-        min_cal = math.ceil(1.0 / (1.0 - alpha))
+        min_cal = math.ceil(1 / exact_one_minus(alpha))  # smallest n with a quantile index ≥ 1 (exact)
         if (counts // 2 < min_cal).any():
             warnings.warn(
                 f"calibration halves will hold fewer than 1/(1-α) = {min_cal} rows of some class "
@@ -293,7 +295,8 @@ class SDMEstimator:
         self.round_summaries_ = summaries
         self.history_ = best.history
         self.model_ = best.model
-        self.__dict__.pop("_basis", None)
+        self.exemplar_basis_ = best.basis  # the basis the support coordinates were computed in
+        self.__dict__.pop("_forward_map", None)
         self.support_vectors_ = best.train.h
         self.support_labels_ = y[best.train_idx]
         self.support_predictions_ = best.train.y_hat
@@ -339,11 +342,13 @@ class SDMEstimator:
     def _good(self) -> np.ndarray:
         return good_neighbours_by_class(self.support_labels_, self.support_predictions_, self.num_classes_)
 
-    def _forward(self, X, batch_size: int = 1024):
+    def _forward(self, X):
+        """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.adaptor.InvariantForward`)."""
         X = check_features(X, "features", dim=self.input_dim_)
-        if not hasattr(self, "_basis"):
-            self._basis = exemplar_basis(self.model_)
-        return forward_with_coordinates(self.model_, X, batch_size, self._basis)
+        forward = self.__dict__.get("_forward_map")
+        if forward is None:
+            forward = self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
+        return forward(X)
 
     def similarity_distance(self, X, distance_ecdfs: str = "calibration"):
         """(q, d, ŷ) per row: support search without self-exclusion; d from the chosen distance eCDFs."""
@@ -397,6 +402,7 @@ class SDMEstimator:
                 "vectors": self.support_vectors_,
                 "labels": self.support_labels_,
                 "predictions": self.support_predictions_,
+                **({} if self.exemplar_basis_ is None else {"basis": self.exemplar_basis_}),
             },
             "distance_ecdfs": {
                 **pack_ragged("calibration", self.calibration_distance_ecdfs_),
@@ -449,6 +455,9 @@ class SDMEstimator:
             est.round_summaries_ = meta["round_summaries"]
             est.history_ = meta["history"]
             est.support_vectors_ = groups["support"]["vectors"]
+            # the stored basis reproduces the stored support coordinates bit for bit (absent in older artifacts)
+            stored_basis = groups["support"].get("basis")
+            est.exemplar_basis_ = stored_basis.astype(np.float32) if stored_basis is not None else exemplar_basis(model)
             est.support_labels_ = groups["support"]["labels"].astype(np.int64)
             est.support_predictions_ = groups["support"]["predictions"].astype(np.int64)
             est.support_ids_ = meta["support_ids"]

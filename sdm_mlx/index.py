@@ -2,10 +2,11 @@
 
 Two interchangeable backends share one small interface:
 
-* :class:`ExactIndex` (default) — exact squared L2 by tiled MLX matmuls,
-  ``‖a‖² + ‖b‖² − 2a·bᵀ`` after centring every vector on support row 0,
-  clamped at 0; neighbours ordered by (distance, support index); near-ties are
-  re-ranked in float64 on the host.
+* :class:`ExactIndex` (default) — float32 squared L2 by tiled MLX matmuls,
+  ``‖a‖² + ‖b‖² − 2a·bᵀ`` after centring every vector on support row 0, used
+  only to screen candidates with provable error bands; q, d0 and the neighbours
+  come from float64 distances re-computed per pair on the host, ordered by
+  (distance, support index), so they do not depend on the batch.
 * :class:`HnswIndex` — hnswlib HNSW graph (approximate, opt-in, for large
   support sets). Its neighbours, and therefore q, may differ from exact.
 
@@ -77,13 +78,47 @@ def _squared_distances(qc, support, support_sq):
     return mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0), q_sq
 
 
-def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tol):
-    """(#good closer than the first bad, any good within the float32 error band of it, nearest good)."""
+def screening_tolerance(dim: int) -> float:
+    """τ with |float32 distance − float64 distance| ≤ τ·(‖q_c‖² + ‖s_c‖²) for centred vectors of width ``dim``.
+
+    The float32 distance ``‖q_c‖² + ‖s_c‖² − 2 q_c·s_c`` of float32-centred vectors is off from the
+    float64 distance of the uncentred vectors by at most (2γ_dim + 8u)(‖q_c‖² + ‖s_c‖²), u = 2⁻²⁴
+    (γ_dim ≈ dim·u for each of the two norms and the dot product, whatever the summation order;
+    4u for the centring, 4u for the final additions).  τ = (2·dim + 16)·u adds a margin for the
+    rounding of the bands themselves.  Every float32 screening band below is built from τ, so
+    the exact float64 result does not depend on the float32 values (i.e. on the batch).
+    """
+    return (2 * int(dim) + 16) * 2.0**-24
+
+
+def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tau, max_sq):
+    """(#good closer than the first bad, any good within the float32 error band of the first bad)."""
     fb = first_bad[:, None]
     count = (good_dist < fb).sum(axis=1)
-    band = tol * (q_sq[:, None] + good_sq[None, :]) + 1e-30
+    band = tau * (2.0 * q_sq[:, None] + good_sq[None, :] + max_sq) + 1e-30
     near = (mx.abs(good_dist - fb) <= band).any(axis=1)
     return count, near
+
+
+def _screen_top(dist, q_sq, col_sq, max_sq, n: int, tau):
+    """(key, first [b, w], count [b]) for screening every row's exact float64 top-n (n < columns).
+
+    With key_j = dist_j − τ‖s_j‖² and v the row's n-th smallest key, every column of the exact
+    top-n has key_j ≤ v + 2τ(‖q‖² + max‖s‖²) (:func:`screening_tolerance`); ``count`` is the
+    number of such columns and ``first`` the w smallest keys (w = 1 for n = 1: an argmin, else
+    n + 8), which hold them all wherever count ≤ w.
+    """
+    key = dist - tau * col_sq[None, :]
+    if n == 1:
+        first = mx.argmin(key, axis=1)[:, None]
+        v = mx.take_along_axis(key, first, axis=1)[:, 0]
+    else:
+        first = mx.argpartition(key, kth=n + 7, axis=1)[:, : n + 8]
+        v = mx.sort(mx.take_along_axis(key, first, axis=1), axis=1)[:, n - 1]
+    limit = v + 2.0 * tau * (q_sq + max_sq) + 1e-30
+    count = (key <= limit[:, None]).sum(axis=1)
+    mx.eval(first, count)
+    return key, np.array(first), np.array(count)
 
 
 class _Grouping:
@@ -115,6 +150,11 @@ class _Grouping:
 class ExactIndex:
     """Exact squared-L2 support index for q and d (``equation:q``, ``equation:d``), tiled MLX matmuls.
 
+    Results depend only on float64 distances of the float32 vectors (computed per pair, in a
+    fixed order, on the host), so a query's q, d0 and neighbours are bit-identical alone or in
+    any batch: float32 MLX matmuls only *screen* candidates, with bands that provably contain
+    every float64 answer (:func:`screening_tolerance`).  Exact ties are ordered by support index.
+
     Parameters
     ----------
     support : [N_s, M] float array of exemplar vectors.
@@ -123,85 +163,99 @@ class ExactIndex:
 
     backend = "exact"
 
+    #: Bytes of float64 differences one re-ranking chunk may hold.
+    RERANK_BYTES = 64 * 1024 * 1024
+
     def __init__(self, support, block_bytes: int = DISTANCE_BLOCK_BYTES):
         s = _as_float32_matrix(support, "support")
         if s.shape[0] == 0:
             raise ValueError("support set is empty")
         self.size, self.dim = s.shape
+        self._raw = s  # float64 distances are taken between these uncentred float32 vectors
         self._center = s[0].copy()
-        self._support_np = s - self._center  # centred float32 (host), used for float64 re-ranking
-        self._support = mx.array(self._support_np)
+        self._support = mx.array(s - self._center)  # centring keeps the float32 screening accurate
         self._support_sq = (self._support * self._support).sum(axis=1)
         self._max_support_sq = float(self._support_sq.max().item())
+        self._tau = screening_tolerance(self.dim)
         self.block_rows = max(1, min(4096, block_bytes // (4 * self.size)))
 
     # -- distances -----------------------------------------------------------------------------
-    def _centre_queries(self, queries) -> np.ndarray:
+    def _check_queries(self, queries) -> np.ndarray:
         qn = _as_float32_matrix(queries, "queries")
         if qn.shape[1] != self.dim:
             raise ValueError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
-        return qn - self._center
+        return qn
 
-    def _block_distances(self, qc: mx.array) -> tuple[mx.array, mx.array]:
-        """Squared L2 [b, N_s] between centred queries and the centred support, clamped at 0."""
-        q_sq = (qc * qc).sum(axis=1)
-        dist = q_sq[:, None] + self._support_sq[None, :] - 2.0 * (qc @ self._support.T)
-        return mx.maximum(dist, 0.0), q_sq
+    def _exact64(self, query: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """float64 squared distances between float32 ``query`` rows [..., dim] and support rows ``idx``.
 
-    def _blocks(self, qc_np: np.ndarray):
-        for start in range(0, qc_np.shape[0], self.block_rows):
-            stop = min(start + self.block_rows, qc_np.shape[0])
-            yield start, stop, mx.array(qc_np[start:stop])
+        One fixed-order reduction per pair: the value depends on the two vectors alone.
+        """
+        diff = self._raw[idx].astype(np.float64) - query.astype(np.float64)
+        np.square(diff, out=diff)
+        return diff.sum(axis=-1)
 
-    def _exact64(self, qc_row: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        diff = self._support_np[idx].astype(np.float64) - qc_row.astype(np.float64)
-        return np.einsum("ij,ij->i", diff, diff)
-
-    def _rerank_into(self, qc, rows, cand, ex, out_d, out_i) -> None:
+    def _rerank_into(self, queries, rows, cand, ex, out_d, out_i) -> None:
         """Exact float64 ordering by (distance, index) of candidate indices ``cand`` [len(rows), c];
         writes the best ``out_d.shape[1]`` into ``out_d``/``out_i`` at ``rows`` (vectorised in chunks)."""
         n = out_d.shape[1]
-        for c0 in range(0, rows.size, 256):
-            r = rows[c0 : c0 + 256]
-            idx = cand[c0 : c0 + 256]
-            diff = self._support_np[idx].astype(np.float64) - qc[r, None, :]
-            d64 = np.einsum("rcm,rcm->rc", diff, diff)
+        step = max(1, self.RERANK_BYTES // (8 * self.dim * max(cand.shape[1], 1)))
+        for c0 in range(0, rows.size, step):
+            r = rows[c0 : c0 + step]
+            idx = cand[c0 : c0 + step]
+            d64 = self._exact64(queries[r, None, :], idx)
             if ex is not None:
                 d64[idx == ex[r, None]] = np.inf
             order = np.lexsort((idx, d64), axis=-1)[:, :n]
             out_d[r, : order.shape[1]] = np.take_along_axis(d64, order, 1)
             out_i[r, : order.shape[1]] = np.take_along_axis(idx, order, 1)
 
+    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, ex, out_d, out_i) -> None:
+        """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
+        n = out_d.shape[1]
+        if n + (8 if n > 1 else 0) >= self.size:
+            every = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
+            self._rerank_into(queries, rows, perm[every], ex, out_d, out_i)
+            return
+        key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
+        easy = count <= first.shape[1]
+        self._rerank_into(queries, rows[easy], perm[first[easy]], ex, out_d, out_i)
+        hard = np.flatnonzero(~easy)  # rows with more near-tied candidates (e.g. duplicates)
+        if hard.size:
+            c = int(count[hard].max())
+            if c >= self.size:
+                positions = np.broadcast_to(np.arange(self.size), (hard.size, self.size))
+            else:
+                positions = np.array(mx.argpartition(key[mx.array(hard)], kth=c - 1, axis=1)[:, :c])
+            self._rerank_into(queries, rows[hard], perm[positions], ex, out_d, out_i)
+
     # -- top-n neighbours ---------------------------------------------------------------------
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
         """Top-n nearest exemplars (the neighbours of ``equation:q``): (squared distances [N, n], indices [N, n]).
 
-        Ordered by (distance, support index); distances are re-computed in float64 for the
-        candidates, so near-ties are ranked exactly.  ``exclude[i]`` (a support index, or −1)
-        is left out for query i.  Fewer than n available ⇒ padded with (inf, −1).
+        Ordered by (float64 distance, support index), distances rounded to float32 at the end.
+        ``exclude[i]`` (a support index, or −1) is left out for query i.  Fewer than n available ⇒
+        padded with (inf, −1).
         """
-        qc = self._centre_queries(queries)
-        ex = _exclusion(exclude, qc.shape[0])
-        n_avail = self.size
-        n = int(n)
-        n_cand = min(n_avail, n + 8 + (1 if ex is not None else 0))
-        out_d = np.full((qc.shape[0], n), np.inf, dtype=np.float32)
-        out_i = np.full((qc.shape[0], n), -1, dtype=np.int64)
-        if n <= 0:
-            return out_d, out_i
+        queries = self._check_queries(queries)
+        ex = _exclusion(exclude, queries.shape[0])
+        n = max(0, int(n))
+        top_d = np.full((queries.shape[0], n), np.inf, dtype=np.float64)
+        top_i = np.full((queries.shape[0], n), -1, dtype=np.int64)
+        if n == 0:
+            return top_d.astype(np.float32), top_i
+        qc = queries - self._center
         cols = mx.arange(self.size)
-        for start, stop, qb in self._blocks(qc):
-            dist, _ = self._block_distances(qb)
+        identity = np.arange(self.size)
+        for start in range(0, qc.shape[0], self.block_rows):
+            rows = np.arange(start, min(start + self.block_rows, qc.shape[0]))
+            dist, q_sq = _squared_distances(mx.array(qc[rows]), self._support, self._support_sq)
             if ex is not None:
-                dist = mx.where(cols[None, :] == mx.array(ex[start:stop])[:, None], mx.inf, dist)
-            if n_cand < self.size:
-                cand = mx.argpartition(dist, kth=n_cand - 1, axis=1)[:, :n_cand]
-            else:
-                cand = mx.broadcast_to(cols[None, :], dist.shape)
-            rows = np.arange(start, stop)
-            self._rerank_into(qc, rows, np.array(cand).astype(np.int64), ex, out_d, out_i)
-        out_i[~np.isfinite(out_d)] = -1
-        return out_d, out_i
+                dist = mx.where(cols[None, :] == mx.array(ex[rows])[:, None], mx.inf, dist)
+            mx.eval(dist, q_sq)
+            self._top_into(queries, rows, dist, q_sq, self._support_sq, identity, ex, top_d, top_i)
+        top_i[~np.isfinite(top_d)] = -1
+        return top_d.astype(np.float32), top_i
 
     # -- similarity q and d0 ------------------------------------------------------------------
     def _grouping(self, good_by_class: np.ndarray) -> _Grouping:
@@ -210,100 +264,95 @@ class ExactIndex:
             cached = self._grouping_cache = _Grouping(good_by_class, self._support, self._support_sq)
         return cached
 
-    def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None, tol: float = 4e-6):
+    def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
         """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32)."""
-        q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude, tol)
+        q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude)
         return q, d0
 
-    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None,
-                                  tol: float = 4e-6):
-        """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
-
-        The top-n neighbours are those of :meth:`search`, taken from the same distance blocks.
-
-        The support columns are grouped so that, for queries predicted ŷ = c, the good
-        neighbours (label = prediction = c) are one contiguous slice: the first bad
-        neighbour's distance is a row-min over the other slices and q is a count over
-        the good slice, with no sorting.  Rows where a good neighbour lies within the
-        float32 error band of that distance (ties included) are resolved exactly in
-        float64 on the host, ordered by (distance, support index).  d0 is recomputed in
-        float64 for the nearest support vector.
-        """
-        qc = self._centre_queries(queries)
-        ex = _exclusion(exclude, qc.shape[0])
+    def _check_similarity_args(self, queries, y_hat, good_by_class):
+        queries = self._check_queries(queries)
         y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
-        if y_hat.shape[0] != qc.shape[0]:
+        if y_hat.shape[0] != queries.shape[0]:
             raise ValueError("y_hat must hold one prediction per query")
         good_np = np.asarray(good_by_class, dtype=bool)
         if good_np.ndim != 2 or good_np.shape[1] != self.size:
             raise ValueError(f"good_by_class must be [C, {self.size}], got {good_np.shape}")
         if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
             raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
+        return queries, y_hat, good_np
+
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
+        """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
+
+        The top-n neighbours are those of :meth:`search`, taken from the same distance blocks,
+        and d0 is the float64 distance of the first of them (rounded to float32): d0 ==
+        top-n distances[:, 0] whenever n ≥ 1.
+
+        The support columns are grouped so that, for queries predicted ŷ = c, the good
+        neighbours (label = prediction = c) are one contiguous slice: the first bad
+        neighbour's distance is a row-min over the other slices and q is a count over
+        the good slice, with no sorting.  Rows where a good neighbour lies within the
+        float32 error band of that distance (ties included) are resolved exactly in
+        float64 on the host, ordered by (distance, support index).
+        """
+        queries, y_hat, good_np = self._check_similarity_args(queries, y_hat, good_by_class)
+        ex = _exclusion(exclude, queries.shape[0])
+        qc = queries - self._center
         grouping = self._grouping(good_np)
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
-        q_out = np.zeros(qc.shape[0], dtype=np.int64)
-        nearest_out = np.zeros(qc.shape[0], dtype=np.int64)
         n = max(0, int(n))
-        n_cand = min(self.size, n + 8 + (1 if ex is not None else 0))
-        top_d = np.full((qc.shape[0], n), np.inf, dtype=np.float32)
-        top_i = np.full((qc.shape[0], n), -1, dtype=np.int64)
-        tol_mx = mx.array(tol, dtype=mx.float32)
-        inf = mx.array(float("inf"), dtype=mx.float32)
+        q_out = np.zeros(queries.shape[0], dtype=np.int64)
+        top_d = np.full((queries.shape[0], max(n, 1)), np.inf, dtype=np.float64)
+        top_i = np.full((queries.shape[0], max(n, 1)), -1, dtype=np.int64)
         cols = mx.arange(self.size)
         for c in range(good_np.shape[0]):
             rows_c = np.flatnonzero(y_hat == c)
-            a, b = int(grouping.bounds[c]), int(grouping.bounds[c + 1])
             for start in range(0, rows_c.size, self.block_rows):
                 rows = rows_c[start : start + self.block_rows]
                 dist, q_sq = _squared_distances(mx.array(qc[rows]), grouping.support, grouping.support_sq)
                 if ex is not None:
-                    dist = mx.where(cols[None, :] == mx.array(grouping.inverse[ex[rows]])[:, None], inf, dist)
-                first_bad = mx.full((rows.size,), float("inf"))
-                if a > 0:
-                    first_bad = mx.minimum(first_bad, dist[:, :a].min(axis=1))
-                if b < self.size:
-                    first_bad = mx.minimum(first_bad, dist[:, b:].min(axis=1))
-                nearest = mx.argmin(dist, axis=1)
-                if b > a:
-                    count, ambiguous = _count_before_first_bad(
-                        dist[:, a:b], first_bad, q_sq, grouping.support_sq[a:b], tol_mx
-                    )
-                else:
-                    count, ambiguous = mx.zeros((rows.size,), mx.int32), mx.zeros((rows.size,), mx.bool_)
-                cand = None
-                if n > 0:
-                    cand = mx.argpartition(dist, kth=n_cand - 1, axis=1)[:, :n_cand] if n_cand < self.size else None
-                mx.eval(count, ambiguous, nearest, first_bad, *([cand] if cand is not None else []))
-                if n > 0:
-                    if cand is not None:
-                        positions = np.array(cand)
-                    else:
-                        positions = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
-                    self._rerank_into(qc, rows, grouping.perm[positions], ex, top_d, top_i)
-                q_out[rows] = np.array(count)
-                nearest_out[rows] = grouping.perm[np.array(nearest)]
-                for r in np.flatnonzero(np.array(ambiguous)):
-                    q_out[rows[r]] = self._resolve_near_ties(
-                        qc[rows[r]], np.array(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
-                        float(q_sq[int(r)].item()), grouping, tol,
-                    )
+                    dist = mx.where(cols[None, :] == mx.array(grouping.inverse[ex[rows]])[:, None], mx.inf, dist)
+                mx.eval(dist, q_sq)  # once: the q count and the top-n screening both read it
+                q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
+                self._top_into(queries, rows, dist, q_sq, grouping.support_sq, grouping.perm, ex, top_d, top_i)
         np.minimum(q_out, k_eff, out=q_out)
-        diff = self._support_np[nearest_out].astype(np.float64) - qc.astype(np.float64)
-        d0_out = np.einsum("ij,ij->i", diff, diff).astype(np.float32)
         top_i[~np.isfinite(top_d)] = -1
-        return q_out, d0_out, top_d, top_i
+        d0 = top_d[:, 0].astype(np.float32)
+        return q_out, d0, top_d[:, :n].astype(np.float32), top_i[:, :n].copy()
 
-    def _resolve_near_ties(self, qc_row, dist_row, first_bad, a, b, q_sq, grouping, tol) -> int:
+    def _block_similarity(self, queries, rows, dist, q_sq, grouping, c) -> np.ndarray:
+        """Uncapped q of one block of queries predicted c: float32 count, exact where ambiguous."""
+        a, b = int(grouping.bounds[c]), int(grouping.bounds[c + 1])
+        first_bad = mx.full((rows.size,), float("inf"))
+        if a > 0:
+            first_bad = mx.minimum(first_bad, dist[:, :a].min(axis=1))
+        if b < self.size:
+            first_bad = mx.minimum(first_bad, dist[:, b:].min(axis=1))
+        if b == a:
+            return np.zeros(rows.size, dtype=np.int64)
+        count, ambiguous = _count_before_first_bad(
+            dist[:, a:b], first_bad, q_sq, grouping.support_sq[a:b], self._tau, self._max_support_sq
+        )
+        mx.eval(count, ambiguous, first_bad)
+        q = np.array(count).astype(np.int64)
+        for r in np.flatnonzero(np.array(ambiguous)):
+            q[r] = self._resolve_near_ties(
+                queries[rows[r]], np.array(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
+                float(q_sq[int(r)].item()), grouping,
+            )
+        return q
+
+    def _resolve_near_ties(self, query, dist_row, first_bad, a, b, q_sq, grouping) -> int:
         """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
         excluded = ~np.isfinite(dist_row)
-        band = tol * (q_sq + grouping.support_sq_np) + 1e-30
+        band = self._tau * (2.0 * q_sq + grouping.support_sq_np + self._max_support_sq) + 1e-30
         near = (np.abs(dist_row - first_bad) <= band) & ~excluded
         good = np.zeros(self.size, dtype=bool)
         good[a:b] = True
         clear = int((good & ~near & (dist_row < first_bad)).sum())
         cand = np.flatnonzero(near)  # permuted positions
         original = grouping.perm[cand]
-        d64 = self._exact64(qc_row, original)
+        d64 = self._exact64(query, original)
         order = np.lexsort((original, d64))
         run = good[cand[order]]
         first = np.flatnonzero(~run)

@@ -75,7 +75,8 @@ def rescaler_logits(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray) -> np.nda
     W = np.asarray(W, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
     log_base = np.log(2.0 + np.asarray(q_tilde, dtype=np.float64).reshape(-1))
-    return (v @ W.T) * log_base[:, None]
+    # a per-row fixed-order reduction, not a BLAS GEMM: a row's value must not depend on the batch
+    return (v[:, None, :] * W[None, :, :]).sum(axis=-1) * log_base[:, None]
 
 
 def rescaled_output(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
-from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates, scalar_normalization
+from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
 from .progress import log
@@ -93,6 +93,7 @@ class RoundResult:
     train_distance_ecdfs: list
     calibration_distance_ecdfs: list
     history: list = field(default_factory=list)
+    basis: np.ndarray | None = None  #: the exemplar basis Rᵀ the coordinates were computed in (None: h' itself)
 
 
 def balanced_median(values: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
@@ -187,10 +188,11 @@ def train_round(
             mx.eval(loss, model.parameters(), optimizer.state)
             total += loss.item()
             batches += 1
-        # refresh q, d from the current model
+        # refresh q, d from the current model, by the batch-invariant forward that predict uses
         basis = exemplar_basis(model)
-        z_tr, h_tr = forward_with_coordinates(model, X_tr, config.eval_batch_size, basis)
-        z_ca, h_ca = forward_with_coordinates(model, X_ca, config.eval_batch_size, basis)
+        forward = InvariantForward(model, basis)
+        z_tr, h_tr = forward(X_tr)
+        z_ca, h_ca = forward(X_ca)
         yhat_tr = z_tr.argmax(axis=1)
         good = good_neighbours_by_class(y_tr, yhat_tr, num_classes)
         index = make_index(h_tr, config.index_backend)
@@ -209,8 +211,8 @@ def train_round(
             )
         if best is None or metric >= best[0]:
             params = dict(tree_flatten(model.parameters()))
-            best = (metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs)
-    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs = best
+            best = (metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, basis)
+    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, basis = best
     model.load_weights(list(params.items()))
     return RoundResult(
         model=model,
@@ -224,6 +226,7 @@ def train_round(
         train_distance_ecdfs=tr_ecdfs,
         calibration_distance_ecdfs=ca_ecdfs,
         history=history,
+        basis=basis,
     )
 
 

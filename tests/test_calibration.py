@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from fractions import Fraction
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -140,12 +141,12 @@ def test_cauchy_spec_numbers():
 
 
 def _naive_psi(o, q, y, non_ood, C, alpha, t):
-    r = round(1 - alpha, 10)
+    r = round(1 - Fraction(str(alpha)), 10)  # exact rational: 1 − 0.71 is 29/100, not 0.29000000000000004
     psi = np.zeros(C)
     for c in range(C):
         vals = sorted(o[(y == c) & non_ood & (q >= t)])
         if vals:
-            psi[c] = max(vals[min(int(r * len(vals)), len(vals) - 1)], 0.0)
+            psi[c] = max(vals[min(math.floor(r * len(vals)), len(vals) - 1)], 0.0)
     return psi
 
 
