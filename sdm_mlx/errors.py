@@ -27,3 +27,7 @@ class ArtifactError(SDMError):
 
 class InputNotFoundError(InputError, FileNotFoundError):
     """An input path that does not exist (also a ``FileNotFoundError`` for callers that catch that)."""
+
+
+class NotFittedError(SDMError, AttributeError):
+    """An estimator used before ``fit`` / ``load`` (also an ``AttributeError``, as scikit-learn's is)."""

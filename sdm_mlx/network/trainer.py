@@ -382,7 +382,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
                                delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
                                progress=bar.update)
-    pred = verifier.predict(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
+    pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)
     verified = admitted & (np.asarray(pred.prediction) == 1)
     per_row = [(completions.get(r.get("task")) if isinstance(completions, dict) else completions) for r in rows]

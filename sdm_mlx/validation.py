@@ -1,0 +1,102 @@
+"""The one validator for what users hand the API: labels, feature matrices and α'.
+
+Applied once at the boundary (``SDMEstimator.fit`` / ``estimate``, the calibration math's public
+functions, metrics and baselines); every problem raises :class:`~sdm_mlx.errors.InputError` naming
+the argument.  Rules for class-index labels, everywhere: a 1-D array of integers (integral floats are
+accepted and converted), no booleans, no NaN, each in 0..C−1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import InputError
+
+
+def label_indices(y, name: str, num_classes: int | None = None, n: int | None = None) -> np.ndarray:
+    """Class-index labels as int64 [N]: integers (or integral floats), not bool, in 0..C−1 (``num_classes``)."""
+    arr = np.asarray(y)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1) if arr.ndim == 2 and arr.shape[1:] == (1,) else arr
+    if arr.ndim != 1:
+        raise InputError(f"{name} must be 1-D, got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise InputError(f"{name} has {arr.shape[0]} labels, expected {n} (one per row)")
+    if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iuf"):
+        raise InputError(f"{name} must hold integer class labels 0..C-1, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InputError(f"{name} must hold integer class labels, row {i} has {arr[i]!r}")
+    arr = arr.astype(np.int64)
+    if num_classes is not None and arr.size and (arr.min() < 0 or arr.max() >= num_classes):
+        found = sorted(set(arr[(arr < 0) | (arr >= num_classes)].tolist()))[:5]
+        raise InputError(f"{name} must be in 0..{num_classes - 1}, found {found}")
+    return arr
+
+
+def encode_labels(y, name: str, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(classes_, indices) for labels of any sortable hashable type (scikit-learn's convention).
+
+    With ``num_classes`` the labels are class indices (:func:`label_indices`) and ``classes_`` is
+    0..C−1 (a class may then have no rows).  Otherwise ``classes_`` is the sorted distinct labels and
+    each label becomes its position there.  Booleans, NaN and non-integral numbers (a regression
+    target) are refused.
+    """
+    if num_classes is not None:
+        return np.arange(int(num_classes)), label_indices(y, name, int(num_classes))
+    arr = np.asarray(y)
+    if arr.ndim == 2 and arr.shape[1:] == (1,):
+        arr = arr.reshape(-1)
+    if arr.ndim != 1:
+        raise InputError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind in "biuf":
+        arr = label_indices(arr, name)
+    elif arr.dtype.kind == "O" and any(isinstance(v, (bool, np.bool_, float, np.floating)) for v in arr):
+        raise InputError(f"Unknown label type: {name} mixes booleans / floats into object labels")
+    try:
+        classes, indices = np.unique(arr, return_inverse=True)
+    except TypeError as e:
+        raise InputError(f"{name}: labels must be mutually sortable ({e})") from None
+    return classes, indices.reshape(-1).astype(np.int64)
+
+
+def features(X, name: str, dim: int | None = None) -> np.ndarray:
+    """Features as a finite 2-D float32 array [rows, dim] with at least one row (width ``dim`` when given)."""
+    try:
+        X = np.asarray(X, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{name}: features must be numeric ({e})") from None
+    if X.ndim != 2:
+        raise InputError(f"{name}: features must be 2-D [rows, dim], got shape {X.shape}")
+    if X.shape[0] == 0:
+        raise InputError(f"{name}: no rows")
+    if X.shape[1] == 0:
+        raise InputError(f"{name}: features have dimension 0")
+    if dim is not None and X.shape[1] != dim:
+        raise InputError(f"{name}: features have dimension {X.shape[1]}, the model expects {dim}")
+    if not np.isfinite(X).all():
+        rows = np.flatnonzero(~np.isfinite(X).all(axis=1))[:5].tolist()
+        raise InputError(f"{name}: features contain NaN or Inf (rows {rows})")
+    return X
+
+
+def alpha(value, num_classes: int) -> float:
+    """α' for ``defn:index-conditional-calibration``: a finite number with max(0.5, 1/C) < α' < 1."""
+    if isinstance(value, (bool, np.bool_)):
+        raise InputError(f"alpha must be a number, got {value!r}")
+    try:
+        a = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"alpha must be a number, got {value!r}") from None
+    if not math.isfinite(a):
+        raise InputError(f"alpha must be finite, got {value!r}")
+    if num_classes < 2:
+        raise InputError(f"calibration needs at least 2 classes, got {num_classes}")
+    lower = max(0.5, 1.0 / num_classes)
+    if not (lower < a < 1.0):
+        raise InputError(f"alpha must satisfy max(0.5, 1/C) = {lower:g} < alpha < 1 (C = {num_classes}), got {a!r}")
+    return a
