@@ -340,6 +340,7 @@ class SDMEstimator:
 
     def predict(self, X) -> np.ndarray:
         """Class labels ŷ = argmax z' [N], in the label space ``fit`` was given (``classes_``)."""
+        self._check_fitted()
         return self.classes_[self.logits(X).argmax(axis=1)]
 
     def predict_proba(self, X) -> np.ndarray:

@@ -80,6 +80,7 @@ from .calibration import check_alpha, estimate
 from .data import Dataset
 from .metrics import format_results_table, index_conditional_report, label_error_rows
 from .progress import log
+from .validation import label_indices
 
 __all__ = [
     "SDM_ESTIMATORS",
@@ -155,10 +156,7 @@ def _jsonable(o):
 def _check_dataset(name: str, ds: Dataset, num_classes: int, input_dim: int) -> None:
     if ds.y is None:
         raise ValueError(f"evaluation set {name!r} has no labels (every row needs a 'label' to be evaluated)")
-    y = np.asarray(ds.y)
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        bad = sorted(set(y[(y < 0) | (y >= num_classes)].tolist()))[:5]
-        raise ValueError(f"evaluation set {name!r}: labels must be in 0..{num_classes - 1} for this model, found {bad}")
+    label_indices(ds.y, f"evaluation set {name!r}: labels", num_classes)
     if ds.X.ndim != 2 or ds.X.shape[1] != input_dim:
         raise ValueError(
             f"evaluation set {name!r}: features have dimension {ds.X.shape[-1]}, the model expects {input_dim} "

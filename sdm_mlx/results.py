@@ -143,11 +143,17 @@ class Predictions:
     p_upper = property(lambda self: self.estimate.upper.p)
 
     def column(self, key: str) -> np.ndarray:
-        """The whole array behind one JSON key (e.g. ``"q_tilde_lower"``)."""
-        for col in ROW_COLUMNS:
-            if col.key == key:
-                return col.array(self)
-        raise KeyError(f"no JSON column {key!r}; columns: {[c.key for c in ROW_COLUMNS]}")
+        """The whole array behind one JSON key (e.g. ``"q_tilde_lower"`` is ``estimate.lower.q_tilde``)."""
+        col = _COLUMN_BY_KEY.get(key)
+        if col is None:
+            raise KeyError(f"no JSON column {key!r}; columns: {list(_COLUMN_BY_KEY)}")
+        return col.array(self)
+
+    def __getattr__(self, name: str):
+        """Every JSON column is also an attribute (``pred.q_tilde_lower``), read through :meth:`column`."""
+        if name.startswith("_") or name not in _COLUMN_BY_KEY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.column(name)
 
     def exemplars(self, row: int) -> list[dict]:
         """Nearest training exemplars of one row: id, label, predicted label, squared distance."""
@@ -179,3 +185,4 @@ ROW_COLUMNS: tuple[Column, ...] = tuple(_columns_of(Predictions, ()))
 VERDICT_KEYS: tuple[str, ...] = tuple(c.key for c in ROW_COLUMNS if c.verdict)
 #: verdict keys whose value is a float (made JSON-safe: NaN / inf → null)
 VERDICT_FLOAT_KEYS: tuple[str, ...] = tuple(c.key for c in ROW_COLUMNS if c.verdict and c.cast is float)
+_COLUMN_BY_KEY: dict[str, Column] = {c.key: c for c in ROW_COLUMNS}

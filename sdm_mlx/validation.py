@@ -34,7 +34,7 @@ def label_indices(y, name: str, num_classes: int | None = None, n: int | None = 
     arr = arr.astype(np.int64)
     if num_classes is not None and arr.size and (arr.min() < 0 or arr.max() >= num_classes):
         found = sorted(set(arr[(arr < 0) | (arr >= num_classes)].tolist()))[:5]
-        raise InputError(f"{name} must be in 0..{num_classes - 1}, found {found}")
+        raise InputError(f"{name} must lie in 0..{num_classes - 1}, found {found}")
     return arr
 
 
