@@ -161,26 +161,29 @@ class SDMEstimator:
             raise NotFittedError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
-    def _pooled_data(self, X_train, y_train, X_cal, y_cal, ids_train, ids_cal, num_classes):
+    def _pooled_data(self, X, y, X_cal, y_cal, ids_train, ids_cal, num_classes):
         """(X, classes_, y as indices, ids) of train (+ calibration) rows, validated once."""
-        X = validation.features(X_train, "training features")
-        y = [np.asarray(y_train)]
+        X = validation.features(X, "training features")
+        if y is None:
+            raise InputError("SDMEstimator requires y to be passed, but the target y is None")
+        ys = [np.asarray(y)]
+        if ys[0].shape[:1] != (X.shape[0],):
+            raise InputError(f"training labels: shape {ys[0].shape} for {X.shape[0]} rows (one label per row)")
         ids = list(ids_train) if ids_train is not None else [f"train-{i}" for i in range(X.shape[0])]
-        if y[0].reshape(-1).shape[0] != X.shape[0]:
-            raise InputError(f"training labels: {y[0].reshape(-1).shape[0]} labels for {X.shape[0]} rows")
         if X_cal is not None:
             if y_cal is None:
                 raise InputError("calibration features given without calibration labels (y_cal)")
             Xc = validation.features(X_cal, "calibration features", dim=X.shape[1])
             yc = np.asarray(y_cal)
-            if yc.reshape(-1).shape[0] != Xc.shape[0]:
-                raise InputError(f"calibration labels: {yc.reshape(-1).shape[0]} labels for {Xc.shape[0]} rows")
+            if yc.shape[:1] != (Xc.shape[0],):
+                raise InputError(f"calibration labels: shape {yc.shape} for {Xc.shape[0]} rows (one label per row)")
             X = np.concatenate([X, Xc])
-            y.append(yc)
+            ys.append(yc)
             ids += list(ids_cal) if ids_cal is not None else [f"cal-{i}" for i in range(Xc.shape[0])]
         if len(ids) != X.shape[0]:
             raise InputError(f"got {len(ids)} ids for {X.shape[0]} rows")
-        labels = np.concatenate([a.reshape(-1) for a in y]) if len(y) > 1 else y[0]
+        ys = [validation.one_d(a, name) for a, name in zip(ys, ("training labels", "calibration labels"))]
+        labels = np.concatenate(ys) if len(ys) > 1 else ys[0]
         classes, y_idx = validation.encode_labels(labels, "labels", num_classes)
         return X, classes, y_idx, ids
 
@@ -209,14 +212,14 @@ class SDMEstimator:
             raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
         return alpha
 
-    def fit(self, X_train, y_train, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None):
+    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
         the J rounds (DESIGN #9), as in the paper.  Labels: any sortable hashable values
         (``classes_`` = the sorted distinct labels), or, with ``num_classes``, class indices 0..C−1.
         """
-        X, classes, y, ids = self._pooled_data(X_train, y_train, X_cal, y_cal, ids_train, ids_cal, num_classes)
+        X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train, ids_cal, num_classes)
         C = len(classes)
         alpha = self._check_classes(y, C)
         config = self._train_config()
@@ -260,7 +263,6 @@ class SDMEstimator:
         self.history_ = best.history
         self.model_ = best.model
         self.exemplar_basis_ = best.basis  # the basis the support coordinates were computed in
-        self.__dict__.pop("_forward_map", None)
         self.support_vectors_ = best.train.h
         self.support_labels_ = y[best.train_idx]
         self.support_predictions_ = best.train.y_hat
@@ -270,7 +272,13 @@ class SDMEstimator:
         self.calibration_labels_ = y[best.cal_idx]
         self.calibration_distance_ecdfs_ = best.calibration_distance_ecdfs
         self.training_distance_ecdfs_ = best.train_distance_ecdfs
-        self._index = None
+        self._prepare_predict()
+
+    def _prepare_predict(self) -> None:
+        """The support index and the batch-invariant forward map, built once per fit / load (so that
+        prediction never changes the estimator's state)."""
+        self._index = make_index(self.support_vectors_, self.index_backend)
+        self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
 
     def calibration_at(self, alpha: float) -> Calibration:
         """The test-time calibration re-thresholded at α' (Alg. 3 + Cauchy over the stored rounds); est unchanged."""
@@ -300,8 +308,8 @@ class SDMEstimator:
     # -- predict -----------------------------------------------------------------------------
     @property
     def index_(self):
-        if self.__dict__.get("_index") is None:
-            self._index = make_index(self.support_vectors_, self.index_backend)
+        """The support index (exact or HNSW) over the support set's exemplar coordinates."""
+        self._check_fitted()
         return self._index
 
     def _good(self) -> np.ndarray:
@@ -310,11 +318,8 @@ class SDMEstimator:
     def _forward(self, X):
         """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.adaptor.InvariantForward`)."""
         self._check_fitted()
-        X = validation.features(X, "features", dim=self.input_dim_)
-        forward = self.__dict__.get("_forward_map")
-        if forward is None:
-            forward = self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
-        return forward(X)
+        X = validation.features(X, "features", dim=self.input_dim_, model=type(self).__name__)
+        return self._forward_map(X)
 
     def logits(self, X) -> np.ndarray:
         """The adaptor's logits z' [N, C] (float32) for rows of X (what the baselines are fit on)."""
@@ -470,7 +475,7 @@ class SDMEstimator:
             raise ArtifactError(
                 f"{path}: support vectors have width {est.support_vectors_.shape[1]}, expected min(M, D) = {min(m, d)}"
             )
-        est._index = None
+        est._prepare_predict()
         est._apply_alpha(est.alpha)
         return est
 

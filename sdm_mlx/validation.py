@@ -9,17 +9,31 @@ accepted and converted), no booleans, no NaN, each in 0..C−1.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
-from .errors import InputError
+from .errors import DataConversionWarning, InputError, InputTypeError
+
+
+def one_d(y, name: str) -> np.ndarray:
+    """``y`` as a 1-D array; a column vector [N, 1] is flattened with a :class:`DataConversionWarning`."""
+    if y is None:
+        raise InputError(f"{name}: this estimator requires y to be passed, but the target y is None")
+    arr = np.asarray(y)
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        warnings.warn(DataConversionWarning(
+            f"A column-vector y was passed when a 1d array was expected ({name}, shape {arr.shape}); it is "
+            "flattened to (n_samples,)"), stacklevel=3)
+        arr = arr.reshape(-1)
+    if arr.ndim != 1:
+        raise InputError(f"{name} must be 1-D, got shape {arr.shape}")
+    return arr
 
 
 def label_indices(y, name: str, num_classes: int | None = None, n: int | None = None) -> np.ndarray:
     """Class-index labels as int64 [N]: integers (or integral floats), not bool, in 0..C−1 (``num_classes``)."""
     arr = np.asarray(y)
-    if arr.ndim != 1:
-        arr = arr.reshape(-1) if arr.ndim == 2 and arr.shape[1:] == (1,) else arr
     if arr.ndim != 1:
         raise InputError(f"{name} must be 1-D, got shape {arr.shape}")
     if n is not None and arr.shape[0] != n:
@@ -30,7 +44,8 @@ def label_indices(y, name: str, num_classes: int | None = None, n: int | None = 
         bad = ~np.isfinite(arr) | (arr != np.round(arr))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise InputError(f"{name} must hold integer class labels, row {i} has {arr[i]!r}")
+            raise InputError(f"Unknown label type: {name} must hold integer class labels, row {i} has {arr[i]!r} "
+                             "(a continuous target?)")
     arr = arr.astype(np.int64)
     if num_classes is not None and arr.size and (arr.min() < 0 or arr.max() >= num_classes):
         found = sorted(set(arr[(arr < 0) | (arr >= num_classes)].tolist()))[:5]
@@ -46,13 +61,9 @@ def encode_labels(y, name: str, num_classes: int | None = None) -> tuple[np.ndar
     each label becomes its position there.  Booleans, NaN and non-integral numbers (a regression
     target) are refused.
     """
+    arr = one_d(y, name)
     if num_classes is not None:
-        return np.arange(int(num_classes)), label_indices(y, name, int(num_classes))
-    arr = np.asarray(y)
-    if arr.ndim == 2 and arr.shape[1:] == (1,):
-        arr = arr.reshape(-1)
-    if arr.ndim != 1:
-        raise InputError(f"{name} must be 1-D, got shape {arr.shape}")
+        return np.arange(int(num_classes)), label_indices(arr, name, int(num_classes))
     if arr.dtype.kind in "biuf":
         arr = label_indices(arr, name)
     elif arr.dtype.kind == "O" and any(isinstance(v, (bool, np.bool_, float, np.floating)) for v in arr):
@@ -64,20 +75,34 @@ def encode_labels(y, name: str, num_classes: int | None = None) -> tuple[np.ndar
     return classes, indices.reshape(-1).astype(np.int64)
 
 
-def features(X, name: str, dim: int | None = None) -> np.ndarray:
-    """Features as a finite 2-D float32 array [rows, dim] with at least one row (width ``dim`` when given)."""
+def _is_sparse(X) -> bool:
+    return type(X).__module__.startswith("scipy.sparse")
+
+
+def features(X, name: str, dim: int | None = None, model: str = "the model") -> np.ndarray:
+    """Features as a finite, dense, real 2-D float32 array [rows, dim] with ≥ 1 row and ≥ 1 column (width
+    ``dim``, expected by ``model``)."""
+    if _is_sparse(X):
+        raise InputError(f"{name}: sparse input is not supported; pass a dense array (X.toarray())")
     try:
-        X = np.asarray(X, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{name}: features must be numeric ({e})") from None
+        X = np.asarray(X)
+        if X.dtype.kind == "c":
+            raise InputError(f"{name}: Complex data not supported; features must be real numbers")
+        X = X.astype(np.float32, copy=False)
+    except TypeError as e:
+        raise InputTypeError(f"{name}: features must be numbers ({e})") from None
+    except ValueError as e:
+        raise InputError(f"{name}: features must be numbers ({e})") from None
     if X.ndim != 2:
-        raise InputError(f"{name}: features must be 2-D [rows, dim], got shape {X.shape}")
+        raise InputError(f"{name}: features must be 2-D [rows, dim], got shape {X.shape}; Reshape your data "
+                         "(X.reshape(1, -1) for a single row, X.reshape(-1, 1) for a single feature)")
     if X.shape[0] == 0:
-        raise InputError(f"{name}: no rows")
+        raise InputError(f"{name}: no rows (0 sample(s), shape={X.shape})")
     if X.shape[1] == 0:
-        raise InputError(f"{name}: features have dimension 0")
+        raise InputError(f"{name}: 0 feature(s) (shape={X.shape}) while a minimum of 1 is required.")
     if dim is not None and X.shape[1] != dim:
-        raise InputError(f"{name}: features have dimension {X.shape[1]}, the model expects {dim}")
+        raise InputError(f"{name}: X has {X.shape[1]} features, but {model} is expecting {dim} features as input "
+                         f"(feature dimension {X.shape[1]} ≠ {dim})")
     if not np.isfinite(X).all():
         rows = np.flatnonzero(~np.isfinite(X).all(axis=1))[:5].tolist()
         raise InputError(f"{name}: features contain NaN or Inf (rows {rows})")

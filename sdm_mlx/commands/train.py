@@ -41,6 +41,17 @@ def estimator_from_args(args, class_names=None):
     )
 
 
+def jsonl_num_classes(args, train, cal) -> int:
+    """C for JSONL labels, which are class indices 0..C−1: ``--num-classes`` or the largest label + 1
+    (so a model's class i is always label i, as the predict output and ``--class-names`` assume)."""
+    import numpy as np
+
+    if args.num_classes is not None:
+        return args.num_classes
+    labels = [train.y] + ([] if cal is None else [cal.y])
+    return 1 + max(int(np.max(y, initial=0)) for y in labels)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--train", help="training JSONL (id, label, embedding and/or attributes, optional document)")
     p.add_argument("--calibration", default=None, help="calibration JSONL (pooled with --train, as in the paper)")
@@ -107,7 +118,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     est.fit(
         train.X, train.y, None if cal is None else cal.X, None if cal is None else cal.y,
-        ids_train=train.ids, ids_cal=None if cal is None else cal.ids, num_classes=args.num_classes,
+        ids_train=train.ids, ids_cal=None if cal is None else cal.ids, num_classes=jsonl_num_classes(args, train, cal),
     )
     seconds = time.perf_counter() - t0
     est.feature_field_ = train.features

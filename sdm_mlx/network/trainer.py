@@ -506,7 +506,7 @@ class SDMNetworkTrainer:
             self.log(f"training the verification layer on {len(rows)} force-decoded rows "
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())
-            est.fit(X, y, ids_train=ids)
+            est.fit(X, y, ids_train=ids, num_classes=2)  # labels are the binary verification indices
         by_key = {id_key(r["id"]): r for r in rows}
         try:
             train_rows = [by_key[id_key(i)] for i in est.support_ids_]
