@@ -250,7 +250,7 @@ def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path)
 
 def check_labels(y: np.ndarray, num_classes: int, name: str) -> None:
     """Labels must be integers in 0..C−1 (:func:`sdm_mlx.validation.label_indices`)."""
-    label_indices(y, name, num_classes)
+    label_indices(y, f"{name}: labels", num_classes)
 
 
 check_features = features  # the one feature validator (sdm_mlx.validation.features)
