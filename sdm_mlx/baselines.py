@@ -66,7 +66,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
 from .metrics import index_conditional_report
-from .validation import label_indices
+from .validation import label_indices, level
 
 __all__ = [
     "Baseline",
@@ -102,10 +102,7 @@ def _label_array(y, n: int, num_classes: int) -> np.ndarray:
 
 
 def _check_alpha(alpha) -> float:
-    alpha = float(alpha)
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    return alpha
+    return level(alpha, one=True)
 
 
 def _sorted_probs(probs: np.ndarray, keys: np.ndarray | None = None):

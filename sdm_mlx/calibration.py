@@ -265,9 +265,7 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
 
 def dkw_epsilon(n_hat: np.ndarray, alpha: float) -> np.ndarray:
     """ε = sqrt(ln(2/(1−α)) / (2 n̂)) where n̂ > 0, else 1 (``equation:dkw``), float64."""
-    a = float(alpha)
-    if not (0.0 < a < 1.0):
-        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
+    a = validation.level(alpha)
     n_hat = np.asarray(n_hat)
     safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
     return np.where(n_hat > 0, np.sqrt(math.log(2.0 / (1.0 - a)) / (2.0 * safe)), 1.0)

@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from .validation import label_indices
+from .validation import label_indices, level
 
 __all__ = [
     "REPORT_KEYS",
@@ -157,9 +157,7 @@ def index_conditional_report(y_true, y_pred, admitted, num_classes: int, alpha: 
     num_classes = int(num_classes)
     if num_classes < 1:
         raise ValueError("num_classes must be >= 1")
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    alpha = level(alpha, zero=True, one=True)
     y = _labels(y_true, "y_true", num_classes)
     yhat = _labels(y_pred, "y_pred", num_classes)
     adm = np.asarray(admitted)

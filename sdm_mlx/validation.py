@@ -109,16 +109,31 @@ def features(X, name: str, dim: int | None = None, model: str = "the model") -> 
     return X
 
 
-def alpha(value, num_classes: int) -> float:
-    """α' for ``defn:index-conditional-calibration``: a finite number with max(0.5, 1/C) < α' < 1."""
+def _number(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)):
-        raise InputError(f"alpha must be a number, got {value!r}")
+        raise InputError(f"{name} must be a number, got {value!r}")
     try:
         a = float(value)
     except (TypeError, ValueError):
-        raise InputError(f"alpha must be a number, got {value!r}") from None
+        raise InputError(f"{name} must be a number, got {value!r}") from None
     if not math.isfinite(a):
-        raise InputError(f"alpha must be finite, got {value!r}")
+        raise InputError(f"{name} must be finite, got {value!r}")
+    return a
+
+
+def level(value, name: str = "alpha", *, zero: bool = False, one: bool = False) -> float:
+    """A probability level in (0, 1), with 0 and / or 1 allowed when ``zero`` / ``one`` (e.g. a baseline's
+    target coverage α ∈ (0, 1], a report's target α ∈ [0, 1], DKW's α ∈ (0, 1))."""
+    a = _number(value, name)
+    if not ((0.0 <= a if zero else 0.0 < a) and (a <= 1.0 if one else a < 1.0)):
+        interval = f"{'[' if zero else '('}0, 1{']' if one else ')'}"
+        raise InputError(f"{name} must lie in {interval}, got {value!r}")
+    return a
+
+
+def alpha(value, num_classes: int) -> float:
+    """α' for ``defn:index-conditional-calibration``: a finite number with max(0.5, 1/C) < α' < 1."""
+    a = _number(value, "alpha")
     if num_classes < 2:
         raise InputError(f"calibration needs at least 2 classes, got {num_classes}")
     lower = max(0.5, 1.0 / num_classes)
