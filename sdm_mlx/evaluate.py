@@ -366,6 +366,30 @@ def _model_summary(estimator) -> dict:
     }
 
 
+def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params, out_sets,
+              notes) -> dict:
+    """The report dict (schema: module docstring) from the three steps' results."""
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "alpha": alpha,
+        "alphas": sweep_alphas,
+        "num_classes": int(estimator.num_classes_),
+        "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
+        "primary_estimator": PRIMARY_ESTIMATOR,
+        "estimators": order,
+        "model": _model_summary(estimator),
+        "baselines": {
+            "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
+            "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
+            "skipped": skipped,
+            "options": {b: options.get(b, {}) for b in run_baselines},
+            "params": params,
+        },
+        "datasets": out_sets,
+        "warnings": notes,
+    }
+
+
 def evaluate(
     estimator,
     datasets: Mapping[str, Dataset],
@@ -432,25 +456,8 @@ def evaluate(
     # step 3: reports
     out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
                                   z_cal, y_cal, C, options, verbose) for name, ds in datasets.items()}
-    report = {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "alpha": alpha,
-        "alphas": sweep_alphas,
-        "num_classes": C,
-        "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
-        "primary_estimator": PRIMARY_ESTIMATOR,
-        "estimators": order,
-        "model": _model_summary(estimator),
-        "baselines": {
-            "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
-            "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
-            "skipped": skipped,
-            "options": {b: options.get(b, {}) for b in run_baselines},
-            "params": params,
-        },
-        "datasets": out_sets,
-        "warnings": notes,
-    }
+    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
+                       out_sets, notes)
     return _jsonable(report)
 
 
