@@ -108,7 +108,7 @@ class NetworkConfig:
     verifier_rescaler_max_epochs: int = 1000
     verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
     seed: int = 0
-    verbose: bool = True
+    verbose: bool = False  #: progress on stderr (the CLI turns it on)
     overwrite: bool = False  #: replace the outputs of an earlier network-train run in output_dir
 
     def validate(self) -> None:
