@@ -165,6 +165,7 @@ class SDMEstimator:
         seed: int = 0,
         verbose: bool = True,
         class_names: list | None = None,
+        patience: int | None = None,
     ):
         self.alpha = alpha
         self.iterations = iterations
@@ -184,13 +185,14 @@ class SDMEstimator:
         self.seed = seed
         self.verbose = verbose
         self.class_names = class_names
+        self.patience = patience
         self._index = None
 
     # -- parameters -------------------------------------------------------------------------
     _PARAMS = (
         "alpha", "iterations", "epochs", "exemplar_dim", "batch_size", "learning_rate", "k", "normalize",
         "stratified", "index_backend", "rescaler_max_epochs", "rescaler_patience", "rescaler_learning_rate",
-        "rescaler_engine", "n_exemplars", "seed", "verbose", "class_names",
+        "rescaler_engine", "n_exemplars", "seed", "verbose", "class_names", "patience",
     )
 
     def get_params(self) -> dict:
@@ -200,7 +202,7 @@ class SDMEstimator:
         return TrainConfig(
             epochs=self.epochs, batch_size=self.batch_size, learning_rate=self.learning_rate,
             exemplar_dim=self.exemplar_dim, k=self.k, normalize=self.normalize, iterations=self.iterations,
-            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend,
+            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend, patience=self.patience,
         )
 
     @property
