@@ -30,6 +30,9 @@ from .adaptor import ExemplarAdaptor, exemplar_basis, forward_with_coordinates
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from .calibration import RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round
 from .data import check_features, check_labels
+from .defaults import ESTIMATOR_DEFAULTS as D
+from .defaults import PAPER_SETTINGS
+from .diagnosis import admission_diagnosis, diagnosis_message
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
 from .progress import log
@@ -134,8 +137,12 @@ class Predictions:
 class SDMEstimator:
     """The SDM estimator of the paper (adaptor → q, d → SDM → W'' → DKW → Alg. 3 → Cauchy → p̂_lower / ⊥).
 
-    Parameters (paper defaults): ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
-    ``epochs`` per round; ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
+    Defaults: :data:`sdm_mlx.defaults.ESTIMATOR_DEFAULTS` (evidence in ``docs/defaults.md``);
+    ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
+    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
+    ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
+    end a round after this many epochs without a better balanced median calibration q (None: run
+    every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
     ``k`` neighbours scanned for q (None: largest class count of the training split);
     ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
     ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
@@ -147,25 +154,25 @@ class SDMEstimator:
 
     def __init__(
         self,
-        alpha: float = 0.95,
-        iterations: int = 10,
-        epochs: int = 50,
-        exemplar_dim: int = 1000,
-        batch_size: int = 50,
-        learning_rate: float = 1e-5,
-        k: int | None = None,
-        normalize: bool = True,
-        stratified: bool = True,
-        index_backend: str = "exact",
-        rescaler_max_epochs: int = 1000,
-        rescaler_patience: int = 10,
-        rescaler_learning_rate: float = 1e-4,
-        rescaler_engine: str = "numpy",
-        n_exemplars: int = 5,
-        seed: int = 0,
+        alpha: float = D["alpha"],
+        iterations: int = D["iterations"],
+        epochs: int = D["epochs"],
+        exemplar_dim: int = D["exemplar_dim"],
+        batch_size: int = D["batch_size"],
+        learning_rate: float = D["learning_rate"],
+        k: int | None = D["k"],
+        normalize: bool = D["normalize"],
+        stratified: bool = D["stratified"],
+        index_backend: str = D["index_backend"],
+        rescaler_max_epochs: int = D["rescaler_max_epochs"],
+        rescaler_patience: int = D["rescaler_patience"],
+        rescaler_learning_rate: float = D["rescaler_learning_rate"],
+        rescaler_engine: str = D["rescaler_engine"],
+        n_exemplars: int = D["n_exemplars"],
+        seed: int = D["seed"],
         verbose: bool = True,
         class_names: list | None = None,
-        patience: int | None = None,
+        patience: int | None = D["patience"],
     ):
         self.alpha = alpha
         self.iterations = iterations
@@ -187,6 +194,11 @@ class SDMEstimator:
         self.class_names = class_names
         self.patience = patience
         self._index = None
+
+    @classmethod
+    def paper(cls, **overrides) -> "SDMEstimator":
+        """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.defaults.PAPER_SETTINGS`)."""
+        return cls(**{**PAPER_SETTINGS, **overrides})
 
     # -- parameters -------------------------------------------------------------------------
     _PARAMS = (
@@ -214,11 +226,16 @@ class SDMEstimator:
             raise RuntimeError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
-    def fit(self, X_train, y_train, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None):
+    def fit(self, X_train, y_train, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None,
+            checkpoint=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
-        the J rounds (DESIGN #9), as in the paper.
+        the J rounds (DESIGN #9), as in the paper.  ``checkpoint``: a directory where the finished
+        rounds are saved after each round (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same
+        settings and data continues from it (bit-identical to an uninterrupted fit), with other
+        settings or data it starts over.  The checkpoint is left in place: remove it with
+        :func:`sdm_mlx.checkpoint.remove_checkpoint` once the model is saved.
         """
         X = check_features(X_train, "training features")
         y = np.asarray(y_train).reshape(-1)
@@ -266,22 +283,7 @@ class SDMEstimator:
         config = self._train_config()
         config.validate()
 
-        rounds: list[RoundCalibration] = []
-
-        def on_round(j, result):
-            cal = calibrate_round(
-                result.calibration.sdm, result.calibration.q, y[result.cal_idx], result.calibration.y_hat,
-                alpha=alpha, seed=self.seed * 1000 + j, num_classes=C, max_epochs=self.rescaler_max_epochs,
-                patience=self.rescaler_patience, learning_rate=self.rescaler_learning_rate,
-                engine=self.rescaler_engine,
-            )
-            rounds.append(cal)
-            if self.verbose:
-                fit = cal.rescaler
-                extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
-                log(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi {np.round(cal.psi, 3).tolist()}{extra}")
-
-        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose)
+        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint)
         self.num_classes_ = C
         self.input_dim_ = X.shape[1]
         self.k_ = best.k
@@ -309,6 +311,47 @@ class SDMEstimator:
             )
         return self
 
+    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint):
+        """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
+        from .checkpoint import check_checkpoint_path, fingerprint, load_checkpoint, save_checkpoint
+
+        rounds: list[RoundCalibration] = []
+        progress, on_progress = None, None
+        self.resumed_rounds_ = 0
+        if checkpoint is not None:
+            check_checkpoint_path(checkpoint)
+            fp = fingerprint({**self.get_params(), "alpha": alpha}, X, y, ids, C)
+            loaded, why = load_checkpoint(checkpoint, fp)
+            if loaded is not None:
+                progress, rounds = loaded
+                self.resumed_rounds_ = progress.next_round
+                log(f"resuming from {checkpoint}: {progress.next_round} of {config.iterations} rounds already done",
+                    True)
+            elif why:
+                log(f"not resuming from {checkpoint}: {why}; starting over", True)
+
+            def on_progress(p):
+                save_checkpoint(checkpoint, fp, p, rounds)
+
+        def on_round(j, result):
+            cal = calibrate_round(
+                result.calibration.sdm, result.calibration.q, y[result.cal_idx], result.calibration.y_hat,
+                alpha=alpha, seed=self.seed * 1000 + j, num_classes=C, max_epochs=self.rescaler_max_epochs,
+                patience=self.rescaler_patience, learning_rate=self.rescaler_learning_rate,
+                engine=self.rescaler_engine,
+            )
+            rounds.append(cal)
+            if self.verbose:
+                fit = cal.rescaler
+                extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
+                log(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi {np.round(cal.psi, 3).tolist()}{extra}")
+
+        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose,
+                                               progress=progress, on_progress=on_progress)
+        for summary, cal in zip(summaries, rounds):
+            summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
+        return best, best_j, summaries, rounds
+
     def _apply_alpha(self, alpha: float) -> None:
         alpha = check_alpha(alpha, self.num_classes_)
         self.alpha = alpha
@@ -317,8 +360,15 @@ class SDMEstimator:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.robust_min_valid_, self.offsets_ = aggregate_rounds(self.rounds_, self.best_round_, alpha)
-        for w in caught:
-            warnings.warn(w.message, stacklevel=3)
+        summaries = getattr(self, "round_summaries_", None) or []
+        best_summary = summaries[self.best_round_] if len(summaries) > self.best_round_ else {}
+        self.admission_ = admission_diagnosis(self.rounds_, self.best_round_, alpha, self.robust_min_valid_,
+                                              self.class_names, best_summary.get("projection_movement"))
+        for w in caught:  # the Cauchy warning is part of the diagnosis below
+            if not (issubclass(w.category, RuntimeWarning) and "Cauchy" in str(w.message)):
+                warnings.warn(w.message, stacklevel=3)
+        if not self.admission_["can_admit"]:
+            warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
 
     def recalibrate(self, alpha: float):
         """Re-threshold at a new α' (Alg. 3 + Cauchy over the stored rounds) without retraining; returns self."""
