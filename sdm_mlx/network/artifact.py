@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -86,6 +87,34 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
             f.flush()
             os.fsync(f.fileno())
     return path
+
+
+def mark_network_finished(path, epochs_completed: int) -> None:
+    """Record in ``network_config.json`` that training finished (the head is the final selection).
+
+    Only the small JSON file is rewritten (temporary file, fsync, rename); the head and the
+    verifier are untouched.
+    """
+    path = os.path.abspath(os.fspath(path))
+    config = read_network_config(path)
+    config.setdefault("training", {}).update(finished=True, epochs_completed=int(epochs_completed))
+    cpath = os.path.join(path, CONFIG_FILE)
+    tmp = f"{cpath}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, cpath)
+
+
+def training_status(config: dict) -> str | None:
+    """A warning text when the network comes from an unfinished (interrupted) training, else None."""
+    t = config.get("training", {})
+    if t.get("finished", True):
+        return None
+    held = "the untrained base head" if int(t.get("epoch", 0)) == 0 else f"the head of epoch {t.get('epoch')}"
+    return (f"this network's training did not finish ({t.get('epochs_completed', '?')} of "
+            f"{t.get('epochs_planned', '?')} epochs completed): it holds {held}")
 
 
 def read_network_config(path) -> dict:
@@ -159,6 +188,9 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
     """
     path = os.path.abspath(os.fspath(path))
     config = read_network_config(path)
+    status = training_status(config)
+    if status is not None:
+        warnings.warn(f"{path}: {status}", RuntimeWarning, stacklevel=2)
     w = load_head_weight(path, config)
     if model is None:
         from ..embed import load_model
