@@ -143,6 +143,8 @@ def admission_diagnosis(rounds, best_index: int, alpha: float, robust_min: float
         "round_min_valid_qbin": [_finite_or_none(r.min_valid) for r in rounds],
         "calibration_rows_clearing_thresholds": rows_clearing(best, max(best.min_valid, robust_min)),
         "projection_movement": movement,
+        "rescaler": None if best.rescaler is None else {
+            "epochs_run": int(best.rescaler.epochs_run), "stopped_early": bool(best.rescaler.stopped_early)},
         "classes": classes,
         "failed": conditions,
     }
@@ -162,6 +164,13 @@ def next_step(diag: dict) -> str:
                      f"alpha' = {diag['alpha']:g})")
     moved = diag.get("projection_movement")
     weak = [c for c in diag["classes"] if c["best_reachable_share"] < diag["alpha"]]
+    accurate = [c for c in weak if c["accuracy"] is not None and c["accuracy"] >= diag["alpha"]]
+    resc = diag.get("rescaler")
+    if accurate and resc is not None and not resc["stopped_early"]:
+        steps.append(f"raise --rescaler-max-epochs: {', '.join(_label(c) for c in accurate)} predict(s) accurately "
+                     f"but the rescaled output stays below alpha'; W'' ran all {resc['epochs_run']} epochs without "
+                     "converging")
+        weak = [c for c in weak if c not in accurate]
     if weak or moved is not None and moved < 0.1:
         extra = f" (W_g moved only {moved:.1%} from its initialisation)" if moved is not None else ""
         steps.append(f"raise --learning-rate or --epochs{extra}")

@@ -104,7 +104,7 @@ DATASETS = {"factcheck": factcheck, "gauss2": gaussians(2), "gauss5": gaussians(
 
 def parse_setting(name: str) -> dict:
     """``lr=1e-4,J=5x20[,P=5]`` -> estimator keyword arguments."""
-    out = {}
+    out = {"patience": None}  # fixed epochs unless P= is given
     for part in name.split(","):
         key, value = part.split("=")
         if key == "lr":
@@ -174,7 +174,8 @@ def default_grid() -> list[tuple[str, str]]:
     grid += [(ds, f"lr={lr},J=5x20") for ds in ("gauss5", "factcheck") for lr in LRS]
     grid += [("gauss5", f"lr={lr},J=5x50,P=5") for lr in ("1e-4", "3e-4")]
     grid += [("factcheck", "lr=1e-4,J=5x50,P=5")]
-    grid += [(ds, f"lr={lr},J=5x20") for ds in ("gauss10", "gauss2") for lr in ("1e-5", "1e-4", "1e-3")]
+    grid += [("gauss10", f"lr={lr},J=5x20") for lr in ("1e-5", "1e-4", "1e-3")]
+    grid += [("gauss2", f"lr={lr},J=5x20") for lr in ("1e-5", "1e-4", "1e-3")]
     grid += [("factcheck", f"lr={lr},J=10x50") for lr in ("1e-5", "1e-4")]
     return grid
 
@@ -202,6 +203,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default="runs/sweep_defaults.json", help="results JSON (appended per run)")
+    p.add_argument("--also", nargs="*", default=[], help="more results files to include in the printed table")
     p.add_argument("--datasets", nargs="+", choices=sorted(DATASETS), default=None, help="subset of the grid")
     p.add_argument("--settings", nargs="+", default=None, help="explicit settings instead of the grid")
     p.add_argument("--seed", type=int, default=0)
@@ -225,6 +227,8 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
             Path(args.output).write_text(json.dumps(results, indent=1))
             print(table([r]).splitlines()[-1], flush=True)
+    for extra in args.also:
+        results += json.loads(Path(extra).read_text())
     print(table(results))
     return 0
 
