@@ -258,3 +258,27 @@ def test_checkpoint_path_that_is_not_ours_is_refused(tmp_path):
              "--rescaler-max-epochs", "5", "--quiet")
     assert r.returncode == 2 and "is not an sdm_mlx training checkpoint" in r.stderr
     assert (tmp_path / "m.partial" / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# the defaults learn where the paper's learning rate does not
+
+
+def test_defaults_learn_where_the_paper_learning_rate_admits_nothing():
+    """The issue's case in small: a learnable 4-class problem (800 x 32), 2 rounds of at most 15 epochs.
+    At lr 1e-5 the adaptor barely moves and nothing can be admitted; the defaults admit correct rows."""
+    X, y = gaussian_classes(800, 4, 32, separation=3.0, seed=4)
+    Xt, yt = gaussian_classes(400, 4, 32, separation=3.0, seed=4, draw_seed=5)
+    common = dict(iterations=2, epochs=15, rescaler_max_epochs=200, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = SDMEstimator(**common, learning_rate=1e-5, patience=None).fit(X, y)
+    assert not old.admission_["can_admit"] and not old.predict(Xt).admitted.any()
+    assert any("admits nothing" in str(w.message) for w in caught)
+    new = SDMEstimator(**common).fit(X, y)
+    assert new.learning_rate == ESTIMATOR_DEFAULTS["learning_rate"] and new.patience == ESTIMATOR_DEFAULTS["patience"]
+    assert new.admission_["can_admit"]
+    pred = new.predict(Xt)
+    assert pred.admitted.sum() >= 5 and (pred.prediction == yt)[pred.admitted].mean() >= 0.95
+    moved = lambda est: est.round_summaries_[est.best_round_]["projection_movement"]  # noqa: E731
+    assert moved(new) > 5 * moved(old)
