@@ -54,6 +54,7 @@ import numpy as np
 
 from .. import embed as _embed
 from ..data import id_key, read_objects
+from ..defaults import ESTIMATOR_DEFAULTS
 from ..progress import Progress, log
 from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network
@@ -97,13 +98,14 @@ class NetworkConfig:
     reference_head: str = "model"  #: "model" (the base model's own, possibly quantised head) or "float32" copy
     # verification layer
     verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
-    alpha: float = 0.95
-    verifier_iterations: int = 10
-    verifier_epochs: int = 50
-    verifier_exemplar_dim: int = 1000
-    verifier_batch_size: int = 50
-    verifier_learning_rate: float = 1e-5
-    verifier_rescaler_max_epochs: int = 1000
+    # (defaults: the estimator's, sdm_mlx/defaults.py; verifier_options may set e.g. "patience")
+    alpha: float = ESTIMATOR_DEFAULTS["alpha"]
+    verifier_iterations: int = ESTIMATOR_DEFAULTS["iterations"]
+    verifier_epochs: int = ESTIMATOR_DEFAULTS["epochs"]
+    verifier_exemplar_dim: int = ESTIMATOR_DEFAULTS["exemplar_dim"]
+    verifier_batch_size: int = ESTIMATOR_DEFAULTS["batch_size"]
+    verifier_learning_rate: float = ESTIMATOR_DEFAULTS["learning_rate"]
+    verifier_rescaler_max_epochs: int = ESTIMATOR_DEFAULTS["rescaler_max_epochs"]
     verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
     seed: int = 0
     verbose: bool = True
