@@ -413,10 +413,12 @@ def cauchy_robust_min(min_valids: Sequence[float], best_index: int, alpha: float
     location = float(vals[int(best_index)])
     scale = 0.0 if vals.size == 1 else mad(vals)
     if not math.isfinite(scale):
+        missing = [j + 1 for j in np.flatnonzero(np.isinf(vals)).tolist()]
         warnings.warn(
-            f"Cauchy scale MAD of the J = {vals.size} min valid q~ values {vals.tolist()} is not finite "
-            "(rounds without a valid threshold reach the median); the robust min valid q~ is set to +inf, "
-            "so every instance will be rejected (DESIGN #15). Lower alpha, add data, or use a stronger model.",
+            f"Cauchy scale MAD of the J = {vals.size} min valid q~ values is not finite: round(s) {missing} "
+            f"({len(missing)} of {vals.size}) found no valid threshold at alpha = {alpha:g}, which reaches the "
+            "median; the robust min valid q~ is +inf, so every instance will be rejected (DESIGN #15). "
+            "See SDMEstimator.admission_ for the diagnosis per class.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -34,6 +34,9 @@ from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from . import validation
 from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
+from .defaults import ESTIMATOR_DEFAULTS as D
+from .defaults import PAPER_SETTINGS
+from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
@@ -60,8 +63,12 @@ class SDMEstimator:
     ``score`` (accuracy), ``get_params`` / ``set_params`` / ``sklearn.base.clone``; ``estimate`` gives the
     full per-row results.  Parameters are stored as given and validated in ``fit``.
 
-    Parameters (paper defaults): ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
-    ``epochs`` per round; ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
+    Defaults: :data:`sdm_mlx.defaults.ESTIMATOR_DEFAULTS` (evidence in ``docs/defaults.md``);
+    ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
+    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
+    ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
+    end a round after this many epochs without a better balanced median calibration q (None: run
+    every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
     ``k`` neighbours scanned for q (None: largest class count of the training split);
     ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
     ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
@@ -74,24 +81,25 @@ class SDMEstimator:
 
     def __init__(
         self,
-        alpha: float = 0.95,
-        iterations: int = 10,
-        epochs: int = 50,
-        exemplar_dim: int = 1000,
-        batch_size: int = 50,
-        learning_rate: float = 1e-5,
-        k: int | None = None,
-        normalize: bool = True,
-        stratified: bool = True,
-        index_backend: str = "exact",
-        rescaler_max_epochs: int = 1000,
-        rescaler_patience: int = 10,
-        rescaler_learning_rate: float = 1e-4,
-        rescaler_engine: str = "numpy",
-        n_exemplars: int = 5,
-        seed: int = 0,
+        alpha: float = D["alpha"],
+        iterations: int = D["iterations"],
+        epochs: int = D["epochs"],
+        exemplar_dim: int = D["exemplar_dim"],
+        batch_size: int = D["batch_size"],
+        learning_rate: float = D["learning_rate"],
+        k: int | None = D["k"],
+        normalize: bool = D["normalize"],
+        stratified: bool = D["stratified"],
+        index_backend: str = D["index_backend"],
+        rescaler_max_epochs: int = D["rescaler_max_epochs"],
+        rescaler_patience: int = D["rescaler_patience"],
+        rescaler_learning_rate: float = D["rescaler_learning_rate"],
+        rescaler_engine: str = D["rescaler_engine"],
+        n_exemplars: int = D["n_exemplars"],
+        seed: int = D["seed"],
         verbose: bool = False,
         class_names: list | None = None,
+        patience: int | None = D["patience"],
     ):
         self.alpha = alpha
         self.iterations = iterations
@@ -111,6 +119,12 @@ class SDMEstimator:
         self.seed = seed
         self.verbose = verbose
         self.class_names = class_names
+        self.patience = patience
+
+    @classmethod
+    def paper(cls, **overrides) -> "SDMEstimator":
+        """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.defaults.PAPER_SETTINGS`)."""
+        return cls(**{**PAPER_SETTINGS, **overrides})
 
     # -- parameters (scikit-learn protocol) ------------------------------------------------------
     @classmethod
@@ -149,7 +163,7 @@ class SDMEstimator:
         return TrainConfig(
             epochs=self.epochs, batch_size=self.batch_size, learning_rate=self.learning_rate,
             exemplar_dim=self.exemplar_dim, k=self.k, normalize=self.normalize, iterations=self.iterations,
-            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend,
+            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend, patience=self.patience,
         )
 
     @property
@@ -212,12 +226,17 @@ class SDMEstimator:
             raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
         return alpha
 
-    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None):
+    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None, checkpoint=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
         the J rounds (DESIGN #9), as in the paper.  Labels: any sortable hashable values
         (``classes_`` = the sorted distinct labels), or, with ``num_classes``, class indices 0..C−1.
+        ``checkpoint``: a directory where the finished rounds are saved after each round
+        (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same settings and data continues from it
+        (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
+        checkpoint is left in place: remove it with :func:`sdm_mlx.checkpoint.remove_checkpoint` once
+        the model is saved.
         """
         X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train, ids_cal, num_classes)
         C = len(classes)
@@ -225,7 +244,39 @@ class SDMEstimator:
         config = self._train_config()
         config.validate()
 
+        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint)
+        self.classes_ = classes
+        self.n_features_in_ = X.shape[1]
+        self._store_fit(X, y, ids, C, best, best_j, rounds, summaries)
+        self._apply_alpha(alpha)
+        if self.verbose:
+            log(
+                f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
+                f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}"
+            )
+        return self
+
+    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint):
+        """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
+        from .checkpoint import check_checkpoint_path, fingerprint, load_checkpoint, save_checkpoint
+
         rounds: list[RoundCalibration] = []
+        progress, on_progress = None, None
+        self.resumed_rounds_ = 0
+        if checkpoint is not None:
+            check_checkpoint_path(checkpoint)
+            fp = fingerprint({**self.get_params(), "alpha": alpha}, X, y, ids, C)
+            loaded, why = load_checkpoint(checkpoint, fp)
+            if loaded is not None:
+                progress, rounds = loaded
+                self.resumed_rounds_ = progress.next_round
+                log(f"resuming from {checkpoint}: {progress.next_round} of {config.iterations} rounds already done",
+                    True)
+            elif why:
+                log(f"not resuming from {checkpoint}: {why}; starting over", True)
+
+            def on_progress(p):
+                save_checkpoint(checkpoint, fp, p, rounds)
 
         def on_round(j, result):
             cal = calibrate_round(
@@ -240,17 +291,11 @@ class SDMEstimator:
                 extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
                 log(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi {np.round(cal.psi, 3).tolist()}{extra}")
 
-        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose)
-        self.classes_ = classes
-        self.n_features_in_ = X.shape[1]
-        self._store_fit(X, y, ids, C, best, best_j, rounds, summaries)
-        self._apply_alpha(alpha)
-        if self.verbose:
-            log(
-                f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
-                f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}"
-            )
-        return self
+        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose,
+                                               progress=progress, on_progress=on_progress)
+        for summary, cal in zip(summaries, rounds):
+            summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
+        return best, best_j, summaries, rounds
 
     def _store_fit(self, X, y, ids, C, best, best_j, rounds, summaries) -> None:
         """The fitted state of the best round (support set, adaptor, eCDFs) and of all rounds."""
@@ -292,10 +337,22 @@ class SDMEstimator:
         return cal
 
     def _apply_alpha(self, alpha: float) -> None:
-        cal = self.calibration_at(alpha)
+        """Store the calibration at α' and the admission diagnosis (a warning when nothing can be admitted)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cal = self.calibration_at(alpha)
         self.alpha = cal.alpha
         self.calibration_ = cal
         self.robust_min_valid_, self.offsets_ = cal.robust_min_valid, cal.offsets
+        summaries = getattr(self, "round_summaries_", None) or []
+        best_summary = summaries[self.best_round_] if len(summaries) > self.best_round_ else {}
+        self.admission_ = admission_diagnosis(self.rounds_, self.best_round_, cal.alpha, self.robust_min_valid_,
+                                              self.class_names, best_summary.get("projection_movement"))
+        for w in caught:  # the Cauchy warning is part of the diagnosis below
+            if not (issubclass(w.category, RuntimeWarning) and "Cauchy" in str(w.message)):
+                warnings.warn(w.message, w.category, stacklevel=3)
+        if not self.admission_["can_admit"]:
+            warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
 
     def recalibrate(self, alpha: float):
         """Store a new α' in this model (Alg. 3 + Cauchy over the stored rounds, no retraining); returns self.
