@@ -179,6 +179,7 @@ def embedded(verification, tmp_path_factory):
                    "--completion-field", "completion", "--on-missing-delimiter", "last", "--batch-size", bs)
         assert f"wrote {len(rows)} rows with 3072-dim embeddings" in proc.stderr
         assert f"{len(ver)} completion(s) without the delimiter '}}' (handled with --on-missing-delimiter last)" in proc.stderr
+        assert "warning" not in proc.stderr  # the prompts match Qwen's chat template (no foreign-template warning)
         got = {r["id"]: np.asarray(r["embedding"], dtype=np.float64) for r in read_jsonl(out)}
         outs[bs] = np.stack([got[r["id"]] for r in rows])
     return ver, outs
