@@ -16,8 +16,9 @@ exactly the same (cut, right-padded) token batches; the host-side share
 JSON with ``--json`` and states which BLAS MLX used.  ``--factcheck`` uses the
 embedded factcheck statements in the paper's verification encoding (the
 model's chat template, ``{"correctness": true/false}`` completions) instead of
-random words; ``--cold`` times one call of each pass without a warm-up (for
-real models, where one pass takes minutes).  Peak RSS and MLX peak memory are
+random words; ``--cold`` times one call of each pass after a single short
+warm-up forward that pages the weights in (for real models, where one pass
+takes minutes).  Peak RSS and MLX peak memory are
 reported.
 """
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--factcheck", action="store_true",
                     help="factcheck statements in the verification encoding instead of random words")
-    ap.add_argument("--cold", action="store_true", help="time one call of each pass, no warm-up (large models)")
+    ap.add_argument("--cold", action="store_true", help="time one call of each pass after one short warm-up forward (large models)")
     args = ap.parse_args(argv)
 
     model, tok, label = load_bench_model(args.model, args.size)
@@ -158,6 +159,8 @@ def main(argv=None) -> int:
         prompts = [E.chat_text(tok, d, system="You are a helpful AI assistant.",
                                prompt_template='Classify the sentiment. Respond using the following JSON: '
                                                '{"sentiment": str}. REVIEW: {document}') for d in docs]
+    if args.cold:  # page the (memory-mapped) weights in, so the first timed pass does not pay for it
+        mx.eval(model(mx.array(tok.encode("warm up the weights")[:8])[None]))
     rows = [bench(model, tok, prompts, comps, b, args.max_length, args.repeat, args.cold) for b in args.batch_size]
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
     with open("/proc/loadavg") as f:
