@@ -230,7 +230,9 @@ def prompt_tail(tokenizer) -> str | None:
     except Exception:  # noqa: BLE001  (a template that cannot render this is not ours to judge)
         return None
     k = text.rfind(mark)
-    return text[k + len(mark):] or None if k >= 0 else None
+    if k < 0:
+        return None
+    return text[k + len(mark):] or None
 
 
 def _decode(tokenizer, ids) -> str:
