@@ -212,6 +212,29 @@ def chat_text(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=completion is None)
 
 
+def prompt_tail(tokenizer) -> str | None:
+    """What the chat template writes after the user's message when prompting the assistant, or None.
+
+    The end of the user turn plus the generation prompt, e.g.
+    ``"<|im_end|>\\n<|im_start|>assistant\\n"`` (ChatML: Qwen) or
+    ``"<|end|>\\n<|assistant|>\\n"`` (Phi-3.5).  Every prompt built by
+    :func:`chat_text` ends with it.  None when the tokenizer has no chat
+    template or it cannot be rendered.
+    """
+    if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
+        return None
+    mark = "SDMMLXUSERTEXT"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001  (a template that cannot render this is not ours to judge)
+        return None
+    k = text.rfind(mark)
+    if k < 0:
+        return None
+    return text[k + len(mark):] or None
+
+
 def _decode(tokenizer, ids) -> str:
     return tokenizer.decode(list(ids))
 

@@ -284,3 +284,27 @@ def test_incremental_states_with_cache_match_full_forward(qwen2):
     inc = np.concatenate([np.array(p) for p in parts])
     full = np.array(E.hidden_states(model, [prompt_ids + gen]))[0]
     np.testing.assert_allclose(inc, full, atol=1e-5)
+
+
+def test_prompt_tail_and_foreign_prompt_warning(tmp_path, tiny_phi3_path, phi3, capsys):
+    """Prompts built for another chat template (e.g. Phi-3.5 rows embedded with Qwen) are named, not silently used."""
+    _, tok = phi3
+    assert E.prompt_tail(tok) == "<|end|>\n<|assistant|>\n"
+    chatml = "<|im_start|>user\nIs water wet?<|im_end|>\n<|im_start|>assistant\n"
+    rows = [{"id": "own", "prompt": prompts(tok)[0], "completion": COMPLETIONS[0]},
+            {"id": "chatml", "prompt": chatml, "completion": COMPLETIONS[0]}]
+    inp, out = tmp_path / "p.jsonl", tmp_path / "f.jsonl"
+    _write_docs(inp, rows)
+    assert main(["embed", "--model", tiny_phi3_path, "--input", str(inp), "--output", str(out),
+                 "--prompt-field", "prompt", "--completion-field", "completion", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 prompt(s) in field 'prompt' do not end with this model's chat template tail " \
+           "'<|end|>\\n<|assistant|>\\n' (e.g. ids 'chatml')" in err
+    assert "make-verification-data --model" in err
+    assert len(_read(out)) == 2  # still embedded: a warning, not an error
+    # prompts of the model's own template: no warning
+    out2 = tmp_path / "f2.jsonl"
+    _write_docs(inp, rows[:1])
+    assert main(["embed", "--model", tiny_phi3_path, "--input", str(inp), "--output", str(out2),
+                 "--prompt-field", "prompt", "--completion-field", "completion", "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err

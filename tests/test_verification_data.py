@@ -59,6 +59,7 @@ def test_cli(tmp_path, tiny_phi3_path, capsys):
     inp.write_text("".join(json.dumps(r) + "\n" for r in _task(12)), encoding="utf-8")
     out = tmp_path / "ver.jsonl"
     assert main(["make-verification-data", "--input", str(inp), "--output", str(out), "--preset", "sentiment"]) == 0
+    assert "no --model: the prompts use the Phi-3.5-mini-instruct chat format" in capsys.readouterr().err
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 12 and sum(r["label"] for r in rows) == 6
     assert rows[0]["prompt"].startswith("<|system|>\nYou are a helpful AI assistant.<|end|>\n<|user|>\nClassify the sentiment")
@@ -70,6 +71,7 @@ def test_cli(tmp_path, tiny_phi3_path, capsys):
     assert main(["make-verification-data", "--input", str(inp), "--output", str(out2), "--preset", "sentiment",
                  "--model", tiny_phi3_path]) == 0
     assert [json.loads(x) for x in out2.read_text().splitlines()] == rows
+    assert "no --model" not in capsys.readouterr().err
 
     # completions from a YAML list, custom template; default preset is factcheck
     yml = tmp_path / "c.yaml"

@@ -62,11 +62,16 @@ def format_row(row: dict, embedding) -> str:
     return body[:-1] + (", " if len(out) else "") + '"embedding": ' + vec + "}\n"
 
 
-def _texts(args, rows, tokenizer, path):
-    """(documents, completion_spans) for the rows."""
-    from ..embed import chat_text
+def _texts(args, rows, tokenizer, path, foreign=None):
+    """(documents, completion_spans) for the rows.
+
+    ``foreign``: a list collecting the ids of ``--prompt-field`` prompts that do
+    not end with the model's chat template tail (built for another chat template).
+    """
+    from ..embed import chat_text, prompt_tail
 
     docs, spans = [], []
+    suffix = prompt_tail(tokenizer) if args.prompt_field and not args.no_chat_template else None
     for lineno, row in rows:
         if args.prompt_field:
             prompt = row.get(args.prompt_field)
@@ -80,6 +85,8 @@ def _texts(args, rows, tokenizer, path):
             )
         if not isinstance(prompt, str):
             raise ValueError(f"{path}: line {lineno}: missing or non-string field {field!r}")
+        if suffix and foreign is not None and not prompt.endswith(suffix):
+            foreign.append(row["id"])
         completion = ""
         if args.completion_field:
             completion = row.get(args.completion_field)
@@ -119,12 +126,12 @@ def run(args) -> int:
 
     model, tokenizer = load_model(args.model)
     chunk = args.batch_size * 32
-    n_trunc, n_missing, width, trunc_ids = 0, 0, None, []
+    n_trunc, n_missing, width, trunc_ids, foreign = 0, 0, None, [], []
     bar = Progress(len(todo), "embed", unit="doc", enabled=not quiet)
     with open_append(args.output) as out, bar:
         for c0 in range(0, len(todo), chunk):
             part = todo[c0 : c0 + chunk]
-            docs, spans = _texts(args, part, tokenizer, args.input)
+            docs, spans = _texts(args, part, tokenizer, args.input, foreign)
             try:
                 feats = document_features(
                     model, tokenizer, docs, spans, position=position, delimiter=args.delimiter,
@@ -145,6 +152,13 @@ def run(args) -> int:
         shown = ", ".join(map(repr, trunc_ids))
         say(f"{n_trunc} document(s) longer than --max-length {args.max_length}: their state at the last kept "
             f"position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
+    if foreign:
+        from ..embed import prompt_tail
+
+        log(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
+            f"model's chat template tail {prompt_tail(tokenizer)!r} (e.g. ids "
+            f"{', '.join(map(repr, foreign[:5]))}): they were built for another chat template; rebuild them with "
+            f"`make-verification-data --model {args.model}`")
     if n_missing:
         say(f"{n_missing} completion(s) without the delimiter {args.delimiter!r} "
             f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")

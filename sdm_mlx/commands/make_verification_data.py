@@ -95,6 +95,10 @@ def run(args) -> int:
     )
     write_jsonl(args.output, out)
     n_neg = sum(1 for r in out if r["label"] == 0)
+    if not args.model:
+        print("sdm-mlx make-verification-data: no --model: the prompts use the Phi-3.5-mini-instruct chat format "
+              "(<|user|> ... <|end|>); pass --model <dir or hub id> for another model's chat template",
+              flush=True, file=sys.stderr)
     print(f"sdm-mlx make-verification-data: wrote {len(out)} rows ({len(out) - n_neg} label 1, "
           f"{n_neg} constructed negatives with label 0) to {args.output}", flush=True, file=sys.stderr)
     return 0
