@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-HELP = "MCP server (stdio) exposing SDM verification to assistants: verify(question, answer), "
-        "add_feedback(verdict_id, label), explain(verdict_id)"
+HELP = ("MCP server (stdio) exposing SDM verification to assistants: verify(question, answer), "
+        "add_feedback(verdict_id, label), explain(verdict_id)")
 
 
 def add_arguments(p) -> None:
