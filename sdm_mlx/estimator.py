@@ -588,7 +588,8 @@ class SDMEstimator:
             )
         n_train = meta.get("n_training_support", len(est.support_ids_))
         if not isinstance(n_train, int) or not 1 <= n_train <= len(est.support_ids_):
-            raise ArtifactError(f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
+            raise ArtifactError(
+                f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
         log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
         est._feedback = FeedbackState(est.support_ids_, n_train, log)
         est._index = None

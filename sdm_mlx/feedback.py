@@ -234,7 +234,7 @@ def update_model(path, change):
 
 
 def add_support_to_model(path, X, y, ids=None, source: str = "api"):
-    """:meth:`SDMEstimator.add_support` on the saved model at ``path``, persisted atomically; returns the log entries."""
+    """:meth:`SDMEstimator.add_support` on the saved model at ``path``, persisted atomically; returns log entries."""
     return update_model(path, lambda est: est.add_support(X, y, ids=ids, source=source))[1]
 
 
