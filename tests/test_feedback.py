@@ -316,10 +316,18 @@ def test_cli_errors(trained, tmp_path):
     both = cli("add-support", "--model", path, "--input", rows, "--undo", "a")
     undo_training = cli("add-support", "--model", path, "--undo", SDMEstimator.load(path).support_ids_[0])
     missing = cli("add-support", "--model", tmp_path / "nope", "--undo", "a")
+    inside = os.path.join(path, "rows.jsonl")
+    shutil.copy(rows, inside)
+    input_inside = cli("add-support", "--model", path, "--input", inside)
+    os.remove(inside)
     inspect_missing = cli("inspect", "--model", tmp_path / "nope")
     for r, message in [(bad_label, "labels must be in 0..1"), (bad_width, "dimension 4"),
                        (both, "exactly one of --input"), (undo_training, "only rows added by feedback"),
-                       (missing, "no model artifact"), (inspect_missing, "no model artifact")]:
+                       (missing, "no model artifact"), (inspect_missing, "no model artifact"),
+                       (input_inside, "contains the input --input")]:
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (message, r.stderr)
     assert not SDMEstimator.load(path).feedback_state_.log  # nothing was written by the refused updates
     assert not os.path.exists(tmp_path / ".nope.sdm-lock")
+    fresh_model = cli("inspect", "--model", path)
+    assert fresh_model.returncode == 0 and "added since training: 0 rows" in fresh_model.stdout
+    assert "last update: never" in fresh_model.stdout
