@@ -188,6 +188,7 @@ def test_persisted_updates_reload_equal_in_memory(trained, tmp_path):
     shutil.copytree(trained["path"], path)
     far_X, far_y = trained["far"]
     mem = fresh(trained)
+    mem.predict(far_X[:5])  # the index exists: the updates below append to / remove from it in place
     mem.add_support(far_X[100:200], far_y[100:200], ids=[f"f{i}" for i in range(100)], source="api")
     mem.remove_support(["f3", "f7"])
     add_support_to_model(path, far_X[100:200], far_y[100:200], ids=[f"f{i}" for i in range(100)], source="api")
