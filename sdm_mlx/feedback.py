@@ -223,8 +223,10 @@ def update_model(path, change):
     from .artifact import artifact_kind
     from .estimator import SDMEstimator
 
-    if artifact_kind(os.fspath(path)) is None and not os.path.isdir(os.fspath(path)):
-        SDMEstimator.load(path)  # raises the clear "no model artifact at ..." error before any lock file is made
+    if artifact_kind(os.fspath(path)) is None:
+        # not a model: raises the clear "no model artifact at ..." error before any lock file is made
+        # (and repairs a save interrupted between its two renames)
+        SDMEstimator.load(path)
     with artifact_lock(path):
         est = SDMEstimator.load(path)
         est.verbose = False
