@@ -17,9 +17,11 @@ _EXPORTS = {
     "ExemplarAdaptor": "adaptor",
     "Dataset": "data", "load_factcheck": "data", "read_jsonl": "data",
     "distance_ecdfs": "distance", "distance_quantile": "distance",
-    "Predictions": "estimator", "SDMEstimator": "estimator",
+    "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
+    "Calibration": "calibration",
     "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
     "SDMError": "errors", "InputError": "errors", "OutputError": "errors", "ArtifactError": "errors",
+    "NotFittedError": "errors",
 }
 __all__ = list(_EXPORTS)
 

@@ -66,6 +66,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
 from .metrics import index_conditional_report
+from .validation import label_indices, level
 
 __all__ = [
     "Baseline",
@@ -97,20 +98,11 @@ def _logits(z, name: str = "z") -> np.ndarray:
 
 
 def _label_array(y, n: int, num_classes: int) -> np.ndarray:
-    arr = np.asarray(y)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"y must be [N] with N = {n}, got shape {arr.shape}")
-    arr = arr.astype(np.int64)
-    if n and (arr.min() < 0 or arr.max() >= num_classes):
-        raise ValueError(f"labels must lie in [0, {num_classes - 1}]")
-    return arr
+    return label_indices(y, "y", num_classes, n)
 
 
 def _check_alpha(alpha) -> float:
-    alpha = float(alpha)
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    return alpha
+    return level(alpha, one=True)
 
 
 def _sorted_probs(probs: np.ndarray, keys: np.ndarray | None = None):

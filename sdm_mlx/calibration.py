@@ -59,7 +59,9 @@ from typing import Sequence
 
 import numpy as np
 
+from . import validation
 from .io import get_float, put_float
+from .results import Estimate, Variant
 from .rescaler import (
     DEFAULT_LEARNING_RATE,
     DEFAULT_MAX_EPOCHS,
@@ -71,6 +73,7 @@ from .rescaler import (
 
 __all__ = [
     "REJECTION_REASONS",
+    "Calibration",
     "RoundCalibration",
     "aggregate_rounds",
     "apply_ood",
@@ -83,7 +86,6 @@ __all__ = [
     "dkw_epsilon",
     "effective_sample_size",
     "estimate",
-    "estimate_from_round",
     "hard_qbin",
     "lookup_offsets",
     "mad",
@@ -120,18 +122,7 @@ _QUANTILE_ROUND = 10
 
 def check_alpha(alpha: float, num_classes: int) -> float:
     """Validate α' for ``defn:index-conditional-calibration``: max(0.5, 1/C) < α < 1 (DESIGN #23)."""
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError):
-        raise ValueError(f"alpha must be a number, got {alpha!r}") from None
-    if not math.isfinite(a):
-        raise ValueError(f"alpha must be finite, got {alpha!r}")
-    if num_classes < 2:
-        raise ValueError(f"calibration needs at least 2 classes, got {num_classes}")
-    lower = max(0.5, 1.0 / num_classes)
-    if not (lower < a < 1.0):
-        raise ValueError(f"alpha must satisfy max(0.5, 1/C) = {lower:g} < alpha < 1 (C = {num_classes}), got {a!r}")
-    return a
+    return validation.alpha(alpha, num_classes)
 
 
 def _finite(name: str, arr) -> np.ndarray:
@@ -144,18 +135,7 @@ def _finite(name: str, arr) -> np.ndarray:
 
 
 def _labels(name: str, y, num_classes: int, n: int | None = None) -> np.ndarray:
-    y = np.asarray(y).reshape(-1)
-    if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
-        raise ValueError(f"{name} must hold integer class labels, got dtype {y.dtype}")
-    if y.dtype.kind == "f":
-        if not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
-            raise ValueError(f"{name} must hold integer class labels")
-    y = y.astype(np.int64)
-    if n is not None and y.shape[0] != n:
-        raise ValueError(f"{name} has {y.shape[0]} rows, expected {n}")
-    if np.any((y < 0) | (y >= num_classes)):
-        raise ValueError(f"{name} must lie in [0, {num_classes})")
-    return y
+    return validation.label_indices(y, name, num_classes, n)
 
 
 def _matrix(name: str, x, n: int | None = None, c: int | None = None) -> np.ndarray:
@@ -285,9 +265,7 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
 
 def dkw_epsilon(n_hat: np.ndarray, alpha: float) -> np.ndarray:
     """ε = sqrt(ln(2/(1−α)) / (2 n̂)) where n̂ > 0, else 1 (``equation:dkw``), float64."""
-    a = float(alpha)
-    if not (0.0 < a < 1.0):
-        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
+    a = validation.level(alpha)
     n_hat = np.asarray(n_hat)
     safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
     return np.where(n_hat > 0, np.sqrt(math.log(2.0 / (1.0 - a)) / (2.0 * safe)), 1.0)
@@ -435,10 +413,12 @@ def cauchy_robust_min(min_valids: Sequence[float], best_index: int, alpha: float
     location = float(vals[int(best_index)])
     scale = 0.0 if vals.size == 1 else mad(vals)
     if not math.isfinite(scale):
+        missing = [j + 1 for j in np.flatnonzero(np.isinf(vals)).tolist()]
         warnings.warn(
-            f"Cauchy scale MAD of the J = {vals.size} min valid q~ values {vals.tolist()} is not finite "
-            "(rounds without a valid threshold reach the median); the robust min valid q~ is set to +inf, "
-            "so every instance will be rejected (DESIGN #15). Lower alpha, add data, or use a stronger model.",
+            f"Cauchy scale MAD of the J = {vals.size} min valid q~ values is not finite: round(s) {missing} "
+            f"({len(missing)} of {vals.size}) found no valid threshold at alpha = {alpha:g}, which reaches the "
+            "median; the robust min valid q~ is +inf, so every instance will be rejected (DESIGN #15). "
+            "See SDMEstimator.admission_ for the diagnosis per class.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -486,7 +466,10 @@ def lookup_offsets(offsets: np.ndarray, y_hat: np.ndarray, hard_bin: np.ndarray)
 
 
 def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, robust_min):
-    """Process one of centroid / lower / upper: q~, o, flip rule, offset, validity."""
+    """Process one of centroid / lower / upper: q~, o, flip rule, offset, validity.
+
+    Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ):
+    the last two feed the rejection reasons."""
     rows = np.arange(v_var.shape[0])
     q_raw = np.where(sdm_flip, 0.0, v_var[rows, y_hat] * log_base)
     o = rescaled_output(W, v_var, q_raw)
@@ -501,126 +484,92 @@ def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, r
     above = o_adj >= psi[None, :]
     singleton = (above.sum(axis=1) == 1) & above[rows, y_hat]
     valid = ~ood & (q_proc >= min_valid_own) & (q_proc >= robust_min) & singleton
-    return dict(q_raw=q_raw, q=q_proc, bin=bins, o=o, ood=ood, floor_ok=floor_ok, o_flip=o_flip,
-                offset=offset, p=p, singleton=singleton, valid=valid)
+    variant = Variant(v=v_var, q_tilde=q_proc, hard_bin=bins, ood=ood, o=o, offset=offset, p=p, valid=valid)
+    return variant, floor_ok, o_flip, singleton
 
 
-def estimate(
-    z: np.ndarray,
-    q: np.ndarray,
-    d: np.ndarray,
-    sdm: np.ndarray,
-    v: np.ndarray,
-    W: np.ndarray,
-    psi: np.ndarray,
-    min_valid_own: float,
-    robust_min: float,
-    offsets: np.ndarray | None,
-    sample_size_arrays: Sequence[np.ndarray],
-    alpha: float,
-) -> dict[str, np.ndarray]:
-    """Index-conditional SDM estimator p̂_lower with ⊥ (``eq:index-conditional-sdm-estimator``), vectorised over rows.
-
-    Inputs per row: logits z' [N, C] (ŷ = argmax z'), Similarity q [N] (≥ 0),
-    Distance quantile d [N] (validated only: d = 0 makes the SDM output uniform,
-    which the flip rule catches), SDM output [N, C], v [N, C] (``v_vector``).
-    Model: W'' [C, C], ψ [C], the model's own min valid q~, the robust min valid
-    q~, offsets [C, B] and the sample-size arrays.
-
-    Returns a dict of NumPy arrays (N rows): ``prediction``; ``sdm_flip``; for
-    each variant X in ("", "_lower", "_upper"): ``q_tilde X`` (processed: 0 when
-    OOD), ``hard_bin X``, ``ood X``, ``o X`` (rescaled output [N, C] before the
-    offset), ``offset X`` (m[ŷ][bin X]), ``p X`` (p_centroid / p_lower /
-    p_upper = clip(o_ŷ − offset, 0, 1)), ``valid X`` (that variant's
-    index-conditional validity; ``valid_lower`` is ``admitted``); ``v``,
-    ``v_lower``, ``v_upper``; ``n_hat`` [N, C] (int, −1 for a class without
-    calibration rows); ``epsilon`` [N, C]; ``admitted``; ``p_hat`` (p_lower where
-    admitted, NaN where ⊥); ``rejection_reason`` (str, "" when admitted; order in
-    :data:`REJECTION_REASONS`).
-    """
-    W = _finite("W", W)
+def _check_calibration(cal: "Calibration") -> tuple:
+    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated."""
+    W = _finite("W", cal.W)
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
         raise ValueError(f"W must be [C, C], got shape {W.shape}")
     C = W.shape[0]
-    alpha = check_alpha(alpha, C)
+    check_alpha(cal.alpha, C)
+    psi = _vector("psi", cal.psi).astype(np.float64)
+    if psi.shape[0] != C:
+        raise ValueError(f"psi must have {C} entries, got {psi.shape[0]}")
+    min_valid_own, robust_min = float(cal.min_valid), float(cal.robust_min_valid)
+    if math.isnan(min_valid_own) or math.isnan(robust_min):
+        raise ValueError("min valid q~ thresholds must not be NaN (+inf means 'none')")
+    offsets = np.zeros((C, 0)) if cal.offsets is None else np.asarray(cal.offsets, dtype=np.float64)
+    if offsets.size and (offsets.ndim != 2 or offsets.shape[0] != C or not np.all(np.isfinite(offsets))):
+        raise ValueError(f"offsets must be a finite [C, B] array with C = {C}")
+    ecdfs = _check_lists("output_ecdfs", cal.output_ecdfs, C)
+    arrays = _check_lists("sample_size_arrays", cal.sample_size_arrays, C)
+    return W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays
+
+
+def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low) -> np.ndarray:
+    """First failing condition per row, in the order of :data:`REJECTION_REASONS` ("" = admitted)."""
+    (_, cen_floor_ok, cen_o_flip, _), (low_v, low_floor_ok, low_o_flip, low_singleton) = cen, low
+    conditions = [
+        np.full(n, math.isinf(min_valid_own) and min_valid_own > 0),
+        np.full(n, robust_min == math.inf),
+        sdm_flip & (d <= 0),
+        sdm_flip | (cen_floor_ok & cen_o_flip),
+        ~low_floor_ok,
+        low_o_flip,
+        low_v.q_tilde < min_valid_own,
+        low_v.q_tilde < robust_min,
+        ~low_singleton,
+    ]
+    choices = ["no_valid_threshold", "no_robust_threshold", "ood_distance", "argmax_flip", "ood_similarity",
+               "argmax_flip", "below_model_min_qbin", "below_robust_min_qbin", "below_threshold_psi"]
+    return np.select(conditions, choices, default="").astype(object)
+
+
+def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray) -> Estimate:
+    """Index-conditional SDM estimator p̂_lower with ⊥ (``eq:index-conditional-sdm-estimator``), vectorised over rows.
+
+    Inputs per row: logits z' [N, C] (ŷ = argmax z'), Similarity q [N] (≥ 0), Distance quantile d [N]
+    (validated only: d = 0 makes the SDM output uniform, which the flip rule catches), SDM output
+    [N, C].  The model is a :class:`Calibration` (W'', ψ, min valid q~ at α', robust min valid q~,
+    offsets, output eCDFs for v, sample-size arrays for n̂).
+
+    Returns an :class:`~sdm_mlx.results.Estimate`: ŷ, the SDM flip, n̂ [N, C] (−1 for a class without
+    calibration rows), DKW ε, admission and the rejection reason (order :data:`REJECTION_REASONS`), and
+    for each variant (centroid / lower / upper) v, processed q~ (0 when OOD), hard bin, OOD, o (before
+    the offset), offset m[ŷ][bin], p = clip(o_ŷ − offset, 0, 1) and validity (lower: ``admitted``).
+    """
+    W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays = _check_calibration(calibration)
+    C = W.shape[0]
     z = _matrix("z", z, c=C)
     n = z.shape[0]
     sdm = _matrix("sdm", sdm, n, C)
-    v = _matrix("v", v, n, C).astype(np.float64)
     q = _vector("q", q, n).astype(np.float64)
     d = _vector("d", d, n)
     if np.any(q < 0):
         raise ValueError("q must be ≥ 0")
     if np.any(d < 0):
         raise ValueError("d must be ≥ 0")
-    if np.any((v < 0) | (v > 1)):
-        raise ValueError("v must lie in [0, 1]")
-    psi = _vector("psi", psi).astype(np.float64)
-    if psi.shape[0] != C:
-        raise ValueError(f"psi must have {C} entries, got {psi.shape[0]}")
-    min_valid_own, robust_min = float(min_valid_own), float(robust_min)
-    if math.isnan(min_valid_own) or math.isnan(robust_min):
-        raise ValueError("min valid q~ thresholds must not be NaN (+inf means 'none')")
-    offsets = np.zeros((C, 0)) if offsets is None else np.asarray(offsets, dtype=np.float64)
-    if offsets.size and (offsets.ndim != 2 or offsets.shape[0] != C or not np.all(np.isfinite(offsets))):
-        raise ValueError(f"offsets must be a finite [C, B] array with C = {C}")
-    arrays = _check_lists("sample_size_arrays", sample_size_arrays, C)
+    v = v_vector(sdm, ecdfs).astype(np.float64)
 
     y_hat = z.argmax(axis=1).astype(np.int64)
     sdm_flip = ~unique_argmax_is(sdm, y_hat)
-    log_base = np.log(2.0 + q)
-    common = dict(W=W, log_base=log_base, y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
+    common = dict(W=W, log_base=np.log(2.0 + q), y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
                   min_valid_own=min_valid_own, robust_min=robust_min)
-
     cen = _variant(v_var=v, **common)
-    n_hat = effective_sample_size(cen["q"], arrays)
-    eps = dkw_epsilon(n_hat, alpha)
+    n_hat = effective_sample_size(cen[0].q_tilde, arrays)
+    eps = dkw_epsilon(n_hat, calibration.alpha)
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
     low = _variant(v_var=v_lower, **common)
     up = _variant(v_var=v_upper, **common)
-
-    conditions = [
-        np.full(n, math.isinf(min_valid_own) and min_valid_own > 0),
-        np.full(n, robust_min == math.inf),
-        sdm_flip & (d <= 0),
-        sdm_flip | (cen["floor_ok"] & cen["o_flip"]),
-        ~low["floor_ok"],
-        low["o_flip"],
-        low["q"] < min_valid_own,
-        low["q"] < robust_min,
-        ~low["singleton"],
-    ]
-    choices = ["no_valid_threshold", "no_robust_threshold", "ood_distance", "argmax_flip", "ood_similarity",
-               "argmax_flip",
-               "below_model_min_qbin", "below_robust_min_qbin", "below_threshold_psi"]
-    reason = np.select(conditions, choices, default="").astype(object)
-    admitted = low["valid"]
+    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low)
+    admitted = low[0].valid
     # the reasons are exhaustive for the conditions of `valid`
     assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"
-
-    out: dict[str, np.ndarray] = {
-        "prediction": y_hat,
-        "sdm_flip": sdm_flip,
-        "v": v,
-        "v_lower": v_lower,
-        "v_upper": v_upper,
-        "n_hat": n_hat,
-        "epsilon": eps,
-    }
-    for suffix, res in (("", cen), ("_lower", low), ("_upper", up)):
-        out["q_tilde" + suffix] = res["q"]
-        out["hard_bin" + suffix] = res["bin"]
-        out["ood" + suffix] = res["ood"]
-        out["o" + suffix] = res["o"]
-        out["offset" + suffix] = res["offset"]
-        out["valid" + suffix] = res["valid"]
-    out["p_centroid"] = cen["p"]
-    out["p_lower"] = low["p"]
-    out["p_upper"] = up["p"]
-    out["admitted"] = admitted
-    out["p_hat"] = np.where(admitted, low["p"], np.nan)
-    out["rejection_reason"] = reason
-    return out
+    return Estimate(prediction=y_hat, admitted=admitted, rejection_reason=reason, sdm_flip=sdm_flip, n_hat=n_hat,
+                    epsilon=eps, centroid=cen[0], lower=low[0], upper=up[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -786,19 +735,35 @@ def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha:
     return robust, cauchy_offsets([r.medians for r in rounds], alpha)
 
 
-def estimate_from_round(
-    best: RoundCalibration,
-    robust_min: float,
-    offsets: np.ndarray,
-    z: np.ndarray,
-    q: np.ndarray,
-    d: np.ndarray,
-    sdm: np.ndarray,
-    alpha: float | None = None,
-) -> dict[str, np.ndarray]:
-    """``estimate`` with the best round's eCDFs, W'', ψ, min valid q~ and sample-size arrays (``eq:index-conditional-sdm-estimator``)."""
-    if alpha is not None and float(alpha) != best.alpha:
-        best = best.with_alpha(alpha)
-    v = v_vector(sdm, best.output_ecdfs)
-    return estimate(z, q, d, sdm, v, best.W, best.psi, best.min_valid, robust_min, offsets,
-                    best.sample_size_arrays, best.alpha)
+@dataclass(frozen=True)
+class Calibration:
+    """The test-time model of ``eq:index-conditional-sdm-estimator`` at one α'.
+
+    The best round's output eCDFs, W'', ψ, min valid q~ and sample-size arrays (Alg. 3 at ``alpha``),
+    plus the Cauchy robust min valid q~ (``eq:cauchyMinValidQBin``) and offsets (``eq:cauchyIteratedLower``)
+    over all J rounds at the same α'.
+    """
+
+    alpha: float
+    W: np.ndarray  #: rescaler W'' [C, C]
+    psi: np.ndarray  #: Alg. 3 thresholds ψ [C]
+    min_valid: float  #: the model's own min valid q~ (+inf: none)
+    robust_min_valid: float  #: Cauchy robust min valid q~ (+inf: none)
+    offsets: np.ndarray | None  #: [C, B] (None: no offsets)
+    output_ecdfs: list  #: per class, sorted calibration sdm_c of true class c (for v)
+    sample_size_arrays: list  #: per class, sorted processed calibration q~ (for n̂)
+
+    @classmethod
+    def from_round(cls, best: RoundCalibration, robust_min_valid: float, offsets) -> "Calibration":
+        """The best round (at its α') with given robust min valid q~ and offsets."""
+        return cls(alpha=best.alpha, W=best.W, psi=best.psi, min_valid=best.min_valid,
+                   robust_min_valid=float(robust_min_valid), offsets=offsets, output_ecdfs=best.output_ecdfs,
+                   sample_size_arrays=best.sample_size_arrays)
+
+    @classmethod
+    def from_rounds(cls, rounds: Sequence[RoundCalibration], best_index: int, alpha: float) -> "Calibration":
+        """Alg. 3 re-run at ``alpha`` on the best round and Cauchy aggregation over all rounds (no retraining)."""
+        best = rounds[best_index]
+        best = best if best.alpha == alpha else best.with_alpha(alpha)
+        robust, offsets = aggregate_rounds(rounds, best_index, alpha)
+        return cls.from_round(best, robust, offsets)

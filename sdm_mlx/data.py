@@ -22,6 +22,7 @@ from importlib import resources
 import numpy as np
 
 from .errors import InputError
+from .validation import features, label_indices
 from .io import is_stream, iter_jsonl  # noqa: F401  (the one JSONL reader; re-exported for callers of sdm_mlx.data)
 
 FEATURE_CHOICES = ("auto", "embedding", "attributes", "embedding+attributes")
@@ -248,28 +249,11 @@ def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path)
 
 
 def check_labels(y: np.ndarray, num_classes: int, name: str) -> None:
-    """Labels must be integers in 0..C−1."""
-    y = np.asarray(y)
-    bad = (y < 0) | (y >= num_classes)
-    if bad.any():
-        raise ValueError(
-            f"{name}: labels must be in 0..{num_classes - 1}, found {sorted(set(y[bad].tolist()))[:5]}"
-        )
+    """Labels must be integers in 0..C−1 (:func:`sdm_mlx.validation.label_indices`)."""
+    label_indices(y, f"{name}: labels", num_classes)
 
 
-def check_features(X: np.ndarray, name: str, dim: int | None = None) -> np.ndarray:
-    """Features must be a finite 2-D float array (of width ``dim`` when given)."""
-    X = np.asarray(X, dtype=np.float32)
-    if X.ndim != 2:
-        raise ValueError(f"{name}: features must be 2-D [rows, dim], got shape {X.shape}")
-    if X.shape[0] == 0:
-        raise ValueError(f"{name}: no rows")
-    if dim is not None and X.shape[1] != dim:
-        raise ValueError(f"{name}: features have dimension {X.shape[1]}, the model expects {dim}")
-    if not np.isfinite(X).all():
-        rows = np.flatnonzero(~np.isfinite(X).all(axis=1))[:5].tolist()
-        raise ValueError(f"{name}: features contain NaN or Inf (rows {rows})")
-    return X
+check_features = features  # the one feature validator (sdm_mlx.validation.features)
 
 
 # --------------------------------------------------------------------------------------------

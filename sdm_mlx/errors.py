@@ -17,6 +17,10 @@ class InputError(SDMError):
     """An input file (or standard input) that cannot be read or does not validate."""
 
 
+class InputTypeError(InputError, TypeError):
+    """Input of a type that cannot be used at all (e.g. features that are not numbers); also a ``TypeError``."""
+
+
 class OutputError(SDMError):
     """An output path that must not or cannot be written (an input, a foreign directory, no permission...)."""
 
@@ -27,3 +31,11 @@ class ArtifactError(SDMError):
 
 class InputNotFoundError(InputError, FileNotFoundError):
     """An input path that does not exist (also a ``FileNotFoundError`` for callers that catch that)."""
+
+
+class NotFittedError(SDMError, AttributeError):
+    """An estimator used before ``fit`` / ``load`` (also an ``AttributeError``, as scikit-learn's is)."""
+
+
+class DataConversionWarning(UserWarning):
+    """Input that was converted to the expected form (e.g. a column-vector y flattened to 1-D)."""

@@ -1,45 +1,52 @@
 """``SDMEstimator``: the paper's complete SDM estimator behind a scikit-learn style API.
 
     est = SDMEstimator(alpha=0.95, iterations=10, epochs=50).fit(X_train, y_train, X_cal, y_cal)
-    pred = est.predict(X_test)            # arrays: pred.prediction, pred.p_lower, pred.admitted, ...
-    rows = pred.to_dicts()                 # one JSON-ready dict per row
+    est.predict(X_test)                    # class labels (scikit-learn), in the labels fit was given
+    est.predict_proba(X_test)              # the SDM output [N, C] (rows sum to 1)
+    res = est.estimate(X_test)             # full per-row results: res.p_lower, res.admitted, res.estimate.lower...
+    rows = res.to_dicts()                  # one JSON-ready dict per row
+    est.estimate(X_test, alpha=0.9)        # re-thresholded at another α' (Alg. 3), est unchanged
     est.save("model_dir"); est = SDMEstimator.load("model_dir")
-    est.recalibrate(alpha=0.9)             # new α without retraining the adaptor
+    est.recalibrate(alpha=0.9)             # store a new α' in the model, without retraining the adaptor
 
 ``fit`` runs Alg. 1 for J rounds over stratified re-splits of the pooled
 train+calibration rows (:mod:`sdm_mlx.train`), calibrates every round
 (rescaler W'' by Alg. 2, Alg. 3 min valid q~ and ψ, per-bin medians:
 :mod:`sdm_mlx.calibration`), keeps the round with the highest balanced median
 calibration q, and aggregates the Cauchy robust min valid q~ and offsets over
-all J rounds.  ``predict`` gives, per row, the index-conditional estimate
+all J rounds.  ``estimate`` gives, per row, the index-conditional estimate
 p̂_lower or ⊥ (``admitted = False``) with the reason, plus every quantity the
 paper reports and the nearest training exemplars.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 from mlx.utils import tree_flatten
 
 from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
-from .calibration import (
-    RoundCalibration, aggregate_rounds, calibrate_round, check_alpha, estimate_from_round, exact_one_minus,
-)
-from .data import check_features, check_labels, id_key
-from .errors import InputError
+from . import validation
+from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
+from .defaults import ESTIMATOR_DEFAULTS as D
+from .defaults import PAPER_SETTINGS
+from .diagnosis import admission_diagnosis, diagnosis_message
+from .errors import InputError, NotFittedError
+from .data import id_key
 from .feedback import LOG_FILE as FEEDBACK_LOG
-from .feedback import FeedbackState, check_labels_int, dump_log, log_entries, new_ids, parse_log
+from .feedback import FeedbackState, dump_log, label_indices_for, log_entries, new_ids, parse_log
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
 from .io import put_float
 from .progress import log
+from .results import Predictions
 from .train import TrainConfig, sdm_numpy, train_rounds
 
 #: why a stored robust min valid q~ is null (+inf): every prediction is rejected
@@ -51,131 +58,52 @@ ARTIFACT_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------
-# per-row results
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Predictions:
-    """Per-row results of :meth:`SDMEstimator.predict` as arrays (N rows); ``to_dicts()`` for JSON rows."""
-
-    ids: list
-    prediction: np.ndarray  #: ŷ = argmax z'
-    logits: np.ndarray  #: z' [N, C]
-    q: np.ndarray  #: Similarity
-    d0: np.ndarray  #: squared L2 distance to the nearest training exemplar
-    d: np.ndarray  #: Distance quantile
-    sdm: np.ndarray  #: SDM activation output [N, C]
-    q_tilde: np.ndarray  #: soft q bin q~ (centroid; 0 when OOD)
-    hard_bin: np.ndarray
-    q_tilde_lower: np.ndarray
-    hard_bin_lower: np.ndarray
-    q_tilde_upper: np.ndarray
-    hard_bin_upper: np.ndarray
-    p_lower: np.ndarray
-    p_centroid: np.ndarray
-    p_upper: np.ndarray
-    n_hat: np.ndarray  #: effective sample size per class [N, C]
-    offset: np.ndarray  #: Cauchy offset subtracted from p_lower (m[ŷ][hard bin lower])
-    admitted: np.ndarray  #: False = ⊥ (rejected)
-    rejection_reason: np.ndarray  #: "" when admitted
-    exemplar_index: np.ndarray  #: [N, n] support indices (−1 padding)
-    exemplar_distance: np.ndarray  #: [N, n] squared L2
-    support_ids: list = field(repr=False, default_factory=list)
-    support_labels: np.ndarray | None = field(repr=False, default=None)
-    support_predictions: np.ndarray | None = field(repr=False, default=None)
-    class_names: list | None = None
-    admitted_centroid: np.ndarray | None = None  #: p_centroid estimator's admission (calibration ``valid``)
-    admitted_upper: np.ndarray | None = None  #: p_upper estimator's admission (calibration ``valid_upper``)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def exemplars(self, row: int) -> list[dict]:
-        """Nearest training exemplars of one row: id, label, predicted label, squared distance."""
-        out = []
-        for j, dist in zip(self.exemplar_index[row], self.exemplar_distance[row]):
-            if j < 0:
-                continue
-            out.append(
-                {
-                    "id": self.support_ids[j],
-                    "label": int(self.support_labels[j]),
-                    "predicted_label": int(self.support_predictions[j]),
-                    "squared_distance": float(dist),
-                }
-            )
-        return out
-
-    def to_dicts(self) -> list[dict]:
-        """One JSON-serialisable dict per row (ids preserved, input order)."""
-        rows = []
-        for i in range(len(self)):
-            rows.append(
-                {
-                    "id": self.ids[i],
-                    "prediction": int(self.prediction[i]),
-                    "admitted": bool(self.admitted[i]),
-                    "rejection_reason": self.rejection_reason[i] or None,
-                    "p_lower": float(self.p_lower[i]),
-                    "p_centroid": float(self.p_centroid[i]),
-                    "p_upper": float(self.p_upper[i]),
-                    "q": int(self.q[i]),
-                    "d0": float(self.d0[i]),
-                    "d": float(self.d[i]),
-                    "logits": self.logits[i].tolist(),
-                    "sdm": self.sdm[i].tolist(),
-                    "q_tilde": float(self.q_tilde[i]),
-                    "hard_bin": int(self.hard_bin[i]),
-                    "q_tilde_lower": float(self.q_tilde_lower[i]),
-                    "hard_bin_lower": int(self.hard_bin_lower[i]),
-                    "q_tilde_upper": float(self.q_tilde_upper[i]),
-                    "hard_bin_upper": int(self.hard_bin_upper[i]),
-                    "n_hat": [int(x) for x in self.n_hat[i]],
-                    "offset": float(self.offset[i]),
-                    "exemplars": self.exemplars(i),
-                }
-            )
-            if self.class_names:
-                rows[-1]["prediction_name"] = self.class_names[int(self.prediction[i])]
-        return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # the estimator
 # ---------------------------------------------------------------------------------------------
 class SDMEstimator:
     """The SDM estimator of the paper (adaptor → q, d → SDM → W'' → DKW → Alg. 3 → Cauchy → p̂_lower / ⊥).
 
-    Parameters (paper defaults): ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
-    ``epochs`` per round; ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
+    A scikit-learn classifier: ``fit(X, y)``, ``predict`` (labels), ``predict_proba`` (SDM output),
+    ``score`` (accuracy), ``get_params`` / ``set_params`` / ``sklearn.base.clone``; ``estimate`` gives the
+    full per-row results.  Parameters are stored as given and validated in ``fit``.
+
+    Defaults: :data:`sdm_mlx.defaults.ESTIMATOR_DEFAULTS` (evidence in ``docs/defaults.md``);
+    ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
+    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
+    ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
+    end a round after this many epochs without a better balanced median calibration q (None: run
+    every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
     ``k`` neighbours scanned for q (None: largest class count of the training split);
     ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
     ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
     (Alg. 2: ``rescaler_max_epochs``, ``rescaler_patience``, ``rescaler_learning_rate``,
     ``rescaler_engine`` "numpy" (default: the sequential batch-1 Adam loop on the host, ~10x faster than
-    per-row MLX dispatch) or "mlx" (compiled MLX step; the same math, tested to agree)); ``n_exemplars`` nearest training exemplars
-    returned per prediction; ``seed``; ``verbose`` progress on stderr; ``class_names``.
+    per-row MLX dispatch) or "mlx" (compiled MLX step; the same math, tested to agree)); ``n_exemplars``
+    nearest training exemplars returned per row by ``estimate``; ``seed``; ``verbose`` progress on stderr
+    (off by default; the CLI turns it on); ``class_names`` display names, one per class of ``classes_``.
     """
 
     def __init__(
         self,
-        alpha: float = 0.95,
-        iterations: int = 10,
-        epochs: int = 50,
-        exemplar_dim: int = 1000,
-        batch_size: int = 50,
-        learning_rate: float = 1e-5,
-        k: int | None = None,
-        normalize: bool = True,
-        stratified: bool = True,
-        index_backend: str = "exact",
-        rescaler_max_epochs: int = 1000,
-        rescaler_patience: int = 10,
-        rescaler_learning_rate: float = 1e-4,
-        rescaler_engine: str = "numpy",
-        n_exemplars: int = 5,
-        seed: int = 0,
-        verbose: bool = True,
+        alpha: float = D["alpha"],
+        iterations: int = D["iterations"],
+        epochs: int = D["epochs"],
+        exemplar_dim: int = D["exemplar_dim"],
+        batch_size: int = D["batch_size"],
+        learning_rate: float = D["learning_rate"],
+        k: int | None = D["k"],
+        normalize: bool = D["normalize"],
+        stratified: bool = D["stratified"],
+        index_backend: str = D["index_backend"],
+        rescaler_max_epochs: int = D["rescaler_max_epochs"],
+        rescaler_patience: int = D["rescaler_patience"],
+        rescaler_learning_rate: float = D["rescaler_learning_rate"],
+        rescaler_engine: str = D["rescaler_engine"],
+        n_exemplars: int = D["n_exemplars"],
+        seed: int = D["seed"],
+        verbose: bool = False,
         class_names: list | None = None,
+        patience: int | None = D["patience"],
     ):
         self.alpha = alpha
         self.iterations = iterations
@@ -195,23 +123,51 @@ class SDMEstimator:
         self.seed = seed
         self.verbose = verbose
         self.class_names = class_names
-        self._index = None
+        self.patience = patience
 
-    # -- parameters -------------------------------------------------------------------------
-    _PARAMS = (
-        "alpha", "iterations", "epochs", "exemplar_dim", "batch_size", "learning_rate", "k", "normalize",
-        "stratified", "index_backend", "rescaler_max_epochs", "rescaler_patience", "rescaler_learning_rate",
-        "rescaler_engine", "n_exemplars", "seed", "verbose", "class_names",
-    )
+    @classmethod
+    def paper(cls, **overrides) -> "SDMEstimator":
+        """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.defaults.PAPER_SETTINGS`)."""
+        return cls(**{**PAPER_SETTINGS, **overrides})
 
-    def get_params(self) -> dict:
-        return {name: getattr(self, name) for name in self._PARAMS}
+    # -- parameters (scikit-learn protocol) ------------------------------------------------------
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        """The ``__init__`` parameters, in signature order (what get_params / clone / save use)."""
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    def get_params(self, deep: bool = True) -> dict:
+        """``{parameter: value}`` as given to ``__init__`` / ``set_params`` (no nested estimators: ``deep`` is moot)."""
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params) -> "SDMEstimator":
+        """Set parameters by name (validated at the next ``fit``); returns self."""
+        valid = self._get_param_names()
+        for name, value in params.items():
+            if name not in valid:
+                raise InputError(f"invalid parameter {name!r} for SDMEstimator; valid parameters: {valid}")
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        defaults = type(self)().get_params()
+        changed = [f"{k}={v!r}" for k, v in self.get_params().items() if not _same(v, defaults[k])]
+        return f"SDMEstimator({', '.join(changed)})"
+
+    def __sklearn_tags__(self):
+        """scikit-learn ≥ 1.6 tags: a classifier (only called by scikit-learn, which is then installed)."""
+        from sklearn.utils import ClassifierTags, Tags, TargetTags
+
+        return Tags(estimator_type="classifier", target_tags=TargetTags(required=True),
+                    classifier_tags=ClassifierTags(poor_score=True))
+
+    _estimator_type = "classifier"
 
     def _train_config(self) -> TrainConfig:
         return TrainConfig(
             epochs=self.epochs, batch_size=self.batch_size, learning_rate=self.learning_rate,
             exemplar_dim=self.exemplar_dim, k=self.k, normalize=self.normalize, iterations=self.iterations,
-            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend,
+            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend, patience=self.patience,
         )
 
     @property
@@ -220,62 +176,111 @@ class SDMEstimator:
 
     def _check_fitted(self) -> None:
         if not self.is_fitted:
-            raise RuntimeError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
+            raise NotFittedError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
-    def fit(self, X_train, y_train, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None):
-        """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
-
-        The training and calibration rows are pooled and re-split in half per class for each of
-        the J rounds (DESIGN #9), as in the paper.
-        """
-        X = check_features(X_train, "training features")
-        y = np.asarray(y_train).reshape(-1)
-        if y.shape[0] != X.shape[0]:
-            raise ValueError(f"training labels: {y.shape[0]} labels for {X.shape[0]} rows")
+    def _pooled_data(self, X, y, X_cal, y_cal, ids_train, ids_cal, num_classes):
+        """(X, classes_, y as indices, ids) of train (+ calibration) rows, validated once."""
+        X = validation.features(X, "training features")
+        if y is None:
+            raise InputError("SDMEstimator requires y to be passed, but the target y is None")
+        ys = [np.asarray(y)]
+        if ys[0].shape[:1] != (X.shape[0],):
+            raise InputError(f"training labels: shape {ys[0].shape} for {X.shape[0]} rows (one label per row)")
         ids = list(ids_train) if ids_train is not None else [f"train-{i}" for i in range(X.shape[0])]
         if X_cal is not None:
-            Xc = check_features(X_cal, "calibration features", dim=X.shape[1])
-            yc = np.asarray(y_cal).reshape(-1)
-            if yc.shape[0] != Xc.shape[0]:
-                raise ValueError(f"calibration labels: {yc.shape[0]} labels for {Xc.shape[0]} rows")
+            if y_cal is None:
+                raise InputError("calibration features given without calibration labels (y_cal)")
+            Xc = validation.features(X_cal, "calibration features", dim=X.shape[1])
+            yc = np.asarray(y_cal)
+            if yc.shape[:1] != (Xc.shape[0],):
+                raise InputError(f"calibration labels: shape {yc.shape} for {Xc.shape[0]} rows (one label per row)")
             X = np.concatenate([X, Xc])
-            y = np.concatenate([y, yc])
+            ys.append(yc)
             ids += list(ids_cal) if ids_cal is not None else [f"cal-{i}" for i in range(Xc.shape[0])]
         if len(ids) != X.shape[0]:
-            raise ValueError(f"got {len(ids)} ids for {X.shape[0]} rows")
-        if not np.issubdtype(y.dtype, np.integer):
-            if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
-                y = y.astype(np.int64)
-            else:
-                raise ValueError("labels must be integer class indices 0..C-1")
-        y = y.astype(np.int64)
-        C = int(num_classes) if num_classes is not None else int(y.max()) + 1
+            raise InputError(f"got {len(ids)} ids for {X.shape[0]} rows")
+        ys = [validation.one_d(a, name) for a, name in zip(ys, ("training labels", "calibration labels"))]
+        labels = np.concatenate(ys) if len(ys) > 1 else ys[0]
+        classes, y_idx = validation.encode_labels(labels, "labels", num_classes)
+        return X, classes, y_idx, ids
+
+    def _check_classes(self, y: np.ndarray, C: int) -> float:
+        """Per-class row counts, class names and α' for C classes; returns the validated α'."""
         if C < 2:
-            raise ValueError("need at least two classes (a single-class problem cannot be calibrated)")
-        check_labels(y, C, "labels")
+            raise InputError("need at least two classes (a single-class problem cannot be calibrated); "
+                             f"the labels hold {C} class")
         counts = np.bincount(y, minlength=C)
         thin = np.flatnonzero(counts < 4).tolist()
         if thin:
-            raise ValueError(
+            raise InputError(
                 f"class(es) {thin} have fewer than 4 rows in the pooled data (counts {counts.tolist()}); every "
                 "class needs rows in both the training and the calibration half"
             )
-        alpha = check_alpha(self.alpha, C)
+        alpha = validation.alpha(self.alpha, C)
         min_cal = math.ceil(1 / exact_one_minus(alpha))  # smallest n with a quantile index ≥ 1 (exact)
         if (counts // 2 < min_cal).any():
             warnings.warn(
                 f"calibration halves will hold fewer than 1/(1-α) = {min_cal} rows of some class "
                 f"(class counts {counts.tolist()}): Alg. 3 then uses the class minimum as the α quantile and "
                 "most predictions will be rejected",
-                stacklevel=2,
+                stacklevel=3,
             )
         if self.class_names is not None and len(self.class_names) != C:
-            raise ValueError(f"class_names has {len(self.class_names)} names for {C} classes")
+            raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
+        return alpha
+
+    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None, checkpoint=None):
+        """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
+
+        The training and calibration rows are pooled and re-split in half per class for each of
+        the J rounds (DESIGN #9), as in the paper.  Labels: any sortable hashable values
+        (``classes_`` = the sorted distinct labels), or, with ``num_classes``, class indices 0..C−1.
+        ``checkpoint``: a directory where the finished rounds are saved after each round
+        (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same settings and data continues from it
+        (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
+        checkpoint is left in place: remove it with :func:`sdm_mlx.checkpoint.remove_checkpoint` once
+        the model is saved.
+        """
+        X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train, ids_cal, num_classes)
+        C = len(classes)
+        alpha = self._check_classes(y, C)
         config = self._train_config()
         config.validate()
 
+        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint)
+        self.classes_ = classes
+        self.n_features_in_ = X.shape[1]
+        self._store_fit(X, y, ids, C, best, best_j, rounds, summaries)
+        self._apply_alpha(alpha)
+        if self.verbose:
+            log(
+                f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
+                f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}"
+            )
+        return self
+
+    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint):
+        """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
+        from .checkpoint import check_checkpoint_path, fingerprint, load_checkpoint, save_checkpoint
+
         rounds: list[RoundCalibration] = []
+        progress, on_progress = None, None
+        self.resumed_rounds_ = 0
+        if checkpoint is not None:
+            check_checkpoint_path(checkpoint)
+            fp = fingerprint({**self.get_params(), "alpha": alpha}, X, y, ids, C)
+            loaded, why = load_checkpoint(checkpoint, fp)
+            if loaded is not None:
+                progress, rounds = loaded
+                self.resumed_rounds_ = progress.next_round
+                log(f"resuming from {checkpoint}: {progress.next_round} of {config.iterations} rounds already done",
+                    True)
+            elif why:
+                log(f"not resuming from {checkpoint}: {why}; starting over", True)
+
+            def on_progress(p):
+                save_checkpoint(checkpoint, fp, p, rounds)
 
         def on_round(j, result):
             cal = calibrate_round(
@@ -290,7 +295,14 @@ class SDMEstimator:
                 extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
                 log(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi {np.round(cal.psi, 3).tolist()}{extra}")
 
-        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose)
+        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose,
+                                               progress=progress, on_progress=on_progress)
+        for summary, cal in zip(summaries, rounds):
+            summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
+        return best, best_j, summaries, rounds
+
+    def _store_fit(self, X, y, ids, C, best, best_j, rounds, summaries) -> None:
+        """The fitted state of the best round (support set, adaptor, eCDFs) and of all rounds."""
         self.num_classes_ = C
         self.input_dim_ = X.shape[1]
         self.k_ = best.k
@@ -300,7 +312,6 @@ class SDMEstimator:
         self.history_ = best.history
         self.model_ = best.model
         self.exemplar_basis_ = best.basis  # the basis the support coordinates were computed in
-        self.__dict__.pop("_forward_map", None)
         self.support_vectors_ = best.train.h
         self.support_labels_ = y[best.train_idx]
         self.support_predictions_ = best.train.y_hat
@@ -310,28 +321,47 @@ class SDMEstimator:
         self.calibration_labels_ = y[best.cal_idx]
         self.calibration_distance_ecdfs_ = best.calibration_distance_ecdfs
         self.training_distance_ecdfs_ = best.train_distance_ecdfs
-        self._index = None
-        self._apply_alpha(alpha)
-        if self.verbose:
-            log(
-                f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
-                f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}"
-            )
-        return self
+        self._prepare_predict()
 
-    def _apply_alpha(self, alpha: float) -> None:
-        alpha = check_alpha(alpha, self.num_classes_)
-        self.alpha = alpha
-        best = self.rounds_[self.best_round_]
-        self.calibration_ = best if best.alpha == alpha else best.with_alpha(alpha)
+    def _prepare_predict(self) -> None:
+        """The support index and the batch-invariant forward map, built once per fit / load (so that
+        prediction never changes the estimator's state)."""
+        self._index = make_index(self.support_vectors_, self.index_backend)
+        self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
+
+    def calibration_at(self, alpha: float) -> Calibration:
+        """The test-time calibration re-thresholded at α' (Alg. 3 + Cauchy over the stored rounds); est unchanged."""
+        self._check_fitted()
+        alpha = validation.alpha(alpha, self.num_classes_)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.robust_min_valid_, self.offsets_ = aggregate_rounds(self.rounds_, self.best_round_, alpha)
+            cal = Calibration.from_rounds(self.rounds_, self.best_round_, alpha)
         for w in caught:
             warnings.warn(w.message, stacklevel=3)
+        return cal
+
+    def _apply_alpha(self, alpha: float) -> None:
+        """Store the calibration at α' and the admission diagnosis (a warning when nothing can be admitted)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cal = self.calibration_at(alpha)
+        self.alpha = cal.alpha
+        self.calibration_ = cal
+        self.robust_min_valid_, self.offsets_ = cal.robust_min_valid, cal.offsets
+        summaries = getattr(self, "round_summaries_", None) or []
+        best_summary = summaries[self.best_round_] if len(summaries) > self.best_round_ else {}
+        self.admission_ = admission_diagnosis(self.rounds_, self.best_round_, cal.alpha, self.robust_min_valid_,
+                                              self.class_names, best_summary.get("projection_movement"))
+        for w in caught:  # the Cauchy warning is part of the diagnosis below
+            if not (issubclass(w.category, RuntimeWarning) and "Cauchy" in str(w.message)):
+                warnings.warn(w.message, w.category, stacklevel=3)
+        if not self.admission_["can_admit"]:
+            warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
 
     def recalibrate(self, alpha: float):
-        """Re-threshold at a new α' (Alg. 3 + Cauchy over the stored rounds) without retraining; returns self."""
+        """Store a new α' in this model (Alg. 3 + Cauchy over the stored rounds, no retraining); returns self.
+
+        To estimate at another α' without changing the model, use ``estimate(X, alpha=...)``."""
         self._check_fitted()
         self._apply_alpha(alpha)
         return self
@@ -339,8 +369,8 @@ class SDMEstimator:
     # -- predict -----------------------------------------------------------------------------
     @property
     def index_(self):
-        if self._index is None:
-            self._index = make_index(self.support_vectors_, self.index_backend)
+        """The support index (exact or HNSW) over the support set's exemplar coordinates."""
+        self._check_fitted()
         return self._index
 
     def _good(self) -> np.ndarray:
@@ -348,48 +378,68 @@ class SDMEstimator:
 
     def _forward(self, X):
         """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.adaptor.InvariantForward`)."""
-        X = check_features(X, "features", dim=self.input_dim_)
-        forward = self.__dict__.get("_forward_map")
-        if forward is None:
-            forward = self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
-        return forward(X)
+        self._check_fitted()
+        X = validation.features(X, "features", dim=self.input_dim_, model=type(self).__name__)
+        return self._forward_map(X)
+
+    def logits(self, X) -> np.ndarray:
+        """The adaptor's logits z' [N, C] (float32) for rows of X (what the baselines are fit on)."""
+        return self._forward(X)[0]
 
     def similarity_distance(self, X, distance_ecdfs: str = "calibration"):
         """(q, d, ŷ) per row: support search without self-exclusion; d from the chosen distance eCDFs."""
-        self._check_fitted()
         if distance_ecdfs not in ("calibration", "training"):
-            raise ValueError("distance_ecdfs must be 'calibration' or 'training'")
+            raise InputError("distance_ecdfs must be 'calibration' or 'training'")
         z, h = self._forward(X)
         y_hat = z.argmax(axis=1)
         q, d0 = self.index_.similarity(h, y_hat, self._good(), self.k_)
         ecdfs = self.calibration_distance_ecdfs_ if distance_ecdfs == "calibration" else self.training_distance_ecdfs_
         return q, distance_quantile(d0, ecdfs), y_hat
 
-    def predict(self, X, ids=None, n_exemplars: int | None = None) -> Predictions:
-        """Index-conditional estimates for rows of X (``eq:index-conditional-sdm-estimator``)."""
-        self._check_fitted()
+    def _scores(self, X, n_exemplars: int):
+        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row."""
         z, h = self._forward(X)
+        y_hat = z.argmax(axis=1)
+        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars)
+        d = distance_quantile(d0, self.calibration_distance_ecdfs_)
+        return z, q, d0, d, sdm_numpy(z, q, d), ex_d, ex_i
+
+    def predict(self, X) -> np.ndarray:
+        """Class labels ŷ = argmax z' [N], in the label space ``fit`` was given (``classes_``)."""
+        self._check_fitted()
+        return self.classes_[self.logits(X).argmax(axis=1)]
+
+    def predict_proba(self, X) -> np.ndarray:
+        """The SDM activation output sdm(z', q, d) [N, C] (rows sum to 1), columns in ``classes_`` order."""
+        return self._scores(X, 0)[4]
+
+    def score(self, X, y, sample_weight=None) -> float:
+        """Mean accuracy of ``predict(X)`` against ``y`` (scikit-learn's ClassifierMixin.score)."""
+        y = np.asarray(y).reshape(-1)
+        correct = (self.predict(X) == y).astype(np.float64)
+        if correct.shape[0] != y.shape[0]:
+            raise InputError(f"score: {y.shape[0]} labels for {correct.shape[0]} rows")
+        return float(np.average(correct, weights=sample_weight))
+
+    def estimate(self, X, ids=None, n_exemplars: int | None = None, alpha: float | None = None) -> Predictions:
+        """Full per-row results: index-conditional estimates (``eq:index-conditional-sdm-estimator``) and exemplars.
+
+        ``alpha``: re-threshold at another α' (Alg. 3 + Cauchy over the stored rounds) for this call only;
+        None uses the fitted α'.  The estimator is not modified.
+        """
+        self._check_fitted()
+        n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
+        z, q, d0, d, s, ex_d, ex_i = self._scores(X, n_ex)
         n = z.shape[0]
         ids = list(ids) if ids is not None else list(range(n))
         if len(ids) != n:
-            raise ValueError(f"got {len(ids)} ids for {n} rows")
-        y_hat = z.argmax(axis=1)
-        n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
-        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_ex)
-        d = distance_quantile(d0, self.calibration_distance_ecdfs_)
-        s = sdm_numpy(z, q, d)
-        est = estimate_from_round(self.calibration_, self.robust_min_valid_, self.offsets_, z, q, d, s)
+            raise InputError(f"got {len(ids)} ids for {n} rows")
+        cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
         return Predictions(
-            ids=ids, prediction=y_hat, logits=z, q=q, d0=d0, d=d, sdm=s,
-            q_tilde=est["q_tilde"], hard_bin=est["hard_bin"],
-            q_tilde_lower=est["q_tilde_lower"], hard_bin_lower=est["hard_bin_lower"],
-            q_tilde_upper=est["q_tilde_upper"], hard_bin_upper=est["hard_bin_upper"],
-            p_lower=est["p_lower"], p_centroid=est["p_centroid"], p_upper=est["p_upper"],
-            n_hat=est["n_hat"], offset=est["offset_lower"], admitted=est["admitted"],
-            rejection_reason=est["rejection_reason"], exemplar_index=ex_i, exemplar_distance=ex_d,
-            support_ids=self.support_ids_, support_labels=self.support_labels_,
-            support_predictions=self.support_predictions_, class_names=self.class_names,
-            admitted_centroid=est["valid"], admitted_upper=est["valid_upper"],
+            ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate(cal, z, q, d, s),
+            exemplar_index=ex_i, exemplar_distance=ex_d, support_ids=self.support_ids_,
+            support_labels=self.support_labels_, support_predictions=self.support_predictions_,
+            class_names=self.class_names,
         )
 
     # -- feedback: support-set updates (sdm_mlx.feedback) -------------------------------------
@@ -428,8 +478,8 @@ class SDMEstimator:
         calibration ids of this model; ``source`` names who sent the rows (api, cli, server, mcp...).
         """
         state = self.feedback_state_
-        X = check_features(X, "added support rows", dim=self.input_dim_)
-        y = check_labels_int(y, X.shape[0], self.num_classes_, "added support labels")
+        X = validation.features(X, "added support rows", dim=self.input_dim_, model=type(self).__name__)
+        y = label_indices_for(y, X.shape[0], self.classes_, "added support labels")
         if not isinstance(source, str) or not source.strip():
             raise InputError("source must be a non-empty string")
         taken = self._taken_ids()
@@ -530,6 +580,7 @@ class SDMEstimator:
             "support_ids": self.support_ids_,
             "calibration_ids": self.calibration_ids_,
             "feature_field": getattr(self, "feature_field_", None),
+            "classes": self.classes_.tolist(),
         }
         state = self.feedback_state_
         texts = {}
@@ -576,6 +627,8 @@ class SDMEstimator:
             est.calibration_distance_ecdfs_ = unpack_ragged("calibration", groups["distance_ecdfs"], C)
             est.training_distance_ecdfs_ = unpack_ragged("training", groups["distance_ecdfs"], C)
             est.rounds_ = [RoundCalibration.from_arrays(groups[f"round_{j}"], rm) for j, rm in enumerate(meta["rounds"])]
+            est.classes_ = np.asarray(meta["classes"]) if "classes" in meta else np.arange(C)  # absent: indices
+            est.n_features_in_ = est.input_dim_
         except (KeyError, ValueError, TypeError, IndexError) as e:
             if isinstance(e, ArtifactError):
                 raise
@@ -592,7 +645,7 @@ class SDMEstimator:
                 f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
         log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
         est._feedback = FeedbackState(est.support_ids_, n_train, log)
-        est._index = None
+        est._prepare_predict()
         est._apply_alpha(est.alpha)
         return est
 
@@ -607,3 +660,11 @@ def _json_default(o):
     if hasattr(o, "__dataclass_fields__"):
         return asdict(o)
     raise TypeError(f"cannot serialise {type(o).__name__}")
+
+
+def _same(a, b) -> bool:
+    """Equal parameter values for ``__repr__`` (arrays and lists compared by value)."""
+    try:
+        return bool(np.all(a == b)) and type(a) is type(b)
+    except Exception:
+        return False

@@ -70,15 +70,17 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from .baselines import BASELINES, make_baseline
-from .calibration import check_alpha, estimate_from_round
+from .calibration import check_alpha, estimate
 from .data import Dataset
 from .metrics import format_results_table, index_conditional_report, label_error_rows
 from .progress import log
+from .validation import label_indices
 
 __all__ = [
     "SDM_ESTIMATORS",
@@ -154,10 +156,7 @@ def _jsonable(o):
 def _check_dataset(name: str, ds: Dataset, num_classes: int, input_dim: int) -> None:
     if ds.y is None:
         raise ValueError(f"evaluation set {name!r} has no labels (every row needs a 'label' to be evaluated)")
-    y = np.asarray(ds.y)
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        bad = sorted(set(y[(y < 0) | (y >= num_classes)].tolist()))[:5]
-        raise ValueError(f"evaluation set {name!r}: labels must be in 0..{num_classes - 1} for this model, found {bad}")
+    label_indices(ds.y, f"evaluation set {name!r}: labels", num_classes)
     if ds.X.ndim != 2 or ds.X.shape[1] != input_dim:
         raise ValueError(
             f"evaluation set {name!r}: features have dimension {ds.X.shape[-1]}, the model expects {input_dim} "
@@ -180,43 +179,46 @@ def _alphas(alphas, estimator_alpha: float, num_classes: int) -> list[float]:
 
 
 def sdm_admissions(pred) -> dict[str, np.ndarray]:
-    """The three SDM estimators' admission decisions from :class:`~sdm_mlx.estimator.Predictions`."""
-    for name in ("admitted_centroid", "admitted_upper"):
-        if getattr(pred, name, None) is None:
-            raise ValueError(f"Predictions.{name} is missing: predictions must come from SDMEstimator.predict")
-    return {
-        "sdm_p_lower": np.asarray(pred.admitted, dtype=bool),
-        "sdm_p_centroid": np.asarray(pred.admitted_centroid, dtype=bool),
-        "sdm_p_upper": np.asarray(pred.admitted_upper, dtype=bool),
-    }
+    """The three SDM estimators' admission decisions from :class:`~sdm_mlx.results.Predictions`."""
+    est = getattr(pred, "estimate", None)
+    if est is None:
+        raise ValueError(f"{type(pred).__name__} has no estimate: predictions must come from SDMEstimator.estimate")
+    return {"sdm_p_lower": np.asarray(est.lower.valid, dtype=bool),
+            "sdm_p_centroid": np.asarray(est.centroid.valid, dtype=bool),
+            "sdm_p_upper": np.asarray(est.upper.valid, dtype=bool)}
 
 
-def _sdm_admissions_at(estimator, pred) -> dict[str, np.ndarray]:
-    """SDM admissions at the estimator's current α' from cached z', q, d and SDM output of ``pred``."""
-    out = estimate_from_round(estimator.calibration_, estimator.robust_min_valid_, estimator.offsets_,
-                              pred.logits, pred.q, pred.d, pred.sdm)
-    return {"sdm_p_lower": out["admitted"], "sdm_p_centroid": out["valid"], "sdm_p_upper": out["valid_upper"]}
-
-
-def _recalibrate_quietly(estimator, alpha: float, notes: list) -> None:
-    """``estimator.recalibrate(alpha)`` with its warnings collected into ``notes`` (and no stderr noise)."""
-    verbose = estimator.verbose
-    estimator.verbose = False
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            estimator.recalibrate(alpha)
-    finally:
-        estimator.verbose = verbose
+def _calibration_quietly(estimator, alpha: float, notes: list):
+    """``estimator.calibration_at(alpha)`` with its warnings collected into ``notes`` (no stderr noise)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal = estimator.calibration_at(alpha)
     for w in caught:
         msg = f"alpha {alpha:g}: {w.message}"
         if msg not in notes:
             notes.append(msg)
+    return cal
+
+
+def sdm_sweep(estimator, predictions: Mapping[str, Any], alphas: Sequence[float],
+              notes: list) -> dict[float, dict[str, dict[str, np.ndarray]]]:
+    """Step 2: ``{α': {set: SDM admissions}}``, re-thresholded (Alg. 3 + Cauchy) from the cached z', q, d and
+    SDM output of each set's predictions; the estimator is not modified.  Predictions made at the
+    estimator's α' are used as they are."""
+    out = {}
+    for a in alphas:
+        if a == float(estimator.alpha):
+            out[a] = {n: sdm_admissions(p) for n, p in predictions.items()}
+            continue
+        cal = _calibration_quietly(estimator, a, notes)
+        out[a] = {n: sdm_admissions(SimpleNamespace(estimate=estimate(cal, p.logits, p.q, p.d, p.sdm)))
+                  for n, p in predictions.items()}
+    return out
 
 
 def predict_datasets(estimator, datasets: Mapping[str, Dataset], n_exemplars: int = 0) -> dict:
-    """``{name: estimator.predict(ds.X, ds.ids)}`` (no exemplars by default: evaluation does not need them)."""
-    return {name: estimator.predict(ds.X, ds.ids, n_exemplars=n_exemplars) for name, ds in datasets.items()}
+    """``{name: estimator.estimate(ds.X, ds.ids)}`` (no exemplars by default: evaluation does not need them)."""
+    return {name: estimator.estimate(ds.X, ds.ids, n_exemplars=n_exemplars) for name, ds in datasets.items()}
 
 
 def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +239,7 @@ def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndar
             f"calibration ids are not in the file (e.g. {missing[:3]}); pass the JSONL the model was trained on"
         )
     sub = data.subset(idx)
-    z, _ = estimator._forward(sub.X)
+    z = estimator.logits(sub.X)
     return np.asarray(z, dtype=np.float32), np.asarray(sub.y, dtype=np.int64)
 
 
@@ -281,6 +283,113 @@ def _counts(values: np.ndarray, length: int) -> list[int]:
 # --------------------------------------------------------------------------- evaluate
 
 
+def _check_calibration_logits(z_cal, y_cal, C: int):
+    if (z_cal is None) != (y_cal is None):
+        raise ValueError("pass both z_cal and y_cal, or neither")
+    if z_cal is None:
+        return None, None
+    z_cal = np.asarray(z_cal, dtype=np.float64)
+    y_cal = np.asarray(y_cal).reshape(-1).astype(np.int64)
+    if z_cal.ndim != 2 or z_cal.shape[1] != C or z_cal.shape[0] != y_cal.shape[0] or z_cal.shape[0] == 0:
+        raise ValueError(f"calibration logits must be [n, {C}] with n labels, got {z_cal.shape} and {y_cal.shape}")
+    return z_cal, y_cal
+
+
+def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat) -> dict[str, np.ndarray]:
+    """Baselines refitted at α' and applied to the set's logits z' (they never change argmax z')."""
+    admitted = {}
+    fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options)
+    for b in run_baselines:
+        b_pred, b_adm, _ = fitted[b].predict(z)
+        if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
+            raise AssertionError(f"baseline {b} changed the prediction")
+        admitted[b] = b_adm
+    return admitted
+
+
+def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baselines, z_cal, y_cal, C, options,
+                verbose) -> dict:
+    """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
+    y = np.asarray(ds.y, dtype=np.int64)
+    y_hat = np.asarray(pred.prediction, dtype=np.int64)
+    if y.shape[0] != y_hat.shape[0]:
+        raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
+    z = np.asarray(pred.logits, dtype=np.float64)
+    log(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...", verbose)
+    sweep: dict[str, list] = {e: [] for e in order}
+    reports: dict[str, dict] = {}
+    for a in sweep_alphas:
+        admitted = _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat)
+        admitted.update(sdm_at[a][name])
+        for e in order:
+            rep = index_conditional_report(y, y_hat, admitted[e], C, a)
+            sweep[e].append(_sweep_point(rep))
+            if a == alpha:
+                reports[e] = rep
+    adm = np.asarray(pred.admitted, dtype=bool)
+    bins, bins_lower = np.asarray(pred.estimate.centroid.hard_bin), np.asarray(pred.estimate.lower.hard_bin)
+    top = int(max(np.max(bins, initial=0), np.max(bins_lower, initial=0))) + 1
+    reasons = Counter(str(r) for r in np.asarray(pred.rejection_reason, dtype=object)[~adm])
+    return {
+        "source": ds.source,
+        "n": len(ds),
+        "label_counts": _counts(y, C),
+        "prediction_counts": _counts(y_hat, C),
+        "reports": reports,
+        "calibrated": [e for e in order if reports[e]["index_conditional_calibrated"]],
+        "violated": [e for e in order if not reports[e]["index_conditional_calibrated"]],
+        "all_rejected": [e for e in order if reports[e]["all_rejected"]],
+        "sweep": sweep,
+        "hard_bins": {
+            "bins": list(range(top)),
+            "admitted": _counts(bins[adm], top),
+            "rejected": _counts(bins[~adm], top),
+            "admitted_lower": _counts(bins_lower[adm], top),
+            "rejected_lower": _counts(bins_lower[~adm], top),
+        },
+        "rejection_reasons": dict(sorted(reasons.items())),
+        "label_errors": int((adm & (y != y_hat)).sum()),
+    }
+
+
+def _model_summary(estimator) -> dict:
+    cal = estimator.calibration_
+    return {
+        "iterations": len(estimator.rounds_),
+        "best_round": int(estimator.best_round_),
+        "calibration_size": len(estimator.calibration_ids_),
+        "support_size": int(np.asarray(estimator.support_vectors_).shape[0]),
+        "input_dim": int(estimator.input_dim_),
+        "min_valid_qbin": _num(cal.min_valid),
+        "robust_min_valid_qbin": _num(cal.robust_min_valid),
+        "psi": [_num(p) for p in np.asarray(cal.psi).tolist()],
+    }
+
+
+def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params, out_sets,
+              notes) -> dict:
+    """The report dict (schema: module docstring) from the three steps' results."""
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "alpha": alpha,
+        "alphas": sweep_alphas,
+        "num_classes": int(estimator.num_classes_),
+        "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
+        "primary_estimator": PRIMARY_ESTIMATOR,
+        "estimators": order,
+        "model": _model_summary(estimator),
+        "baselines": {
+            "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
+            "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
+            "skipped": skipped,
+            "options": {b: options.get(b, {}) for b in run_baselines},
+            "params": params,
+        },
+        "datasets": out_sets,
+        "warnings": notes,
+    }
+
+
 def evaluate(
     estimator,
     datasets: Mapping[str, Dataset],
@@ -294,6 +403,10 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
 
+    Three steps: fit the baselines (:func:`_fit_baselines`) → the α' sweep of the SDM estimators
+    (:func:`sdm_sweep`) → the per-set report (:func:`_set_report`).  The estimator is only read (public
+    methods ``estimate`` and ``calibration_at``); it is never modified.
+
     Args:
         estimator: a fitted :class:`~sdm_mlx.estimator.SDMEstimator`; the reports use its α'.
         datasets: ``{name: Dataset}`` with labels (insertion order kept).
@@ -302,9 +415,9 @@ def evaluate(
             only ``no_reject`` and ``softmax`` are run; the others are listed under
             ``report["baselines"]["skipped"]``.
         alphas: the α' sweep (default :data:`DEFAULT_ALPHAS` within the valid range); the
-            estimator's α' is always included; the estimator's α' is restored afterwards.
+            estimator's α' is always included.
         baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
-        predictions: optional precomputed ``{name: estimator.predict(...)}`` at the estimator's α'
+        predictions: optional precomputed ``{name: estimator.estimate(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
         verbose: progress lines on stderr.
         options: constructor keyword arguments per baseline name (default
@@ -312,7 +425,8 @@ def evaluate(
             Baselines are refitted for every α' and every evaluation set, so the randomised draws
             of one set do not depend on the others.
     """
-    estimator._check_fitted()
+    if not getattr(estimator, "is_fitted", False):
+        raise ValueError("evaluate needs a fitted SDMEstimator (call fit() or SDMEstimator.load())")
     C = int(estimator.num_classes_)
     alpha = float(estimator.alpha)
     if not datasets:
@@ -322,15 +436,7 @@ def evaluate(
     sweep_alphas = _alphas(alphas, alpha, C)
     baselines = list(baselines or ())
     notes: list[str] = []
-
-    if (z_cal is None) != (y_cal is None):
-        raise ValueError("pass both z_cal and y_cal, or neither")
-    if z_cal is not None:
-        z_cal = np.asarray(z_cal, dtype=np.float64)
-        y_cal = np.asarray(y_cal).reshape(-1).astype(np.int64)
-        if z_cal.ndim != 2 or z_cal.shape[1] != C or z_cal.shape[0] != y_cal.shape[0] or z_cal.shape[0] == 0:
-            raise ValueError(f"calibration logits must be [n, {C}] with n labels, got {z_cal.shape} and {y_cal.shape}")
-
+    z_cal, y_cal = _check_calibration_logits(z_cal, y_cal, C)
     if predictions is None:
         log("predicting the evaluation sets ...", verbose)
         predictions = predict_datasets(estimator, datasets)
@@ -338,104 +444,20 @@ def evaluate(
     if missing:
         raise ValueError(f"no predictions for evaluation set(s) {missing}")
 
+    # step 1: baselines (fitted state at the estimator's α' for the report; refitted per α' in step 3)
     options = baseline_options() if options is None else {k: dict(v) for k, v in options.items()}
     skipped: dict[str, str] = {}
     params = {n: b.get_params()
               for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options).items()}
     run_baselines = [b for b in baselines if b not in skipped]
     order = run_baselines + list(SDM_ESTIMATORS)
-
-    # SDM admissions at every α' (cached model outputs; the estimator is re-thresholded, then restored)
-    sdm_at: dict[float, dict[str, dict[str, np.ndarray]]] = {}
-    try:
-        for a in sweep_alphas:
-            if a == alpha:
-                sdm_at[a] = {n: sdm_admissions(predictions[n]) for n in datasets}
-                continue
-            _recalibrate_quietly(estimator, a, notes)
-            sdm_at[a] = {n: _sdm_admissions_at(estimator, predictions[n]) for n in datasets}
-    finally:
-        if estimator.alpha != alpha:
-            _recalibrate_quietly(estimator, alpha, [])
-
-    out_sets = {}
-    for name, ds in datasets.items():
-        pred = predictions[name]
-        y = np.asarray(ds.y, dtype=np.int64)
-        y_hat = np.asarray(pred.prediction, dtype=np.int64)
-        if y.shape[0] != y_hat.shape[0]:
-            raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
-        z = np.asarray(pred.logits, dtype=np.float64)
-        log(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...", verbose)
-        sweep: dict[str, list] = {e: [] for e in order}
-        reports: dict[str, dict] = {}
-        for a in sweep_alphas:
-            admitted = {}
-            fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options)
-            for b in run_baselines:
-                b_pred, b_adm, _ = fitted[b].predict(z)
-                if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
-                    raise AssertionError(f"baseline {b} changed the prediction")
-                admitted[b] = b_adm
-            admitted.update(sdm_at[a][name])
-            for e in order:
-                rep = index_conditional_report(y, y_hat, admitted[e], C, a)
-                sweep[e].append(_sweep_point(rep))
-                if a == alpha:
-                    reports[e] = rep
-        adm = np.asarray(pred.admitted, dtype=bool)
-        top = int(max(np.max(pred.hard_bin, initial=0), np.max(pred.hard_bin_lower, initial=0))) + 1
-        reasons = Counter(str(r) for r in np.asarray(pred.rejection_reason, dtype=object)[~adm])
-        out_sets[name] = {
-            "source": ds.source,
-            "n": len(ds),
-            "label_counts": _counts(y, C),
-            "prediction_counts": _counts(y_hat, C),
-            "reports": reports,
-            "calibrated": [e for e in order if reports[e]["index_conditional_calibrated"]],
-            "violated": [e for e in order if not reports[e]["index_conditional_calibrated"]],
-            "all_rejected": [e for e in order if reports[e]["all_rejected"]],
-            "sweep": sweep,
-            "hard_bins": {
-                "bins": list(range(top)),
-                "admitted": _counts(np.asarray(pred.hard_bin)[adm], top),
-                "rejected": _counts(np.asarray(pred.hard_bin)[~adm], top),
-                "admitted_lower": _counts(np.asarray(pred.hard_bin_lower)[adm], top),
-                "rejected_lower": _counts(np.asarray(pred.hard_bin_lower)[~adm], top),
-            },
-            "rejection_reasons": dict(sorted(reasons.items())),
-            "label_errors": int((adm & (y != y_hat)).sum()),
-        }
-
-    best = estimator.calibration_
-    report = {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "alpha": alpha,
-        "alphas": sweep_alphas,
-        "num_classes": C,
-        "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
-        "primary_estimator": PRIMARY_ESTIMATOR,
-        "estimators": order,
-        "model": {
-            "iterations": len(estimator.rounds_),
-            "best_round": int(estimator.best_round_),
-            "calibration_size": len(estimator.calibration_ids_),
-            "support_size": int(np.asarray(estimator.support_vectors_).shape[0]),
-            "input_dim": int(estimator.input_dim_),
-            "min_valid_qbin": _num(best.min_valid),
-            "robust_min_valid_qbin": _num(estimator.robust_min_valid_),
-            "psi": [_num(p) for p in np.asarray(best.psi).tolist()],
-        },
-        "baselines": {
-            "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
-            "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
-            "skipped": skipped,
-            "options": {b: options.get(b, {}) for b in run_baselines},
-            "params": params,
-        },
-        "datasets": out_sets,
-        "warnings": notes,
-    }
+    # step 2: SDM admissions at every α' (no change to the estimator)
+    sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
+    # step 3: reports
+    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
+                                  z_cal, y_cal, C, options, verbose) for name, ds in datasets.items()}
+    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
+                       out_sets, notes)
     return _jsonable(report)
 
 

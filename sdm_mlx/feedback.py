@@ -71,20 +71,29 @@ class FeedbackState:
         return len(self.support_ids) - self.n_training
 
 
-def check_labels_int(y, n_rows: int, num_classes: int, name: str) -> np.ndarray:
-    """Labels: n_rows integers in 0..C−1 (bools and non-integral floats refused)."""
-    y = np.asarray(y).reshape(-1)
-    if y.shape[0] != n_rows:
-        raise InputError(f"{name}: {y.shape[0]} labels for {n_rows} rows")
-    if y.dtype == np.bool_ or y.dtype.kind not in "iuf":
-        raise InputError(f"{name}: labels must be integer class indices 0..{num_classes - 1}")
-    if y.dtype.kind == "f" and not (np.isfinite(y).all() and np.all(np.mod(y, 1) == 0)):
-        raise InputError(f"{name}: labels must be integer class indices 0..{num_classes - 1}")
-    y = y.astype(np.int64)
-    bad = (y < 0) | (y >= num_classes)
-    if bad.any():
-        raise InputError(f"{name}: labels must be in 0..{num_classes - 1}, found {sorted(set(y[bad].tolist()))[:5]}")
-    return y
+def label_indices_for(y, n_rows: int, classes, name: str) -> np.ndarray:
+    """Class indices [n_rows] of labels given in the estimator's label space ``classes`` (``classes_``)."""
+    from . import validation
+
+    classes = np.asarray(classes)
+    arr = validation.one_d(y, name)
+    if arr.shape[0] != n_rows:
+        raise InputError(f"{name}: {arr.shape[0]} labels for {n_rows} rows")
+    if classes.dtype.kind in "iu":
+        arr = validation.label_indices(arr, name)
+    elif arr.dtype.kind in "bf" or (arr.dtype.kind == "O" and any(isinstance(v, (bool, float)) for v in arr)):
+        raise InputError(f"{name}: labels must be classes of this model ({classes.tolist()[:10]})")
+    try:
+        idx = np.clip(np.searchsorted(classes, arr), 0, len(classes) - 1)
+        bad = classes[idx] != arr
+    except TypeError:
+        raise InputError(f"{name}: labels must be classes of this model ({classes.tolist()[:10]})") from None
+    if np.any(bad):
+        found = sorted({str(v) for v in arr[np.asarray(bad)].tolist()})[:5]
+        if classes.dtype.kind in "iu" and np.array_equal(classes, np.arange(len(classes))):
+            raise InputError(f"{name}: labels must be in 0..{len(classes) - 1}, found {found}")
+        raise InputError(f"{name}: labels {found} are not classes of this model ({classes.tolist()[:10]})")
+    return idx.astype(np.int64)
 
 
 def new_ids(ids, n_rows: int, taken: set, name: str) -> list:

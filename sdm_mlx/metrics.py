@@ -67,6 +67,8 @@ from typing import Any
 
 import numpy as np
 
+from .validation import label_indices, level
+
 __all__ = [
     "REPORT_KEYS",
     "CONDITION_KEYS",
@@ -111,16 +113,7 @@ VIOLATION_KEYS = ("condition", "class", "accuracy", "n_admitted")
 
 
 def _labels(x, name: str, num_classes: int) -> np.ndarray:
-    arr = np.asarray(x)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-        if not np.issubdtype(arr.dtype, np.floating) or not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
-            raise ValueError(f"{name} must hold integer class labels")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_classes):
-        raise ValueError(f"{name} must lie in [0, {num_classes - 1}], got range [{arr.min()}, {arr.max()}]")
-    return arr
+    return label_indices(x, name, num_classes)
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -164,9 +157,7 @@ def index_conditional_report(y_true, y_pred, admitted, num_classes: int, alpha: 
     num_classes = int(num_classes)
     if num_classes < 1:
         raise ValueError("num_classes must be >= 1")
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    alpha = level(alpha, zero=True, one=True)
     y = _labels(y_true, "y_true", num_classes)
     yhat = _labels(y_pred, "y_pred", num_classes)
     adm = np.asarray(admitted)

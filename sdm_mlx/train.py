@@ -10,7 +10,13 @@ One *round* (one of the J iterations):
 3. the "flip" rule (DESIGN #7): a row whose SDM output has no unique argmax equal
    to ŷ gets q := 0;
 4. the epoch with the highest balanced median calibration q (mean over true
-   classes of the per-class median) is kept (≥: later epochs win ties).
+   classes of the per-class median) is kept (≥: later epochs win ties);
+5. convergence-aware stopping (optional, not in the paper): with
+   ``TrainConfig.patience = P`` a round stops once the balanced median q has not
+   strictly improved for P consecutive epochs (``epochs`` is then a cap).
+
+Every epoch records the loss, the balanced median q, the calibration accuracy and how
+far the adaptor has moved from its initialisation (‖W − W₀‖_F / ‖W₀‖_F for W_g and W').
 
 :func:`train_rounds` runs J rounds over stratified re-splits of the pooled
 train+calibration data with fresh initialisation and keeps the best round by
@@ -38,9 +44,10 @@ from .progress import log
 
 @dataclass
 class TrainConfig:
-    """Alg. 1 settings (paper defaults)."""
+    """Alg. 1 settings.  The defaults are the paper's; :class:`sdm_mlx.estimator.SDMEstimator` holds the
+    package defaults (see ``docs/defaults.md``)."""
 
-    epochs: int = 50
+    epochs: int = 50  #: per round (a cap when ``patience`` is set)
     batch_size: int = 50
     learning_rate: float = 1e-5
     exemplar_dim: int = 1000
@@ -51,6 +58,7 @@ class TrainConfig:
     seed: int = 0
     index_backend: str = "exact"
     eval_batch_size: int = 1024
+    patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations", "eval_batch_size"):
@@ -59,6 +67,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.patience is not None and (not isinstance(self.patience, (int, np.integer)) or self.patience < 1):
+            raise ValueError(f"patience must be a positive integer or None, got {self.patience!r}")
         if self.k is not None and self.k < 1:
             raise ValueError(f"k must be ≥ 1 or None, got {self.k}")
         if self.index_backend not in ("exact", "hnsw"):
@@ -94,6 +104,9 @@ class RoundResult:
     calibration_distance_ecdfs: list
     history: list = field(default_factory=list)
     basis: np.ndarray | None = None  #: the exemplar basis Rᵀ the coordinates were computed in (None: h' itself)
+    movement: dict = field(default_factory=dict)  #: relative Frobenius movement of the kept epoch
+    epochs_run: int = 0
+    stopped_early: bool = False
 
 
 def balanced_median(values: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
@@ -133,6 +146,20 @@ def split_state(z, h, labels, support_index, good, k, num_classes, exclude=None)
     return SplitState(z=z, h=h, y_hat=y_hat, q=q, d0=d0, d=d, sdm=s), ecdfs
 
 
+def _weights(model: ExemplarAdaptor) -> dict[str, np.ndarray]:
+    """W_g (projection) and W' (classifier) as float64 NumPy arrays."""
+    return {
+        "projection": np.array(model.projection.weight, dtype=np.float64),
+        "classifier": np.array(model.classifier.weight, dtype=np.float64),
+    }
+
+
+def adaptor_movement(model: ExemplarAdaptor, initial: dict[str, np.ndarray]) -> dict[str, float]:
+    """‖W − W₀‖_F / ‖W₀‖_F for W_g ("projection") and W' ("classifier") against their initialisation."""
+    now = _weights(model)
+    return {name: float(np.linalg.norm(now[name] - w0) / np.linalg.norm(w0)) for name, w0 in initial.items()}
+
+
 def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
     def loss_fn(m, x, y, q, d):
         z, _ = m(x)
@@ -150,6 +177,33 @@ def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
     return step
 
 
+def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr, order, batch_size) -> float:
+    """One pass of Adam over the training split in ``order``; returns the mean batch loss."""
+    q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
+    total, batches = 0.0, 0
+    for start in range(0, order.size, batch_size):
+        b = mx.array(order[start : start + batch_size])
+        loss = step(X_tr_mx[b], y_tr_mx[b], q_mx[b], d_mx[b])
+        mx.eval(loss, model.parameters(), optimizer.state)
+        total += loss.item()
+        batches += 1
+    return total / max(batches, 1)
+
+
+def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
+    """Forward both splits by the batch-invariant forward that predict uses, rebuild the support index,
+    refresh q, d0, d (training: self-excluded); also returns the exemplar basis the coordinates are in."""
+    basis = exemplar_basis(model)
+    forward = InvariantForward(model, basis)
+    z_tr, h_tr = forward(X_tr)
+    z_ca, h_ca = forward(X_ca)
+    good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
+    index = make_index(h_tr, config.index_backend)
+    tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes, exclude=np.arange(X_tr.shape[0]))
+    ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes)
+    return tr, ca, basis
+
+
 def train_round(
     X_tr: np.ndarray,
     y_tr: np.ndarray,
@@ -163,69 +217,54 @@ def train_round(
     verbose: bool = True,
     round_label: str = "",
 ) -> RoundResult:
-    """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch."""
+    """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch.
+
+    With ``config.patience`` set, the round stops after that many epochs without a strictly
+    better balanced median calibration q (convergence-aware stopping; the paper runs all epochs).
+    """
     n_tr, dim = X_tr.shape
     model = ExemplarAdaptor(dim, config.exemplar_dim, num_classes, seed=seed)
     if config.normalize:
         model.set_normalization(*scalar_normalization(X_tr))
+    initial = _weights(model)
     optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
     step = _make_step(model, optimizer)
     k = int(config.k) if config.k is not None else default_k(y_tr, num_classes)
     rng = np.random.default_rng(seed)
     q_tr = np.full(n_tr, Q_SOFTMAX, dtype=np.float32)
     d_tr = np.ones(n_tr, dtype=np.float32)
-    y_tr_mx = mx.array(y_tr.astype(np.int32))
-    X_tr_mx = mx.array(X_tr)
-    best = None
-    history = []
+    y_tr_mx, X_tr_mx = mx.array(y_tr.astype(np.int32)), mx.array(X_tr)
+    best, history, stale = None, [], 0
     for epoch in range(1, config.epochs + 1):
-        order = rng.permutation(n_tr)
-        q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
-        total, batches = 0.0, 0
-        for start in range(0, n_tr, config.batch_size):
-            b = mx.array(order[start : start + config.batch_size])
-            loss = step(X_tr_mx[b], y_tr_mx[b], q_mx[b], d_mx[b])
-            mx.eval(loss, model.parameters(), optimizer.state)
-            total += loss.item()
-            batches += 1
-        # refresh q, d from the current model, by the batch-invariant forward that predict uses
-        basis = exemplar_basis(model)
-        forward = InvariantForward(model, basis)
-        z_tr, h_tr = forward(X_tr)
-        z_ca, h_ca = forward(X_ca)
-        yhat_tr = z_tr.argmax(axis=1)
-        good = good_neighbours_by_class(y_tr, yhat_tr, num_classes)
-        index = make_index(h_tr, config.index_backend)
-        tr_state, tr_ecdfs = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes, exclude=np.arange(n_tr))
-        ca_state, ca_ecdfs = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes)
+        loss = _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr, rng.permutation(n_tr),
+                          config.batch_size)
+        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k,
+                                                                     config)
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
-        accuracy = float((ca_state.y_hat == y_ca).mean())
-        history.append(
-            {"epoch": epoch, "loss": total / max(batches, 1), "balanced_median_q": metric, "cal_accuracy": accuracy}
-        )
+        moved = adaptor_movement(model, initial)
+        history.append({
+            "epoch": epoch, "loss": loss, "balanced_median_q": metric,
+            "cal_accuracy": float((ca_state.y_hat == y_ca).mean()),
+            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"],
+        })
         if verbose:
-            log(
-                f"{round_label}epoch {epoch}/{config.epochs} loss {total / max(batches, 1):.4f} "
-                f"balanced median q {metric:.2f} cal acc {accuracy:.3f}"
-            )
+            log(f"{round_label}epoch {epoch}/{config.epochs} loss {loss:.4f} balanced median q {metric:.2f} "
+                f"cal acc {history[-1]['cal_accuracy']:.3f} W_g moved {moved['projection']:.1%}")
+        stale = 0 if best is None or metric > best[0] else stale + 1
         if best is None or metric >= best[0]:
-            params = dict(tree_flatten(model.parameters()))
-            best = (metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, basis)
-    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, basis = best
+            best = (metric, epoch, dict(tree_flatten(model.parameters())), tr_state, ca_state, tr_ecdfs, ca_ecdfs,
+                    moved, basis)
+        if config.patience is not None and stale >= config.patience:
+            break
+    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, moved, basis = best
     model.load_weights(list(params.items()))
     return RoundResult(
-        model=model,
-        metric=metric,
-        best_epoch=epoch,
-        k=k,
+        model=model, metric=metric, best_epoch=epoch, k=k,
         train_idx=np.arange(n_tr) if train_idx is None else train_idx,
         cal_idx=np.arange(X_ca.shape[0]) if cal_idx is None else cal_idx,
-        train=tr_state,
-        calibration=ca_state,
-        train_distance_ecdfs=tr_ecdfs,
-        calibration_distance_ecdfs=ca_ecdfs,
-        history=history,
+        train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs, calibration_distance_ecdfs=ca_ecdfs,
+        history=history, movement=moved, epochs_run=len(history), stopped_early=len(history) < config.epochs,
         basis=basis,
     )
 
@@ -258,6 +297,32 @@ def split_pool(y: np.ndarray, num_classes: int, rng: np.random.Generator, strati
     return train_idx, cal_idx
 
 
+@dataclass
+class RoundsProgress:
+    """Where :func:`train_rounds` stands after some rounds: enough to continue bit-identically."""
+
+    next_round: int  #: rounds finished so far (the next round's index j)
+    rng_state: dict  #: state of the re-split generator before round ``next_round``
+    best: RoundResult | None
+    best_j: int
+    summaries: list
+
+
+def round_summary(j: int, result: RoundResult) -> dict:
+    """What one round learned: its selected epoch, per-epoch trajectories and the adaptor's movement."""
+    chosen = result.history[result.best_epoch - 1]
+    return {
+        "round": j, "metric": result.metric, "best_epoch": result.best_epoch, "k": result.k,
+        "epochs_run": result.epochs_run, "stopped_early": result.stopped_early,
+        "cal_accuracy": chosen["cal_accuracy"],
+        "projection_movement": result.movement.get("projection"),
+        "classifier_movement": result.movement.get("classifier"),
+        "loss": [h["loss"] for h in result.history],
+        "balanced_median_q": [h["balanced_median_q"] for h in result.history],
+        "cal_accuracy_per_epoch": [h["cal_accuracy"] for h in result.history],
+    }
+
+
 def train_rounds(
     X: np.ndarray,
     y: np.ndarray,
@@ -265,17 +330,23 @@ def train_rounds(
     config: TrainConfig,
     on_round: Callable[[int, RoundResult], None] | None = None,
     verbose: bool = True,
+    progress: RoundsProgress | None = None,
+    on_progress: Callable[[RoundsProgress], None] | None = None,
 ) -> tuple[RoundResult, int, list]:
     """J rounds of Alg. 1 (``alg:sdm-estimator-training``) over stratified re-splits of the pooled data.
 
     ``on_round(j, result)`` is called after every round (calibration statistics are gathered
-    there).  Returns (best round, its index j, per-round summaries).  Only the best round's
-    arrays are kept in memory.
+    there), then ``on_progress(progress)`` (checkpointing).  Pass a saved ``progress`` to continue
+    after its finished rounds: the result equals an uninterrupted run.  Returns (best round, its
+    index j, per-round summaries).  Only the best round's arrays are kept in memory.
     """
     config.validate()
     rng = np.random.default_rng(config.seed)
-    best, best_j, summaries = None, -1, []
-    for j in range(config.iterations):
+    if progress is None:
+        progress = RoundsProgress(0, rng.bit_generator.state, None, -1, [])
+    else:
+        rng.bit_generator.state = progress.rng_state
+    for j in range(progress.next_round, config.iterations):
         train_idx, cal_idx = split_pool(y, num_classes, rng, config.stratified)
         result = train_round(
             X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], num_classes, config,
@@ -284,9 +355,13 @@ def train_rounds(
         )
         if on_round is not None:
             on_round(j, result)
-        summaries.append({"round": j, "metric": result.metric, "best_epoch": result.best_epoch, "k": result.k})
+        progress.summaries.append(round_summary(j, result))
         if verbose:
-            log(f"round {j + 1}/{config.iterations}: best epoch {result.best_epoch}, balanced median q {result.metric:.2f}")
-        if best is None or result.metric >= best.metric:
-            best, best_j = result, j
-    return best, best_j, summaries
+            log(f"round {j + 1}/{config.iterations}: best epoch {result.best_epoch}/{result.epochs_run}, "
+                f"balanced median q {result.metric:.2f}, W_g moved {result.movement['projection']:.1%}")
+        if progress.best is None or result.metric >= progress.best.metric:
+            progress.best, progress.best_j = result, j
+        progress.next_round, progress.rng_state = j + 1, rng.bit_generator.state
+        if on_progress is not None:
+            on_progress(progress)
+    return progress.best, progress.best_j, progress.summaries

@@ -7,6 +7,7 @@ exactly; exact duplicates of support rows are exact ties (d0 = 0, q by the (dist
 rule of DESIGN #4, checked against a float64 NumPy brute force).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,11 +22,16 @@ from sdm_mlx.data import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.index import ExactIndex, HnswIndex, good_neighbours_by_class, similarity_from_neighbours
 
-ARRAY_FIELDS = (
-    "prediction", "logits", "q", "d0", "d", "sdm", "q_tilde", "hard_bin", "q_tilde_lower", "hard_bin_lower",
-    "q_tilde_upper", "hard_bin_upper", "p_lower", "p_centroid", "p_upper", "n_hat", "offset", "admitted",
-    "rejection_reason", "exemplar_index", "exemplar_distance", "admitted_centroid", "admitted_upper",
-)
+ARRAY_FIELDS = ("logits", "q", "d0", "d", "sdm", "exemplar_index", "exemplar_distance")
+
+
+def estimate_arrays(pred) -> dict:
+    """Every array of the typed estimate, by path (``lower.q_tilde``), taken from the dataclass fields."""
+    est = pred.estimate
+    out = {f.name: getattr(est, f.name) for f in dataclasses.fields(est) if not dataclasses.is_dataclass(getattr(est, f.name))}
+    for name, variant in est.variants().items():
+        out.update({f"{name}.{f.name}": getattr(variant, f.name) for f in dataclasses.fields(variant)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +58,23 @@ def wide_model():
     return est, np.concatenate([Xq, X[:50]])
 
 
+_DICTS: dict = {}  # to_dicts of the whole-batch predictions, computed once
+
+
 def assert_same_predictions(a, b, rows_a=slice(None)):
     """Predictions ``b`` equal predictions ``a`` restricted to ``rows_a``, bit for bit, every field."""
     for name in ARRAY_FIELDS:
         va, vb = np.asarray(getattr(a, name))[rows_a], np.asarray(getattr(b, name))
         assert va.dtype == vb.dtype, name
         assert np.array_equal(va, vb), f"field {name} differs"
-    if not hasattr(a, "_dicts"):
-        a._dicts = a.to_dicts()
-    sub = [a._dicts[i] for i in np.arange(len(a))[rows_a]]
+    ea, eb = estimate_arrays(a), estimate_arrays(b)
+    for name in ea:
+        va, vb = np.asarray(ea[name])[rows_a], np.asarray(eb[name])
+        assert va.dtype == vb.dtype, name
+        assert np.array_equal(va, vb), f"estimate field {name} differs"
+    if id(a) not in _DICTS:
+        _DICTS[id(a)] = a.to_dicts()
+    sub = [_DICTS[id(a)][i] for i in np.arange(len(a))[rows_a]]
     got = b.to_dicts()
     for ra, rb in zip(sub, got):
         rb["id"] = ra["id"]
@@ -68,18 +82,18 @@ def assert_same_predictions(a, b, rows_a=slice(None)):
 
 
 def check_alone_batch_shuffled(est, X, alone_rows, seed=0):
-    whole = est.predict(X)
+    whole = est.estimate(X)
     for i in alone_rows:
-        assert_same_predictions(whole, est.predict(X[i : i + 1]), slice(i, i + 1))
+        assert_same_predictions(whole, est.estimate(X[i : i + 1]), slice(i, i + 1))
     rng = np.random.default_rng(seed)
     for _ in range(2):
         perm = rng.permutation(X.shape[0])
-        assert_same_predictions(whole, est.predict(X[perm]), perm)
+        assert_same_predictions(whole, est.estimate(X[perm]), perm)
     # ragged batches of every size from 1 to 9
     start, size = 0, 1
     while start < X.shape[0]:
         stop = min(start + size, X.shape[0])
-        assert_same_predictions(whole, est.predict(X[start:stop]), slice(start, stop))
+        assert_same_predictions(whole, est.estimate(X[start:stop]), slice(start, stop))
         start, size = stop, size % 9 + 1
     return whole
 
@@ -107,7 +121,7 @@ def _rows_by_id(pool, ids):
 def test_calibration_rows_rescored_reproduce_the_fit(factcheck_model):
     est, pool, _ = factcheck_model
     Xc = _rows_by_id(pool, est.calibration_ids_)
-    batch = est.predict(Xc)
+    batch = est.estimate(Xc)
     assert np.array_equal(batch.logits, est.calibration_logits_)
     fitted = est.rounds_[est.best_round_]
     assert np.array_equal(batch.q_tilde, fitted.q_tilde)
@@ -117,7 +131,7 @@ def test_calibration_rows_rescored_reproduce_the_fit(factcheck_model):
         assert np.array_equal(np.sort(batch.d0[keep]), ecdf)
     rng = np.random.default_rng(2)
     for i in rng.choice(Xc.shape[0], 60, replace=False):
-        assert_same_predictions(batch, est.predict(Xc[i : i + 1]), slice(i, i + 1))
+        assert_same_predictions(batch, est.estimate(Xc[i : i + 1]), slice(i, i + 1))
 
 
 def _brute_q(queries, support, y_hat, good, k):
@@ -132,14 +146,14 @@ def test_support_duplicates_are_exact_ties(factcheck_model):
     z, coords = est._forward(Xs)
     assert np.array_equal(coords, est.support_vectors_)  # fit-time support = predict-time coordinates
     sample = np.random.default_rng(4).choice(Xs.shape[0], 300, replace=False)
-    pred = est.predict(Xs[sample])
+    pred = est.estimate(Xs[sample])
     assert np.all(pred.d0 == 0.0)
     assert np.all(pred.exemplar_distance[:, 0] == 0.0)
     good = good_neighbours_by_class(est.support_labels_, est.support_predictions_, est.num_classes_)
     q_ref, _ = _brute_q(coords[sample], est.support_vectors_, pred.prediction, good, est.k_)
     assert np.array_equal(pred.q, q_ref)
     for j, i in enumerate(sample[:25]):
-        one = est.predict(Xs[i : i + 1])
+        one = est.estimate(Xs[i : i + 1])
         assert one.d0[0] == 0.0 and one.q[0] == pred.q[j]
 
 
@@ -154,13 +168,13 @@ def test_saved_model_same_answers_with_another_blas(factcheck_model, tmp_path):
         "from sdm_mlx.estimator import SDMEstimator\n"
         f"est = SDMEstimator.load({str(tmp_path / 'model')!r})\n"
         f"X = np.load({str(tmp_path / 'x.npy')!r})\n"
-        "rows = [est.predict(X[i : i + 1], ids=[i]).to_dicts()[0] for i in range(0, len(X), 7)]\n"
-        "json.dump([est.predict(X).to_dicts(), rows], sys.stdout)\n"
+        "rows = [est.estimate(X[i : i + 1], ids=[i]).to_dicts()[0] for i in range(0, len(X), 7)]\n"
+        "json.dump([est.estimate(X).to_dicts(), rows], sys.stdout)\n"
     )
     env = dict(os.environ, SDM_MLX_NO_BLAS_PRELOAD="1", OPENBLAS_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     whole, alone = json.loads(out.stdout)
-    expected = json.loads(json.dumps(est.predict(X).to_dicts()))
+    expected = json.loads(json.dumps(est.estimate(X).to_dicts()))
     assert whole == expected
     assert alone == expected[::7]
     assert all(r["d0"] == 0.0 for r in whole[200:])

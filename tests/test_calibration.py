@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -444,9 +445,9 @@ def test_calibrate_round_end_to_end_and_alpha_split():
     for a, b in zip(back.output_ecdfs, rnd.output_ecdfs):
         np.testing.assert_array_equal(a, b)
     # calibration rows re-estimated: the estimator's centroid reproduces the round's processed q~ and o
-    out = cal.estimate_from_round(rnd, rnd.min_valid, np.zeros((C, 0)), np.log(sdm), q, np.ones(len(q)), sdm)
-    np.testing.assert_allclose(out["q_tilde"], rnd.q_tilde)
-    np.testing.assert_allclose(out["o"], rnd.o)
+    out = cal.estimate(cal.Calibration.from_round(rnd, rnd.min_valid, np.zeros((C, 0))), np.log(sdm), q, np.ones(len(q)), sdm)
+    np.testing.assert_allclose(out.centroid.q_tilde, rnd.q_tilde)
+    np.testing.assert_allclose(out.centroid.o, rnd.o)
 
 
 def test_aggregate_and_estimate_hand_checked_row():
@@ -458,47 +459,47 @@ def test_aggregate_and_estimate_hand_checked_row():
     best = rounds[1]
     z = np.log(sdm)
     d = np.ones(len(q))
-    out = cal.estimate_from_round(best, robust, offsets, z, q, d, sdm)
-    assert set(np.unique(out["rejection_reason"])) <= set(cal.REJECTION_REASONS) | {""}
-    np.testing.assert_array_equal(out["admitted"], out["rejection_reason"] == "")
-    adm = out["admitted"]
+    out = cal.estimate(cal.Calibration.from_round(best, robust, offsets), z, q, d, sdm)
+    assert set(np.unique(out.rejection_reason)) <= set(cal.REJECTION_REASONS) | {""}
+    np.testing.assert_array_equal(out.admitted, out.rejection_reason == "")
+    adm = out.admitted
     assert adm.any() and (~adm).any()
-    assert np.all(out["q_tilde_lower"][adm] >= robust)
-    assert np.all(out["p_hat"][adm] >= best.psi[out["prediction"][adm]])
-    assert np.all(np.isnan(out["p_hat"][~adm]))
+    assert np.all(out.lower.q_tilde[adm] >= robust)
+    assert np.all(out.p_hat[adm] >= best.psi[out.prediction[adm]])
+    assert np.all(np.isnan(out.p_hat[~adm]))
     # recompute one admitted row by hand
     i = int(np.flatnonzero(adm)[0])
-    yh = int(out["prediction"][i])
+    yh = int(out.prediction[i])
     v = cal.v_vector(sdm[i:i + 1], best.output_ecdfs)[0]
     qt = v[yh] * math.log(2 + q[i])
-    assert out["q_tilde"][i] == pytest.approx(qt)
+    assert out.centroid.q_tilde[i] == pytest.approx(qt)
     n_hat = [min(int(np.searchsorted(a, qt, side="left")), a.size - 1) for a in best.sample_size_arrays]
-    np.testing.assert_array_equal(out["n_hat"][i], n_hat)
+    np.testing.assert_array_equal(out.n_hat[i], n_hat)
     eps = [math.sqrt(math.log(2 / 0.1) / (2 * n)) if n > 0 else 1.0 for n in n_hat]
     v_low = np.array([min(max(v[c] + (-eps[c] if c == yh else eps[c]), 0), 1) for c in range(2)])
     qt_low = v_low[yh] * math.log(2 + q[i])
-    assert out["q_tilde_lower"][i] == pytest.approx(qt_low)
+    assert out.lower.q_tilde[i] == pytest.approx(qt_low)
     logits = (best.W.astype(np.float64) @ v_low) * math.log(2 + qt_low)
     o_low = np.exp(logits - logits.max())
     o_low /= o_low.sum()
     m = offsets[yh, int(math.floor(qt_low))] if int(math.floor(qt_low)) < offsets.shape[1] else 0.0
-    assert out["p_lower"][i] == pytest.approx(min(max(o_low[yh] - m, 0.0), 1.0))
-    assert out["offset_lower"][i] == pytest.approx(m)
+    assert out.lower.p[i] == pytest.approx(min(max(o_low[yh] - m, 0.0), 1.0))
+    assert out.lower.offset[i] == pytest.approx(m)
 
 
 def _estimate_inputs(sdm_rows, q, W=None, psi=(0.9, 0.9), min_valid=1.0, robust=1.2, offsets=None, arrays=None):
     sdm_rows = np.asarray(sdm_rows, dtype=np.float32)
     C = sdm_rows.shape[1]
     ecdfs = [np.linspace(0.05, 0.95, 19).astype(np.float32) for _ in range(C)]
-    v = cal.v_vector(sdm_rows, ecdfs)
     if arrays is None:
         arrays = [np.linspace(0.0, 3.0, 200) for _ in range(C)]
-    return dict(
-        z=np.log(np.maximum(sdm_rows, 1e-6)), q=np.asarray(q, dtype=np.float32), d=np.ones(len(q)), sdm=sdm_rows,
-        v=v, W=np.eye(C, dtype=np.float32) * 8 if W is None else W, psi=np.array(psi), min_valid_own=min_valid,
-        robust_min=robust, offsets=np.zeros((C, 0)) if offsets is None else offsets, sample_size_arrays=arrays,
-        alpha=0.9,
+    calibration = cal.Calibration(
+        alpha=0.9, W=np.eye(C, dtype=np.float32) * 8 if W is None else W, psi=np.array(psi), min_valid=min_valid,
+        robust_min_valid=robust, offsets=np.zeros((C, 0)) if offsets is None else offsets, output_ecdfs=ecdfs,
+        sample_size_arrays=arrays,
     )
+    return dict(calibration=calibration, z=np.log(np.maximum(sdm_rows, 1e-6)), q=np.asarray(q, dtype=np.float32),
+                d=np.ones(len(q)), sdm=sdm_rows)
 
 
 def test_estimate_reasons_and_precedence():
@@ -513,56 +514,56 @@ def test_estimate_reasons_and_precedence():
     q = [60, 60, 0, 3, 20]
     args = _estimate_inputs(rows, q, min_valid=2.0, robust=2.9)
     out = cal.estimate(**args)
-    reasons = list(out["rejection_reason"])
+    reasons = list(out.rejection_reason)
     assert reasons[0] == ""
-    assert reasons[1] == "argmax_flip" and out["sdm_flip"][1] and out["q_tilde"][1] == 0
-    assert reasons[2] == "ood_similarity" and out["q_tilde_lower"][2] == 0
-    assert out["hard_bin_lower"][2] == 0 and out["ood_lower"][2]
-    assert reasons[3] == "below_model_min_qbin" and 1.0 <= out["q_tilde_lower"][3] < 2.0
-    assert reasons[4] == "below_robust_min_qbin" and 2.0 <= out["q_tilde_lower"][4] < 2.9
-    assert np.array_equal(out["admitted"], np.array([r == "" for r in reasons]))
+    assert reasons[1] == "argmax_flip" and out.sdm_flip[1] and out.centroid.q_tilde[1] == 0
+    assert reasons[2] == "ood_similarity" and out.lower.q_tilde[2] == 0
+    assert out.lower.hard_bin[2] == 0 and out.lower.ood[2]
+    assert reasons[3] == "below_model_min_qbin" and 1.0 <= out.lower.q_tilde[3] < 2.0
+    assert reasons[4] == "below_robust_min_qbin" and 2.0 <= out.lower.q_tilde[4] < 2.9
+    assert np.array_equal(out.admitted, np.array([r == "" for r in reasons]))
 
     # model-level reasons come first
     out = cal.estimate(**_estimate_inputs(rows, q, min_valid=math.inf, robust=math.inf))
-    assert set(out["rejection_reason"]) == {"no_valid_threshold"} and not out["admitted"].any()
+    assert set(out.rejection_reason) == {"no_valid_threshold"} and not out.admitted.any()
     out = cal.estimate(**_estimate_inputs(rows, q, min_valid=1.0, robust=math.inf))
-    assert set(out["rejection_reason"]) == {"no_robust_threshold"} and not out["admitted"].any()
+    assert set(out.rejection_reason) == {"no_robust_threshold"} and not out.admitted.any()
 
 
 def test_estimate_below_robust_min_and_psi():
     rows = [[0.99, 0.01], [0.99, 0.01]]
     args = _estimate_inputs(rows, [60, 60], min_valid=1.0, robust=10.0)
-    assert list(cal.estimate(**args)["rejection_reason"]) == ["below_robust_min_qbin"] * 2
+    assert list(cal.estimate(**args).rejection_reason) == ["below_robust_min_qbin"] * 2
     args = _estimate_inputs(rows, [60, 60], psi=(0.9999999, 0.9), min_valid=1.0, robust=1.0)
     out = cal.estimate(**args)
-    assert list(out["rejection_reason"]) == ["below_threshold_psi"] * 2
-    assert np.all(np.isnan(out["p_hat"]))
+    assert list(out.rejection_reason) == ["below_threshold_psi"] * 2
+    assert np.all(np.isnan(out.p_hat))
 
 
 def test_estimate_rescaled_argmax_flip():
     # W'' swaps the classes: o's argmax ≠ ŷ ⇒ OOD with q~ := 0 for every variant, reason argmax_flip
     W = np.array([[0.0, 8.0], [8.0, 0.0]], dtype=np.float32)
     out = cal.estimate(**_estimate_inputs([[0.99, 0.01], [0.02, 0.98]], [60, 60], W=W, robust=1.0))
-    assert list(out["rejection_reason"]) == ["argmax_flip", "argmax_flip"]
-    for suffix in ("", "_lower", "_upper"):
-        np.testing.assert_array_equal(out["q_tilde" + suffix], 0.0)
-        np.testing.assert_array_equal(out["hard_bin" + suffix], 0)
+    assert list(out.rejection_reason) == ["argmax_flip", "argmax_flip"]
+    for variant in (out.centroid, out.lower, out.upper):
+        np.testing.assert_array_equal(variant.q_tilde, 0.0)
+        np.testing.assert_array_equal(variant.hard_bin, 0)
     # n̂ from the processed centroid q~ = 0 ⇒ 0 ⇒ ε = 1
-    np.testing.assert_array_equal(out["n_hat"], 0)
-    np.testing.assert_array_equal(out["epsilon"], 1.0)
+    np.testing.assert_array_equal(out.n_hat, 0)
+    np.testing.assert_array_equal(out.epsilon, 1.0)
     # o is reported (not recomputed with q~ = 0) and its argmax is the other class
-    assert out["o"][0].argmax() == 1
+    assert out.centroid.o[0].argmax() == 1
 
 
 def test_estimate_offsets_use_each_variants_own_bin():
     offsets = np.array([[0.0, 0.01, 0.02, 0.03, 0.04], [0.0, 0.0, 0.0, 0.0, 0.0]])
     args = _estimate_inputs([[0.97, 0.03]], [60], offsets=offsets, min_valid=1.0, robust=1.0, psi=(0.5, 0.5))
     out = cal.estimate(**args)
-    for suffix, p in (("", "p_centroid"), ("_lower", "p_lower"), ("_upper", "p_upper")):
-        b = int(out["hard_bin" + suffix][0])
-        assert out["offset" + suffix][0] == offsets[0, b]
-        assert out[p][0] == pytest.approx(min(max(out["o" + suffix][0, 0] - offsets[0, b], 0), 1))
-    assert out["hard_bin_lower"][0] < out["hard_bin_upper"][0]  # the bins differ between variants
+    for variant in (out.centroid, out.lower, out.upper):
+        b = int(variant.hard_bin[0])
+        assert variant.offset[0] == offsets[0, b]
+        assert variant.p[0] == pytest.approx(min(max(variant.o[0, 0] - offsets[0, b], 0), 1))
+    assert out.lower.hard_bin[0] < out.upper.hard_bin[0]  # the bins differ between variants
 
 
 def test_estimate_class_without_calibration_rows():
@@ -575,11 +576,11 @@ def test_estimate_class_without_calibration_rows():
     assert rnd.min_valid == math.inf and np.all(rnd.psi == 0)  # empty class ⇒ ψ = 0 ⇒ no threshold
     robust, offsets = cal.aggregate_rounds([rnd], 0, 0.9)
     assert robust == math.inf
-    out = cal.estimate_from_round(rnd, robust, offsets, np.log(sdm), q, np.ones(len(q)), sdm)
-    np.testing.assert_array_equal(out["n_hat"][:, 1], -1)
-    np.testing.assert_array_equal(out["epsilon"][:, 1], 1.0)
-    assert not out["admitted"].any()
-    assert set(out["rejection_reason"]) == {"no_valid_threshold"}
+    out = cal.estimate(cal.Calibration.from_round(rnd, robust, offsets), np.log(sdm), q, np.ones(len(q)), sdm)
+    np.testing.assert_array_equal(out.n_hat[:, 1], -1)
+    np.testing.assert_array_equal(out.epsilon[:, 1], 1.0)
+    assert not out.admitted.any()
+    assert set(out.rejection_reason) == {"no_valid_threshold"}
 
 
 def test_non_finite_mad_round_aggregation_rejects_all():
@@ -589,8 +590,8 @@ def test_non_finite_mad_round_aggregation_rejects_all():
         robust, _ = cal.aggregate_rounds(rounds, 0, 0.9)
     assert robust == math.inf
     sdm, q, _, _ = _synthetic_round_inputs(seed=7)
-    out = cal.estimate_from_round(rounds[0], robust, np.zeros((2, 0)), np.log(sdm), q, np.ones(len(q)), sdm)
-    assert not out["admitted"].any() and set(out["rejection_reason"]) == {"no_robust_threshold"}
+    out = cal.estimate(cal.Calibration.from_round(rounds[0], robust, np.zeros((2, 0))), np.log(sdm), q, np.ones(len(q)), sdm)
+    assert not out.admitted.any() and set(out.rejection_reason) == {"no_robust_threshold"}
 
 
 def test_j1_round_aggregation():
@@ -606,12 +607,12 @@ def test_j1_round_aggregation():
 
 def test_estimate_empty_batch_and_no_offsets():
     args = _estimate_inputs(np.zeros((0, 2)), np.zeros(0), offsets=None)
-    args["offsets"] = None
+    args["calibration"] = dataclasses.replace(args["calibration"], offsets=None)
     out = cal.estimate(**args)
-    assert out["admitted"].shape == (0,) and out["n_hat"].shape == (0, 2)
+    assert out.admitted.shape == (0,) and out.n_hat.shape == (0, 2)
     args = _estimate_inputs([[0.99, 0.01]], [60], min_valid=1.0, robust=1.0, psi=(0.5, 0.5))
-    args["offsets"] = None
+    args["calibration"] = dataclasses.replace(args["calibration"], offsets=None)
     out = cal.estimate(**args)
-    assert out["admitted"][0] and out["offset_lower"][0] == 0.0
-    assert out["p_hat"][0] == out["p_lower"][0] == pytest.approx(out["o_lower"][0, 0])
-    assert out["p_lower"][0] <= out["p_centroid"][0] <= out["p_upper"][0]
+    assert out.admitted[0] and out.lower.offset[0] == 0.0
+    assert out.p_hat[0] == out.lower.p[0] == pytest.approx(out.lower.o[0, 0])
+    assert out.lower.p[0] <= out.centroid.p[0] <= out.upper.p[0]

@@ -10,6 +10,7 @@ import pytest
 from sdm_mlx.artifact import ArtifactError
 from sdm_mlx.cli import main
 from sdm_mlx.data import factcheck_splits
+from sdm_mlx.errors import NotFittedError
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.metrics import index_conditional_report
 
@@ -34,7 +35,7 @@ def gaussian_model():
 def test_known_shift_index_conditional_and_ood(gaussian_model):
     est, rng = gaussian_model
     Xt, yt = gaussians(rng, 3000)
-    p = est.predict(Xt)
+    p = est.estimate(Xt)
     report = index_conditional_report(yt, p.prediction, p.admitted, 2, 0.9)
     assert p.admitted.mean() > 0.1  # a useful fraction is admitted in-distribution
     for cond in report["class_conditional"] + report["prediction_conditional"]:
@@ -43,7 +44,7 @@ def test_known_shift_index_conditional_and_ood(gaussian_model):
     assert report["index_conditional_calibrated"]
     # far-away points: rejected as out-of-distribution
     Xf, _ = gaussians(rng, 200, shift=30.0)
-    pf = est.predict(Xf)
+    pf = est.estimate(Xf)
     assert not pf.admitted.any()
     assert set(pf.rejection_reason) <= {"ood_distance", "ood_similarity"}
     assert (pf.d == 0).all()
@@ -52,7 +53,7 @@ def test_known_shift_index_conditional_and_ood(gaussian_model):
 def test_per_row_output_fields(gaussian_model):
     est, rng = gaussian_model
     X, _ = gaussians(rng, 5)
-    p = est.predict(X, ids=["a", "b", "c", "d", "e"], n_exemplars=3)
+    p = est.estimate(X, ids=["a", "b", "c", "d", "e"], n_exemplars=3)
     rows = p.to_dicts()
     assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e"]
     keys = {"id", "prediction", "admitted", "rejection_reason", "p_lower", "p_centroid", "p_upper", "q", "d0", "d",
@@ -72,14 +73,14 @@ def test_per_row_output_fields(gaussian_model):
 def test_recalibrate_higher_alpha_admits_no_more(gaussian_model):
     est, rng = gaussian_model
     X, _ = gaussians(rng, 2000)
-    base = est.predict(X).admitted
+    base = est.estimate(X).admitted
     est.recalibrate(0.97)
     try:
-        stricter = est.predict(X).admitted
+        stricter = est.estimate(X).admitted
     finally:
         est.recalibrate(0.9)
     assert stricter.sum() <= base.sum()
-    assert np.array_equal(est.predict(X).admitted, base)
+    assert np.array_equal(est.estimate(X).admitted, base)
 
 
 def test_factcheck_save_load_fresh_process_identical(tmp_path):
@@ -87,14 +88,14 @@ def test_factcheck_save_load_fresh_process_identical(tmp_path):
     est = SDMEstimator(**FAST).fit(pool.X, pool.y, ids_train=pool.ids)
     model_dir = tmp_path / "model"
     est.save(model_dir)
-    expected = est.predict(gen.X, ids=gen.ids).to_dicts()
+    expected = est.estimate(gen.X, ids=gen.ids).to_dicts()
     np.save(tmp_path / "x.npy", gen.X)
     code = (
         "import json, numpy as np, sys\n"
         "from sdm_mlx.estimator import SDMEstimator\n"
         f"est = SDMEstimator.load({str(model_dir)!r})\n"
         f"X = np.load({str(tmp_path / 'x.npy')!r})\n"
-        "json.dump(est.predict(X, ids=list(range(len(X)))).to_dicts(), sys.stdout)\n"
+        "json.dump(est.estimate(X, ids=list(range(len(X)))).to_dicts(), sys.stdout)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout)
@@ -107,10 +108,10 @@ def test_bad_inputs_clear_errors(gaussian_model):
     est, rng = gaussian_model
     X, y = gaussians(rng, 50)
     with pytest.raises(ValueError, match="dimension 3"):
-        est.predict(np.zeros((2, 3), np.float32))
+        est.estimate(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match="NaN"):
-        est.predict(np.full((2, 8), np.nan, np.float32))
-    with pytest.raises(ValueError, match="labels must be in"):
+        est.estimate(np.full((2, 8), np.nan, np.float32))
+    with pytest.raises(ValueError, match="must lie in"):
         SDMEstimator(**FAST).fit(X, np.full(50, 5), num_classes=2)
     with pytest.raises(ValueError, match="two classes"):
         SDMEstimator(**FAST).fit(X, np.zeros(50, int))
@@ -120,7 +121,9 @@ def test_bad_inputs_clear_errors(gaussian_model):
         SDMEstimator(alpha=0.4, **FAST).fit(X, y)
     with pytest.raises(ValueError, match="labels"):
         SDMEstimator(**FAST).fit(X, y[:10])
-    with pytest.raises(RuntimeError, match="not fitted"):
+    with pytest.raises(NotFittedError, match="not fitted"):
+        SDMEstimator().estimate(X)
+    with pytest.raises(NotFittedError, match="not fitted"):
         SDMEstimator().predict(X)
 
 
@@ -169,7 +172,7 @@ def test_atomic_save_keeps_previous_on_crash(gaussian_model, tmp_path, monkeypat
     path = tmp_path / "m"
     est.save(path)
     X, _ = gaussians(rng, 20)
-    before = SDMEstimator.load(path).predict(X).p_lower
+    before = SDMEstimator.load(path).estimate(X).p_lower
     import sdm_mlx.artifact as artifact
 
     def boom(*a, **k):
@@ -179,7 +182,7 @@ def test_atomic_save_keeps_previous_on_crash(gaussian_model, tmp_path, monkeypat
     with pytest.raises(ArtifactError, match="disk full"):
         est.save(path, overwrite=True)
     monkeypatch.undo()
-    np.testing.assert_array_equal(SDMEstimator.load(path).predict(X).p_lower, before)
+    np.testing.assert_array_equal(SDMEstimator.load(path).estimate(X).p_lower, before)
     assert not [p for p in os.listdir(tmp_path) if "tmp" in p]
 
 

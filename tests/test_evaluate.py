@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import stat
 from types import SimpleNamespace
 
@@ -119,8 +121,8 @@ def test_sdm_reports_match_predictions(setup, report):
     for name, ds in setup.datasets.items():
         pred = report.predictions[name]
         reps = report.report["datasets"][name]["reports"]
-        for key, adm in (("sdm_p_lower", pred.admitted), ("sdm_p_centroid", pred.admitted_centroid),
-                         ("sdm_p_upper", pred.admitted_upper)):
+        for key, adm in (("sdm_p_lower", pred.admitted), ("sdm_p_centroid", pred.estimate.centroid.valid),
+                         ("sdm_p_upper", pred.estimate.upper.valid)):
             assert reps[key] == index_conditional_report(ds.y, pred.prediction, adm, C, ALPHA)
 
 
@@ -134,20 +136,33 @@ def test_baseline_reports_match_run_baselines(setup, report):
             assert report.report["datasets"][name]["reports"][b] == json.loads(json.dumps(expected[b]))
 
 
-def test_sweep_matches_recalibrated_predict_and_alpha_is_restored(setup, report):
+def test_sweep_matches_rethresholded_estimates(setup, report, tmp_path):
     est = setup.est
     assert est.alpha == ALPHA
     ds = setup.datasets["test"]
     for a in SWEEP:
         pts = {e: p for e, pt in report.report["datasets"]["test"]["sweep"].items() for p in pt if p["alpha"] == a}
-        est.recalibrate(a)
-        try:
-            pred = est.predict(ds.X, ds.ids, n_exemplars=0)
-        finally:
-            est.recalibrate(ALPHA)
+        pred = est.estimate(ds.X, ds.ids, n_exemplars=0, alpha=a)
         assert pts["sdm_p_lower"]["n_admitted"] == int(pred.admitted.sum())
-        assert pts["sdm_p_centroid"]["n_admitted"] == int(pred.admitted_centroid.sum())
-        assert pts["sdm_p_upper"]["n_admitted"] == int(pred.admitted_upper.sum())
+        assert pts["sdm_p_centroid"]["n_admitted"] == int(pred.estimate.centroid.valid.sum())
+        assert pts["sdm_p_upper"]["n_admitted"] == int(pred.estimate.upper.valid.sum())
+    # the same as storing α' in a copy of the model with recalibrate
+    est.save(tmp_path / "m")
+    other = SDMEstimator.load(tmp_path / "m").recalibrate(SWEEP[0])
+    assert other.estimate(ds.X).to_dicts() == est.estimate(ds.X, alpha=SWEEP[0]).to_dicts()
+    assert est.alpha == ALPHA
+
+
+def test_evaluate_never_modifies_the_estimator(setup):
+    est, ds = setup.est, setup.datasets["test"]
+    params = copy.deepcopy(est.get_params())
+    state = {k: copy.deepcopy(v) for k, v in vars(est).items() if k.endswith("_") and not k.startswith("_")}
+    rows = est.estimate(ds.X, ds.ids).to_dicts()
+    evaluate(est, {"test": ds}, est.calibration_logits_, est.calibration_labels_, alphas=[0.7, 0.8, 0.9, 0.97])
+    assert est.get_params() == params
+    for k, v in state.items():
+        assert pickle.dumps(getattr(est, k)) == pickle.dumps(v), k
+    assert est.estimate(ds.X, ds.ids).to_dicts() == rows
 
 
 def test_evaluate_without_calibration_logits(setup):
@@ -164,7 +179,7 @@ def test_evaluate_rejects_bad_inputs(setup):
     with pytest.raises(ValueError, match="no labels"):
         evaluate(est, {"u": unlabelled})
     bad = Dataset(ids=ds.ids, X=ds.X, y=np.full(len(ds), C))
-    with pytest.raises(ValueError, match="labels must be in"):
+    with pytest.raises(ValueError, match="must lie in"):
         evaluate(est, {"b": bad})
     with pytest.raises(ValueError):
         evaluate(est, {"test": ds}, alphas=[0.3])

@@ -48,7 +48,9 @@ def trained(tmp_path_factory):
 def fresh(trained, backend="exact") -> SDMEstimator:
     est = SDMEstimator.load(trained["path"])
     est.verbose = False
-    est.index_backend = backend
+    if backend != est.index_backend:
+        est.index_backend = backend
+        est._prepare_predict()
     return est
 
 
@@ -83,7 +85,7 @@ def fixed_statistics(est) -> dict:
 def test_far_class_admitted_after_correct_rows(trained, backend):
     est = fresh(trained, backend)
     far_X, far_y = trained["far"]
-    before = est.predict(far_X[:100])
+    before = est.estimate(far_X[:100])
     assert not before.admitted.any() and set(before.rejection_reason) == {"ood_distance"}
     index = est.index_
     size = index.size
@@ -92,7 +94,7 @@ def test_far_class_admitted_after_correct_rows(trained, backend):
     if backend == "hnsw":
         assert index._index.get_current_count() == size + 300
     assert [e["id"] for e in entries[:2]] == ["far-0", "far-1"] and {e["op"] for e in entries} == {"add"}
-    after = est.predict(far_X[:100])
+    after = est.estimate(far_X[:100])
     assert after.admitted.mean() > 0.8, after.admitted.mean()
     assert (after.d0 < before.d0).all() and (after.d[after.admitted] > 0).all() and (before.d == 0).all()
     assert all(est.support_ids_[j].startswith("far-") for j in after.exemplar_index[:, 0])
@@ -101,19 +103,19 @@ def test_far_class_admitted_after_correct_rows(trained, backend):
 def test_wrongly_admitted_row_labelled_wrong_lowers_q_of_neighbours(trained):
     est = fresh(trained)
     near_X, near_y = trained["near"]
-    p = est.predict(near_X)
+    p = est.estimate(near_X)
     i = int(np.flatnonzero(p.admitted & (p.q > 5))[0])
     wrong = 1 - int(p.prediction[i])
     rng = np.random.default_rng(3)
     neighbours = near_X[i] + 0.05 * rng.normal(size=(10, near_X.shape[1])).astype(np.float32)
-    q_before = est.predict(neighbours).q
+    q_before = est.estimate(neighbours).q
     est.add_support(near_X[i:i + 1], [wrong], ids=["said-wrong"])  # "this admitted answer was wrong"
     assert est.support_predictions_[-1] != est.support_labels_[-1]
-    after = est.predict(np.concatenate([near_X[i:i + 1], neighbours]))
+    after = est.estimate(np.concatenate([near_X[i:i + 1], neighbours]))
     assert after.q[0] == 0 and not after.admitted[0]  # its own nearest neighbour is now a bad one
     assert (after.q[1:] < q_before).all()
     est.remove_support(["said-wrong"])
-    assert np.array_equal(est.predict(neighbours).q, q_before)
+    assert np.array_equal(est.estimate(neighbours).q, q_before)
 
 
 def test_calibration_statistics_do_not_change(trained):
@@ -122,7 +124,7 @@ def test_calibration_statistics_do_not_change(trained):
     far_X, far_y = trained["far"]
     est.add_support(far_X[:50], far_y[:50])
     est.add_support(trained["near"][0][:20], 1 - trained["near"][1][:20], source="test")
-    est.predict(far_X[50:60])
+    est.estimate(far_X[50:60])
     after = fixed_statistics(est)
     assert before.keys() == after.keys()
     for k in before:
@@ -132,13 +134,13 @@ def test_calibration_statistics_do_not_change(trained):
 def test_undo_restores_predictions_bit_identically(trained):
     est = fresh(trained)
     Q = np.concatenate([trained["far"][0][:30], trained["near"][0][:60]])
-    p0 = est.predict(Q)
+    p0 = est.estimate(Q)
     est.add_support(trained["far"][0][100:200], trained["far"][1][100:200], ids=list(range(100)))
     est.add_support(trained["near"][0][:30], trained["near"][1][:30], ids=[f"n{i}" for i in range(30)])
-    assert not same_predictions(p0, est.predict(Q))
+    assert not same_predictions(p0, est.estimate(Q))
     entries = est.remove_support(list(range(100)) + [f"n{i}" for i in range(30)], source="test")
     assert len(entries) == 130 and {e["op"] for e in entries} == {"remove"}
-    assert same_predictions(p0, est.predict(Q))
+    assert same_predictions(p0, est.estimate(Q))
     assert est.feedback_state_.added() == 0 and len(est.feedback_state_.log) == 260
 
 
@@ -164,7 +166,7 @@ def test_add_support_validation(trained):
         (dict(X=X[:, :5], y=y), "dimension 5"),
         (dict(X=np.where(np.eye(3, 8, dtype=bool), np.nan, X), y=y), "NaN or Inf"),
         (dict(X=X, y=[0, 1, 2]), r"labels must be in 0\.\.1"),
-        (dict(X=X, y=[True, False, True]), "integer class indices"),
+        (dict(X=X, y=[True, False, True]), "integer class labels"),
         (dict(X=X, y=[0, 1]), "2 labels for 3 rows"),
         (dict(X=X, y=y, ids=["a", "b", "a"]), "duplicate id 'a'"),
         (dict(X=X, y=y, ids=["a", "b", est.support_ids_[5]]), "already a support or calibration row"),
@@ -188,14 +190,14 @@ def test_persisted_updates_reload_equal_in_memory(trained, tmp_path):
     shutil.copytree(trained["path"], path)
     far_X, far_y = trained["far"]
     mem = fresh(trained)
-    mem.predict(far_X[:5])  # the index exists: the updates below append to / remove from it in place
+    mem.estimate(far_X[:5])  # the index exists: the updates below append to / remove from it in place
     mem.add_support(far_X[100:200], far_y[100:200], ids=[f"f{i}" for i in range(100)], source="api")
     mem.remove_support(["f3", "f7"])
     add_support_to_model(path, far_X[100:200], far_y[100:200], ids=[f"f{i}" for i in range(100)], source="api")
     remove_support_from_model(path, ["f3", "f7"])
     loaded = SDMEstimator.load(path)
     Q = np.concatenate([far_X[:40], trained["near"][0][:40]])
-    assert same_predictions(mem.predict(Q), loaded.predict(Q))
+    assert same_predictions(mem.estimate(Q), loaded.estimate(Q))
     with open(os.path.join(path, LOG_FILE), encoding="utf-8") as f:
         log = [json.loads(line) for line in f]
     assert [e["op"] for e in log] == ["add"] * 100 + ["remove"] * 2
@@ -332,3 +334,21 @@ def test_cli_errors(trained, tmp_path):
     fresh_model = cli("inspect", "--model", path)
     assert fresh_model.returncode == 0 and "added since training: 0 rows" in fresh_model.stdout
     assert "last update: never" in fresh_model.stdout
+
+
+def test_labels_in_the_estimators_label_space():
+    import warnings
+
+    rng = np.random.default_rng(5)
+    X, y = gaussians(rng, 200)
+    names = np.array(["neg", "pos"])[y]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = SDMEstimator(iterations=1, epochs=2, exemplar_dim=8, verbose=False).fit(X, names)
+    entries = est.add_support(X[:2], ["pos", "neg"], ids=["s1", "s2"])
+    assert [e["label"] for e in entries] == [1, 0]  # the log holds class indices of classes_
+    assert est.support_labels_[-2:].tolist() == [1, 0]
+    with pytest.raises(InputError, match=r"\['maybe'\] are not classes of this model"):
+        est.add_support(X[:1], ["maybe"], ids=["s3"])
+    with pytest.raises(InputError, match="not classes of this model"):
+        est.add_support(X[:1], [1], ids=["s3"])

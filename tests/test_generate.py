@@ -117,7 +117,7 @@ def setup(tiny_phi3_path, tmp_path_factory):
     settings = {"system": SYSTEM, "prompt_template": TEMPLATE, "delimiter": "}", "max_new_tokens": 24,
                 "max_length": 500, "use_chat_template": True}
     head_dir = save_network(root / "network", heads, tiny_phi3_path, est, settings=settings)
-    pred = est.predict(X[y == 1])
+    pred = est.estimate(X[y == 1])
     ok = np.flatnonzero(pred.admitted & (pred.prediction == 1))
     assert ok.size, "fixture: the verifier admits none of the model's own answers"
     return types.SimpleNamespace(

@@ -64,7 +64,7 @@ def test_feature_field_is_remembered(box, tmp_path):
     assert est.feature_field_ == "embedding"
     X = np.array([row["embedding"] for row in rows(12, seed=1)], dtype=np.float32)
     got = [row["p_lower"] for row in _strict_lines((box / "p.jsonl").read_text())]
-    np.testing.assert_array_equal(np.nan_to_num(got, nan=-1), np.nan_to_num(est.predict(X).p_lower, nan=-1))
+    np.testing.assert_array_equal(np.nan_to_num(got, nan=-1), np.nan_to_num(est.estimate(X).p_lower, nan=-1))
     # an artifact without the field (older versions) falls back to auto: both fields, a clear width error
     est.feature_field_ = None
     est.save(tmp_path / "old")
@@ -149,9 +149,9 @@ def test_strict_json_everywhere_and_no_threshold_round_trip(box):
     est = SDMEstimator.load(box / "model")
     assert est.calibration_.min_valid == math.inf and est.robust_min_valid_ == math.inf
     X = np.array([row["embedding"] for row in rows(12, seed=1)], dtype=np.float32)
-    before = est.predict(X)
+    before = est.estimate(X)
     est.save(box / "again")
-    after = SDMEstimator.load(box / "again").predict(X)
+    after = SDMEstimator.load(box / "again").estimate(X)
     assert not after.admitted.any()
     assert list(after.rejection_reason) == list(before.rejection_reason)
     np.testing.assert_array_equal(after.q_tilde_lower, before.q_tilde_lower)
@@ -279,7 +279,7 @@ def test_kill_9_during_save_keeps_a_loadable_artifact(tmp_path):
     for alpha in (0.7, 0.75):
         e = SDMEstimator.load(path)
         e.recalibrate(alpha)
-        versions.append(e.predict(Xt))
+        versions.append(e.estimate(Xt))
     script = tmp_path / "saver.py"
     script.write_text(_SAVER)
     for delay in (0.0, 0.01, 0.03, 0.07, 0.13, 0.2, 0.31, 0.5):
@@ -289,7 +289,7 @@ def test_kill_9_during_save_keeps_a_loadable_artifact(tmp_path):
         p.send_signal(signal.SIGKILL)
         p.wait()
         loaded = SDMEstimator.load(path)  # repairs a swap interrupted between its two renames
-        got = loaded.predict(Xt)
+        got = loaded.estimate(Xt)
         assert any(np.array_equal(got.p_lower, v.p_lower, equal_nan=True) and
                    np.array_equal(got.q_tilde_lower, v.q_tilde_lower) for v in versions), delay
     SDMEstimator.load(path).save(path, overwrite=True)  # the next save clears what the killed ones left

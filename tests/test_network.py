@@ -385,7 +385,7 @@ class FakeVerifier:
         n = len(X)
         return np.full(n, 5), np.full(n, 0.8), np.ones(n, dtype=int)
 
-    def predict(self, X, ids=None, n_exemplars=None):
+    def estimate(self, X, ids=None, n_exemplars=None, alpha=None):
         from types import SimpleNamespace
 
         return SimpleNamespace(admitted=np.ones(len(X), bool), prediction=np.ones(len(X), int))

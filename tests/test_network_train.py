@@ -74,3 +74,50 @@ def test_saved_network_reloads_with_identical_outputs(run):
     again = count_verified(net.heads, net.tokenizer, net.verifier, cal, s["completions"],
                            max_new_tokens=s["max_new_tokens"], delimiter=s["delimiter"], batch_size=64)
     assert again["count"] == res.best_count
+
+
+def test_finished_training_is_recorded_in_the_network(run):
+    from sdm_mlx.network.artifact import read_network_config, training_status
+
+    cfg, res = run
+    t = read_network_config(res.network_path)["training"]
+    assert t["finished"] is True and t["epochs_completed"] == t["epochs_planned"] == cfg.epochs
+    assert t["epoch"] == res.selected_epoch and training_status({"training": t}) is None
+    assert json.loads(open(res.metrics_path).read())["finished"] is True
+
+
+def test_interrupted_network_train_says_it_holds_the_base_head(run, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the first epoch of a re-run: the trained head was replaced by the base head (the epoch-0
+    fallback), and both the artifact and the message say so; loading it warns."""
+    import dataclasses
+    import shutil
+    import warnings
+
+    from sdm_mlx.embed import load_model
+    from sdm_mlx.network import load_network, train_network
+    from sdm_mlx.network.artifact import read_network_config
+    from sdm_mlx.network.trainer import SDMNetworkTrainer
+
+    cfg, res = run
+    out = tmp_path / "out"
+    shutil.copytree(cfg.output_dir, out)
+    cfg2 = dataclasses.replace(cfg, output_dir=str(out), verifier=res.verifier_path, epochs=3, overwrite=True)
+
+    def interrupt(self, epoch, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SDMNetworkTrainer, "run_epoch", interrupt)
+    model, tok = load_model(cfg.model)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KeyboardInterrupt):
+            train_network(cfg2, model, tok)
+    err = capsys.readouterr().err
+    assert "interrupted during epoch 1/3" in err and "untrained base head" in err and "finished=false" in err
+    t = read_network_config(out / "network")["training"]
+    assert (t["finished"], t["epoch"], t["epochs_completed"], t["epochs_planned"]) == (False, 0, 0, 3)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["finished"] is False and metrics["interrupted_during_epoch"] == 1
+    with pytest.warns(RuntimeWarning, match="did not finish .*0 of 3 epochs.*untrained base head"):
+        load_network(out / "network", model, tok, load_verifier=False)

@@ -58,11 +58,11 @@ def grow(est: SDMEstimator, size: int, rng, block: int = 10000) -> None:
 
 
 def bench_memory(est: SDMEstimator, backend: str, rng, repeat: int) -> dict:
-    est.index_backend, est._index = backend, None
-    build = timed(lambda: est.index_)
+    est.index_backend = backend
+    build = timed(est._prepare_predict)
     Q = rng.normal(size=(10, est.input_dim_)).astype(np.float32)
-    est.predict(Q)
-    out = {"index_build_s": build, "predict10_steady_s": statistics.median(timed(lambda: est.predict(Q))
+    est.estimate(Q)
+    out = {"index_build_s": build, "predict10_steady_s": statistics.median(timed(lambda: est.estimate(Q))
                                                                          for _ in range(repeat))}
     for rows in (1, 100):
         add, first = [], []
@@ -70,7 +70,7 @@ def bench_memory(est: SDMEstimator, backend: str, rng, repeat: int) -> dict:
             X = rng.normal(size=(rows, est.input_dim_)).astype(np.float32)
             ids = [f"{backend}-{rows}-{r}-{i}-{len(est.support_ids_)}" for i in range(rows)]
             add.append(timed(lambda: est.add_support(X, (X[:, 0] > 0).astype(np.int64), ids=ids, source="bench")))
-            first.append(timed(lambda: est.predict(Q)))
+            first.append(timed(lambda: est.estimate(Q)))
         out[f"add_{rows}_s"] = statistics.median(add)
         out[f"predict10_after_add_{rows}_s"] = statistics.median(first)
     return out
@@ -112,7 +112,6 @@ def main() -> None:
         for backend in args.backends:
             entry[backend] = bench_memory(est, backend, rng, args.repeat)
             print(size, backend, {k: round(v, 4) for k, v in entry[backend].items()}, flush=True)
-        est._index = None
         if not args.no_persisted:
             entry["persisted"] = bench_persisted(est, rng, args.repeat)
             print(size, "persisted", {k: round(v, 4) for k, v in entry["persisted"].items()}, flush=True)

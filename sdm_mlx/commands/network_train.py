@@ -22,6 +22,8 @@ HELP = "train an SDM network (duplicated LM head, verification layer, Alg. 4) on
 
 
 def add_arguments(p) -> None:
+    from ..defaults import ESTIMATOR_DEFAULTS as D
+
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="base model: mlx-lm directory or hub id (e.g. mlx-community/Phi-3.5-mini-instruct-4bit)")
     g.add_argument("--data", help="task JSONL with id, label (task label 0..C-1), document")
@@ -64,13 +66,14 @@ def add_arguments(p) -> None:
     t.add_argument("--seed", type=int, default=0)
     v = p.add_argument_group("verification layer (SDM estimator)")
     v.add_argument("--verifier", default=None, help="reuse an already trained verification layer (directory)")
-    v.add_argument("--alpha", type=float, default=0.95)
-    v.add_argument("--verifier-iterations", type=int, default=10, help="J")
-    v.add_argument("--verifier-epochs", type=int, default=50)
-    v.add_argument("--verifier-exemplar-dim", type=int, default=1000)
-    v.add_argument("--verifier-batch-size", type=int, default=50)
-    v.add_argument("--verifier-learning-rate", type=float, default=1e-5)
-    v.add_argument("--verifier-rescaler-max-epochs", type=int, default=1000)
+    v.add_argument("--alpha", type=float, default=D["alpha"])
+    v.add_argument("--verifier-iterations", type=int, default=D["iterations"], help="J")
+    v.add_argument("--verifier-epochs", type=int, default=D["epochs"],
+                   help=f"cap; rounds stop after {D['patience']} epochs without a better balanced median q")
+    v.add_argument("--verifier-exemplar-dim", type=int, default=D["exemplar_dim"])
+    v.add_argument("--verifier-batch-size", type=int, default=D["batch_size"])
+    v.add_argument("--verifier-learning-rate", type=float, default=D["learning_rate"])
+    v.add_argument("--verifier-rescaler-max-epochs", type=int, default=D["rescaler_max_epochs"])
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 

@@ -36,7 +36,7 @@ def run(args) -> int:
     check_model_width(data, est.input_dim_, trained_on, args.input)
     if data.y is not None:
         check_labels(data.y, est.num_classes_, args.input)
-    pred = est.predict(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+    pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
     rows = pred.to_dicts()
     if data.y is not None:
         for row, label in zip(rows, data.y.tolist()):

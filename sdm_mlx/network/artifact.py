@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..artifact import atomic_directory, read_manifest, sha256_file
 from ..errors import ArtifactError
-from ..io import dumps
+from ..io import dumps, write_json
 from .heads import HeadShapeError, SDMHeads, model_dims
 
 FORMAT = "sdm_mlx_network"
@@ -119,6 +120,28 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
     return path
 
 
+def mark_network_finished(path, epochs_completed: int) -> None:
+    """Record in ``network_config.json`` that training finished (the head is the final selection).
+
+    Only the small JSON file is rewritten (atomically, by :func:`sdm_mlx.io.write_json`); the head and the
+    verifier are untouched.
+    """
+    path = os.path.abspath(os.fspath(path))
+    config = read_network_config(path)
+    config.setdefault("training", {}).update(finished=True, epochs_completed=int(epochs_completed))
+    write_json(os.path.join(path, CONFIG_FILE), config)
+
+
+def training_status(config: dict) -> str | None:
+    """A warning text when the network comes from an unfinished (interrupted) training, else None."""
+    t = config.get("training", {})
+    if t.get("finished", True):
+        return None
+    held = "the untrained base head" if int(t.get("epoch", 0)) == 0 else f"the head of epoch {t.get('epoch')}"
+    return (f"this network's training did not finish ({t.get('epochs_completed', '?')} of "
+            f"{t.get('epochs_planned', '?')} epochs completed): it holds {held}")
+
+
 def read_network_config(path) -> dict:
     """The validated ``network_config.json`` of a network directory; ``base_model`` is resolved to the
     model to load (the stored value is kept as ``base_model_stored``)."""
@@ -193,6 +216,9 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
     """
     path = os.path.abspath(os.fspath(path))
     config = read_network_config(path)
+    status = training_status(config)
+    if status is not None:
+        warnings.warn(f"{path}: {status}", RuntimeWarning, stacklevel=2)
     w = load_head_weight(path, config)
     if model is None:
         from ..embed import load_model

@@ -55,10 +55,11 @@ import numpy as np
 from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
+from ..defaults import ESTIMATOR_DEFAULTS
 from ..io import write_json, write_jsonl
 from ..progress import Progress, log
 from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
-from .artifact import base_model_reference, save_network
+from .artifact import base_model_reference, mark_network_finished, save_network
 from .generation import generation_features, greedy_generate, parse_task_prediction
 from .heads import SDMHeads, token_hidden_states
 from .loss import beta_schedule, network_loss
@@ -99,16 +100,17 @@ class NetworkConfig:
     reference_head: str = "model"  #: "model" (the base model's own, possibly quantised head) or "float32" copy
     # verification layer
     verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
-    alpha: float = 0.95
-    verifier_iterations: int = 10
-    verifier_epochs: int = 50
-    verifier_exemplar_dim: int = 1000
-    verifier_batch_size: int = 50
-    verifier_learning_rate: float = 1e-5
-    verifier_rescaler_max_epochs: int = 1000
+    # (defaults: the estimator's, sdm_mlx/defaults.py; verifier_options may set e.g. "patience")
+    alpha: float = ESTIMATOR_DEFAULTS["alpha"]
+    verifier_iterations: int = ESTIMATOR_DEFAULTS["iterations"]
+    verifier_epochs: int = ESTIMATOR_DEFAULTS["epochs"]
+    verifier_exemplar_dim: int = ESTIMATOR_DEFAULTS["exemplar_dim"]
+    verifier_batch_size: int = ESTIMATOR_DEFAULTS["batch_size"]
+    verifier_learning_rate: float = ESTIMATOR_DEFAULTS["learning_rate"]
+    verifier_rescaler_max_epochs: int = ESTIMATOR_DEFAULTS["rescaler_max_epochs"]
     verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
     seed: int = 0
-    verbose: bool = True
+    verbose: bool = False  #: progress on stderr (the CLI turns it on)
     overwrite: bool = False  #: replace the outputs of an earlier network-train run in output_dir
 
     def validate(self) -> None:
@@ -382,7 +384,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
                                delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
                                progress=bar.update)
-    pred = verifier.predict(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
+    pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)
     verified = admitted & (np.asarray(pred.prediction) == 1)
     per_row = [(completions.get(r.get("task")) if isinstance(completions, dict) else completions) for r in rows]
@@ -506,7 +508,7 @@ class SDMNetworkTrainer:
             self.log(f"training the verification layer on {len(rows)} force-decoded rows "
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())
-            est.fit(X, y, ids_train=ids)
+            est.fit(X, y, ids_train=ids, num_classes=2)  # labels are the binary verification indices
         by_key = {id_key(r["id"]): r for r in rows}
         try:
             train_rows = [by_key[id_key(i)] for i in est.support_ids_]
@@ -532,12 +534,54 @@ class SDMNetworkTrainer:
                               batch_size=c.generation_batch_size, verbose=c.verbose)
 
     # -- everything ------------------------------------------------------------------------------
-    def save(self, est_path: str, epoch: int, count: int) -> None:
+    def save(self, est_path: str, epoch: int, count: int, epochs_completed: int) -> None:
+        """Write the network holding the head of ``epoch`` (0 = the base head), marked as not finished."""
         save_network(self.network_path, self.heads, self.config.model, est_path, settings=self.settings(),
-                     training={"epoch": epoch, "calibration_count": count,
+                     training={"epoch": epoch, "calibration_count": count, "head": _head_label(epoch),
+                               "finished": False, "epochs_completed": epochs_completed,
+                               "epochs_planned": self.config.epochs,
                                "learning_rate": self.config.learning_rate, "beta_min": self.config.beta_min,
                                "beta_max": self.config.beta_max, "batch_size": self.config.batch_size,
                                "seed": self.config.seed}, overwrite=True)
+
+    def interrupted(self, metrics: dict, epoch: int, selected: int, best: int) -> None:
+        """Ctrl-C during ``epoch``: record it in the metrics and say what the network on disk holds."""
+        metrics.update(finished=False, interrupted_during_epoch=epoch, epochs_completed=epoch - 1)
+        write_json(self.metrics_path, metrics)
+        log(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
+            f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
+            "finished=false in its network_config.json; re-run network-train to train it fully", True)
+
+    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer, metrics, best,
+                  selected) -> tuple[int, int]:
+        """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
+        c = self.config
+        t0 = time.perf_counter()
+        q_doc, d_doc, _ = self.document_qd(est, pos_rows)
+        t_qd = time.perf_counter() - t0
+        q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
+        with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
+            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
+                            c.beta_min, c.beta_max, self.rng, progress=bar.update)
+        cal = self.calibration_count(est, cal_rows)
+        improved = select_improved(cal["count"], best)
+        if improved:
+            best, selected = cal["count"], epoch
+            self.save(self.verifier_path, selected, best, epoch)
+        row = {"epoch": epoch, **m, "q_mean": float(q_doc.mean()) if len(q_doc) else None,
+               "d_mean": float(d_doc.mean()) if len(d_doc) else None, "qd_seconds": t_qd,
+               "calibration": cal, "count": cal["count"], "selected": improved,
+               "epoch_seconds": time.perf_counter() - t0}
+        metrics["epochs"].append(row)
+        metrics["selected_epoch"], metrics["best_count"] = selected, best
+        write_json(self.metrics_path, metrics)
+        self.log(
+            f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
+            f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
+            f"count {cal['count']} (best {best}{', kept' if improved else ''}), "
+            f"{m['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
+        )
+        return best, selected
 
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
@@ -573,7 +617,7 @@ class SDMNetworkTrainer:
 
         initial = self.calibration_count(est, cal_rows)
         best, selected = initial["count"], 0
-        self.save(self.verifier_path, 0, best)
+        self.save(self.verifier_path, 0, best, 0)
         metrics["initial"] = initial
         metrics["selected_epoch"], metrics["best_count"] = selected, best
         write_json(self.metrics_path, metrics)
@@ -582,32 +626,16 @@ class SDMNetworkTrainer:
 
         optimizer = make_optimizer(c.learning_rate)
         step = make_train_step(self.heads, optimizer, compile=c.compile_step)
-        for epoch in range(1, c.epochs + 1):
-            t0 = time.perf_counter()
-            q_doc, d_doc, _ = self.document_qd(est, pos_rows)
-            t_qd = time.perf_counter() - t0
-            q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
-            with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
-                m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
-                                c.beta_min, c.beta_max, self.rng, progress=bar.update)
-            cal = self.calibration_count(est, cal_rows)
-            improved = select_improved(cal["count"], best)
-            if improved:
-                best, selected = cal["count"], epoch
-                self.save(self.verifier_path, epoch, best)
-            row = {"epoch": epoch, **m, "q_mean": float(q_doc.mean()) if len(q_doc) else None,
-                   "d_mean": float(d_doc.mean()) if len(d_doc) else None, "qd_seconds": t_qd,
-                   "calibration": cal, "count": cal["count"], "selected": improved,
-                   "epoch_seconds": time.perf_counter() - t0}
-            metrics["epochs"].append(row)
-            metrics["selected_epoch"], metrics["best_count"] = selected, best
-            write_json(self.metrics_path, metrics)
-            self.log(
-                f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
-                f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
-                f"count {cal['count']} (best {best}{', kept' if improved else ''}), "
-                f"{m['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
-            )
+        epoch = 0
+        try:
+            for epoch in range(1, c.epochs + 1):
+                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets, step,
+                                                optimizer, metrics, best, selected)
+        except KeyboardInterrupt:
+            self.interrupted(metrics, epoch, selected, best)
+            raise
+        mark_network_finished(self.network_path, c.epochs)
+        metrics.update(finished=True, epochs_completed=c.epochs)
         metrics["total_seconds"] = time.perf_counter() - t_start
         write_json(self.metrics_path, metrics)
         self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
@@ -615,6 +643,10 @@ class SDMNetworkTrainer:
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
                                   metrics_path=self.metrics_path, selected_epoch=selected, best_count=best,
                                   initial_count=initial["count"], history=metrics["epochs"])
+
+
+def _head_label(epoch: int) -> str:
+    return "the untrained base head (epoch 0)" if epoch == 0 else f"the head of epoch {epoch}"
 
 
 def _jsonable(obj):

@@ -296,7 +296,7 @@ class Engine:
         X, _ = verifier.features(rec["prompt_ids"], rec["answer_ids"])
         rid = f"feedback-{verdict_id}"
         n_log = len(est.feedback_state_.log)
-        entry = est.add_support(X, [cls], ids=[rid], source=source)[0]
+        entry = est.add_support(X, est.classes_[[cls]], ids=[rid], source=source)[0]
         if self.persist_feedback:
             try:
                 with artifact_lock(self.persist_feedback):

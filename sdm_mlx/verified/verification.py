@@ -36,12 +36,13 @@ from typing import Sequence
 
 from .. import embed as _embed
 from ..network.generation import first_json_object
+from ..results import VERDICT_FLOAT_KEYS, VERDICT_KEYS
 
 PARSE_FAILURE = "parse_failure"
 PREDICTED_UNVERIFIED = "predicted_unverified"
-#: Fields of the estimator's per-row result copied into a verdict's ``verifier`` record.
-VERIFIER_FIELDS = ("prediction", "admitted", "rejection_reason", "p_lower", "p_centroid", "p_upper", "q", "d0", "d",
-                   "q_tilde_lower", "hard_bin_lower")
+#: Fields of the estimator's per-row result copied into a verdict's ``verifier`` record (derived from the
+#: result dataclasses: the fields marked ``verdict`` in :mod:`sdm_mlx.results`).
+VERIFIER_FIELDS = VERDICT_KEYS
 
 
 def json_safe(value):
@@ -117,13 +118,13 @@ class AnswerVerifier:
         t0 = time.perf_counter()
         X, feats = self.features(prompt_ids, answer_ids)
         t1 = time.perf_counter()
-        pred = self.estimator.predict(X, ids=[id], n_exemplars=self.n_exemplars)
+        pred = self.estimator.estimate(X, ids=[id], n_exemplars=self.n_exemplars)
         row = pred.to_dicts()[0]
         t2 = time.perf_counter()
         parsed = first_json_object(text)
         missing = bool(feats.missing_delimiter[0])
         record = {k: row[k] for k in VERIFIER_FIELDS}
-        for k in ("p_lower", "p_centroid", "p_upper", "d0", "d", "q_tilde_lower"):
+        for k in VERDICT_FLOAT_KEYS:
             record[k] = finite_or_none(record[k])
         record.update(n_kept=int(feats.n_kept[0]), delimiter_index=int(feats.delimiter_index[0]),
                       missing_delimiter=missing, truncated=bool(feats.truncated[0]))
