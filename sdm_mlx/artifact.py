@@ -266,10 +266,12 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
 
 
 def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict,
-                  overwrite: bool = False) -> None:
+                  overwrite: bool = False, texts: dict[str, str] | None = None) -> None:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.
 
     ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.io.put_float`).
+    ``texts`` ({file name: UTF-8 text}, e.g. an update log) are written beside the arrays and
+    checksummed in the manifest's ``texts``.
     An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`."""
     meta = strict(meta)
     with atomic_directory(path, overwrite=overwrite) as tmp:
@@ -279,6 +281,13 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
             fpath = os.path.join(tmp, name)
             save_file({k: _to_storable(v) for k, v in arrays.items()}, fpath)
             files[name] = sha256_file(fpath)
+        text_files = {}
+        for name, text in (texts or {}).items():
+            if os.path.basename(name) != name or name.endswith(".safetensors") or name == MANIFEST:
+                raise ValueError(f"invalid artifact text file name {name!r}")
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+            text_files[name] = sha256_file(os.path.join(tmp, name))
         manifest = {
             "format": FORMAT,
             "kind": kind,
@@ -288,6 +297,8 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
             "meta": meta,
             "meta_sha256": _meta_digest(meta),
         }
+        if text_files:
+            manifest["texts"] = text_files
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             f.write(dumps(manifest, indent=1) + "\n")
 
@@ -316,8 +327,11 @@ def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=
     return path, manifest
 
 
-def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]:
-    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta)."""
+def load_artifact(path, kind: str, version: int, texts: dict | None = None) -> tuple[dict[str, dict], dict]:
+    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta).
+
+    The checksummed text files (see :func:`save_artifact`) are verified too and, when a dict
+    ``texts`` is given, put into it ({name: text})."""
     path, manifest = read_manifest(path, MANIFEST, FORMAT, version, "model artifact")
     mpath = os.path.join(path, MANIFEST)
     if manifest.get("kind") != kind:
@@ -337,4 +351,16 @@ def load_artifact(path, kind: str, version: int) -> tuple[dict[str, dict], dict]
         except (SafetensorError, OSError, ValueError) as e:
             raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
         groups[name[: -len(".safetensors")]] = loaded
+    for name, digest in (manifest.get("texts") or {}).items():
+        fpath = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(fpath):
+            raise ArtifactError(f"{path}: file {name} is missing")
+        if sha256_file(fpath) != digest:
+            raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
+        if texts is not None:
+            try:
+                with open(fpath, encoding="utf-8") as f:
+                    texts[name] = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
     return groups, meta

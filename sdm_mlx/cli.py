@@ -25,6 +25,8 @@ VERBS = {
     "train": "train",
     "predict": "predict",
     "recalibrate": "recalibrate",
+    "add-support": "add_support",
+    "inspect": "inspect",
     "evaluate": "evaluate",
     "demo": "demo",
     "embed": "embed",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import warnings
 from dataclasses import asdict
 
@@ -38,6 +39,9 @@ from .defaults import ESTIMATOR_DEFAULTS as D
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
+from .data import id_key
+from .feedback import LOG_FILE as FEEDBACK_LOG
+from .feedback import FeedbackState, dump_log, label_indices_for, log_entries, new_ids, parse_log
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
 from .io import put_float
@@ -438,6 +442,103 @@ class SDMEstimator:
             class_names=self.class_names,
         )
 
+    # -- feedback: support-set updates (sdm_mlx.feedback) -------------------------------------
+    @property
+    def feedback_state_(self) -> FeedbackState:
+        """Training-support size and update log of the current support set (reset by a new fit)."""
+        self._check_fitted()
+        state = self.__dict__.get("_feedback")
+        if state is None or state.support_ids is not self.support_ids_:
+            state = self._feedback = FeedbackState(self.support_ids_, len(self.support_ids_))
+        return state
+
+    def _taken_ids(self) -> set:
+        taken = self.__dict__.get("_taken")
+        if taken is None or taken[0] is not self.support_ids_:
+            keys = {id_key(i) for i in self.support_ids_} | {id_key(i) for i in self.calibration_ids_}
+            taken = self._taken = (self.support_ids_, keys)
+        return taken[1]
+
+    def add_support(self, X, y, ids=None, source: str = "api") -> list[dict]:
+        """Append labelled rows to the support set without retraining; returns their update-log entries.
+
+        Each row's exemplar coordinates h' and prediction ŷ come from the batch-invariant forward
+        that computed the training support's; (h', label, ŷ, id) is appended to the support set and
+        its index (exact: rows appended; hnsw: ``add_items``, no rebuild).  A row counts towards q of
+        class c iff label = ŷ = c, as every training support row does.
+
+        Changes for later queries: q (``equation:q``, counted over the enlarged support; the cap k is
+        kept), d0 and therefore d (d0's quantile against the FIXED calibration eCDFs), and the
+        returned nearest exemplars.  Unchanged: the adaptor and z', the calibration eCDFs of d0,
+        the rescaler W'', Alg. 3's ψ and min valid q~, the Cauchy robust threshold and offsets —
+        q and d are defined over the training support, the calibration statistics over the
+        calibration split, which feedback does not change (see :mod:`sdm_mlx.feedback`).
+
+        ``ids`` (default: fresh ``feedback-<hex>`` ids) must be unique and must not be support or
+        calibration ids of this model; ``source`` names who sent the rows (api, cli, server, mcp...).
+        """
+        state = self.feedback_state_
+        X = validation.features(X, "added support rows", dim=self.input_dim_, model=type(self).__name__)
+        y = label_indices_for(y, X.shape[0], self.classes_, "added support labels")
+        if not isinstance(source, str) or not source.strip():
+            raise InputError("source must be a non-empty string")
+        taken = self._taken_ids()
+        ids = new_ids(ids, X.shape[0], taken, "added support ids")
+        z, h = self._forward(X)
+        pred = z.argmax(axis=1).astype(np.int64)
+        if self._index is not None:
+            self._index.append(h)
+        self.support_vectors_ = np.concatenate([self.support_vectors_, h.astype(self.support_vectors_.dtype)])
+        self.support_labels_ = np.concatenate([self.support_labels_, y])
+        self.support_predictions_ = np.concatenate([self.support_predictions_, pred])
+        self.support_ids_ = self.support_ids_ + ids
+        state.support_ids = self.support_ids_
+        taken.update(id_key(i) for i in ids)
+        self._taken = (self.support_ids_, taken)
+        entries = log_entries("add", ids, y, pred, source)
+        state.log.extend(entries)
+        return entries
+
+    def remove_support(self, ids, source: str = "api") -> list[dict]:
+        """Undo :meth:`add_support` for rows by id; returns the update-log entries.
+
+        Only rows added by feedback can be removed: the training support is the set the calibration
+        split was measured against.  Removing every added row restores the training support, and
+        with it every prediction, bit for bit (exact index)."""
+        state = self.feedback_state_
+        n_train = state.n_training
+        added = {id_key(i): p for p, i in enumerate(self.support_ids_[n_train:], n_train)}
+        positions, seen = [], set()
+        for rid in list(ids):
+            key = id_key(rid)
+            if key in seen:
+                raise InputError(f"id {rid!r} is given twice")
+            seen.add(key)
+            if key in added:
+                positions.append(added[key])
+            elif key in self._taken_ids():
+                raise InputError(f"id {rid!r} is a training support or calibration row; only rows added by "
+                                 "feedback (add_support) can be removed")
+            else:
+                raise InputError(f"id {rid!r} is not a support row of this model")
+        if not positions:
+            raise InputError("no ids to remove")
+        positions = np.asarray(positions, dtype=np.int64)
+        removed = [(self.support_ids_[p], self.support_labels_[p], self.support_predictions_[p]) for p in positions]
+        if self._index is not None:
+            self._index.remove(positions)
+        keep = np.ones(len(self.support_ids_), dtype=bool)
+        keep[positions] = False
+        self.support_vectors_ = self.support_vectors_[keep]
+        self.support_labels_ = self.support_labels_[keep]
+        self.support_predictions_ = self.support_predictions_[keep]
+        self.support_ids_ = [i for i, k in zip(self.support_ids_, keep) if k]
+        state.support_ids = self.support_ids_
+        self.__dict__.pop("_taken", None)
+        entries = log_entries("remove", *map(list, zip(*removed)), source)
+        state.log.extend(entries)
+        return entries
+
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path, overwrite: bool = False) -> None:
         """Write a versioned safetensors + JSON artifact directory atomically.
@@ -481,14 +582,20 @@ class SDMEstimator:
             "feature_field": getattr(self, "feature_field_", None),
             "classes": self.classes_.tolist(),
         }
+        state = self.feedback_state_
+        texts = {}
+        if state.log:
+            meta["n_training_support"] = state.n_training
+            texts[FEEDBACK_LOG] = dump_log(state.log)
         put_float(meta, "robust_min_valid", self.robust_min_valid_, ROBUST_INF_REASON)
         save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, json.loads(json.dumps(meta, default=_json_default)),
-                      overwrite=overwrite)
+                      overwrite=overwrite, texts=texts)
 
     @classmethod
     def load(cls, path) -> "SDMEstimator":
         """Load an artifact written by :meth:`save` (verifies format version and checksums)."""
-        groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION)
+        texts: dict = {}
+        groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts)
         try:
             est = cls(**meta["params"])
             C = int(meta["num_classes"])
@@ -532,6 +639,12 @@ class SDMEstimator:
             raise ArtifactError(
                 f"{path}: support vectors have width {est.support_vectors_.shape[1]}, expected min(M, D) = {min(m, d)}"
             )
+        n_train = meta.get("n_training_support", len(est.support_ids_))
+        if not isinstance(n_train, int) or not 1 <= n_train <= len(est.support_ids_):
+            raise ArtifactError(
+                f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
+        log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
+        est._feedback = FeedbackState(est.support_ids_, n_train, log)
         est._prepare_predict()
         est._apply_alpha(est.alpha)
         return est

@@ -61,6 +61,18 @@ def _as_float32_matrix(x, name: str) -> np.ndarray:
     return a
 
 
+def _kept(positions, size: int) -> np.ndarray:
+    """[size] bool mask without ``positions`` (unique, in 1..size−1: row 0 anchors the index)."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size and (pos.min() < 1 or pos.max() >= size):
+        raise ValueError(f"support positions to remove must lie in 1..{size - 1}")
+    if np.unique(pos).size != pos.size:
+        raise ValueError("support positions to remove must be unique")
+    keep = np.ones(size, dtype=bool)
+    keep[pos] = False
+    return keep
+
+
 def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
     if exclude is None:
         return None
@@ -177,7 +189,44 @@ class ExactIndex:
         self._support_sq = (self._support * self._support).sum(axis=1)
         self._max_support_sq = float(self._support_sq.max().item())
         self._tau = screening_tolerance(self.dim)
+        self._block_bytes = block_bytes
         self.block_rows = max(1, min(4096, block_bytes // (4 * self.size)))
+
+    # -- appends and removals (support-set feedback) -------------------------------------------
+    def append(self, vectors) -> None:
+        """Append support rows in place (their indices continue from ``size``); no rebuild.
+
+        The centring row (support row 0) is kept, so every existing row's centred float32 vector and
+        every float64 result are unchanged; the screening bands widen with the new max ‖s_c‖².
+        """
+        v = _as_float32_matrix(vectors, "appended support")
+        if v.shape[1] != self.dim:
+            raise ValueError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
+        vc = mx.array(v - self._center)
+        vc_sq = (vc * vc).sum(axis=1)
+        self._raw = np.concatenate([self._raw, v])
+        self._support = mx.concatenate([self._support, vc])
+        self._support_sq = mx.concatenate([self._support_sq, vc_sq])
+        mx.eval(self._support, self._support_sq)
+        if v.shape[0]:
+            self._max_support_sq = max(self._max_support_sq, float(vc_sq.max().item()))
+        self._resized()
+
+    def remove(self, positions) -> None:
+        """Remove support rows by index (later rows move up); row 0, the centring row, cannot be removed."""
+        keep = _kept(positions, self.size)
+        self._raw = self._raw[keep]
+        keep_mx = mx.array(np.flatnonzero(keep))
+        self._support = self._support[keep_mx]
+        self._support_sq = self._support_sq[keep_mx]
+        mx.eval(self._support, self._support_sq)
+        self._max_support_sq = float(self._support_sq.max().item())
+        self._resized()
+
+    def _resized(self) -> None:
+        self.size = self._raw.shape[0]
+        self.block_rows = max(1, min(4096, self._block_bytes // (4 * self.size)))
+        self._grouping_cache = None
 
     # -- distances -----------------------------------------------------------------------------
     def _check_queries(self, queries) -> np.ndarray:
@@ -380,6 +429,34 @@ class HnswIndex:
         self._index.init_index(max_elements=self.size, ef_construction=ef_construction, M=m, random_seed=seed)
         self._index.add_items(s, np.arange(self.size), num_threads=num_threads)
         self._num_threads = num_threads
+        self._label_of_pos = np.arange(self.size, dtype=np.int64)  # hnswlib label of each support index
+        self._pos_of_label = np.arange(self.size, dtype=np.int64)  # support index of each label (−1: deleted)
+
+    def append(self, vectors) -> None:
+        """Append support rows with ``add_items`` (after ``resize_index`` when full): the graph is not rebuilt."""
+        v = _as_float32_matrix(vectors, "appended support")
+        if v.shape[1] != self.dim:
+            raise ValueError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
+        n = v.shape[0]
+        first = self._pos_of_label.shape[0]
+        labels = np.arange(first, first + n, dtype=np.int64)
+        needed = self._index.element_count + n
+        if needed > self._index.get_max_elements():
+            self._index.resize_index(max(needed, 2 * self._index.get_max_elements()))
+        self._index.add_items(v, labels, num_threads=self._num_threads)
+        self._label_of_pos = np.concatenate([self._label_of_pos, labels])
+        self._pos_of_label = np.concatenate([self._pos_of_label, np.arange(self.size, self.size + n)])
+        self.size += n
+
+    def remove(self, positions) -> None:
+        """Remove support rows by index with ``mark_deleted`` (later rows move up); no rebuild."""
+        keep = _kept(positions, self.size)
+        for label in self._label_of_pos[~keep]:
+            self._index.mark_deleted(int(label))
+        self._label_of_pos = self._label_of_pos[keep]
+        self._pos_of_label[:] = -1
+        self._pos_of_label[self._label_of_pos] = np.arange(self._label_of_pos.shape[0])
+        self.size = int(self._label_of_pos.shape[0])
 
     def _knn(self, queries, n: int) -> tuple[np.ndarray, np.ndarray]:
         qn = _as_float32_matrix(queries, "queries")
@@ -388,7 +465,7 @@ class HnswIndex:
         n = min(n, self.size)
         self._index.set_ef(max(self.ef, n))
         labels, dist = self._index.knn_query(qn, k=n, num_threads=self._num_threads)
-        labels = labels.astype(np.int64)
+        labels = self._pos_of_label[labels.astype(np.int64)]
         return np.maximum(dist.astype(np.float32), 0.0), labels
 
     def _neighbours(self, queries, n: int, exclude) -> tuple[np.ndarray, np.ndarray]:

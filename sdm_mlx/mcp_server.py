@@ -8,6 +8,9 @@ Tools:
   ``p_lower`` (p̂_lower of the predicted class, null when rejected as ⊥),
   ``prediction``, ``rejection_reason`` with ``why`` (a sentence), and the
   nearest training exemplars as short text lines;
+* ``add_feedback(verdict_id, label)`` — the user's verdict on an answer (``true``
+  right, ``false`` wrong, or a class index): the verdict's feature row joins the
+  verifier's support set at once, without retraining (:mod:`sdm_mlx.feedback`);
 * ``explain(verdict_id)`` — the full per-row quantities of that verdict: the
   estimator's row (q, d0, d, logits, SDM output, q̃ and its bins, n̂, offset,
   p̂_lower / centroid / upper), the features' bookkeeping (kept positions,
@@ -62,14 +65,15 @@ def verify_summary(verification: dict) -> dict[str, Any]:
 
 
 def create_server(engine: Engine):
-    """An ``MCPServer`` with the ``verify`` and ``explain`` tools on ``engine``."""
+    """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``."""
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
     server = MCPServer("sdm-mlx", instructions=(
         "SDM verification of answers: call verify(question, answer) to get a calibrated verdict "
         "(p_lower, admitted, why not, nearest training exemplars) and a verdict_id; "
-        "explain(verdict_id) returns every quantity behind it."))
+        "add_feedback(verdict_id, label) records whether the answer was right (true) or wrong (false) so later "
+        "verdicts take it into account at once; explain(verdict_id) returns every quantity behind it."))
 
     @server.tool(structured_output=True)
     async def verify(question: str, answer: str) -> dict[str, Any]:
@@ -85,6 +89,18 @@ def create_server(engine: Engine):
         except ValueError as e:
             raise ToolError(str(e)) from None
         return verify_summary(verification)
+
+    @server.tool(structured_output=True)
+    async def add_feedback(verdict_id: str, label: bool | int) -> dict[str, Any]:
+        """Tell the verifier whether a verified answer was right: label true (right), false (wrong) or a class index.
+
+        The verdict's feature row joins the verifier's support set at once, without retraining: later
+        verdicts near it see it in their similarity q and distance d (a wrong answer lowers q nearby).
+        """
+        try:
+            return await asyncio.wrap_future(engine.submit(engine.add_feedback, verdict_id, label, "mcp"))
+        except (ValueError, LookupError) as e:
+            raise ToolError(str(e.args[0] if isinstance(e, LookupError) and e.args else e)) from None
 
     @server.tool(structured_output=True)
     async def explain(verdict_id: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ async def _session(setup, body):  # noqa: F811
 def test_mcp_verify_and_explain(setup):  # noqa: F811
     async def body(client):
         tools = {t.name: t for t in (await client.list_tools()).tools}
-        assert set(tools) == {"verify", "explain"}
+        assert set(tools) == {"verify", "add_feedback", "explain"}
         assert set(tools["verify"].input_schema["properties"]) == {"question", "answer"}
         good = _structured(await client.call_tool("verify", {"question": setup.verified_doc,
                                                              "answer": setup.verified_answer}))

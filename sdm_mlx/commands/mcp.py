@@ -1,4 +1,5 @@
-"""``sdm-mlx mcp``: an MCP server on stdio with the tools ``verify(question, answer)`` and ``explain(verdict_id)``.
+"""``sdm-mlx mcp``: an MCP server on stdio with the tools ``verify(question, answer)``,
+``add_feedback(verdict_id, label)`` and ``explain(verdict_id)``.
 
 Loads the model and verification layer once (same options as ``sdm-mlx serve``),
 then speaks MCP on stdin/stdout until the client closes stdin (exit 0).  Logs
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-HELP = "MCP server (stdio) exposing SDM verification to assistants: verify(question, answer), explain(verdict_id)"
+HELP = ("MCP server (stdio) exposing SDM verification to assistants: verify(question, answer), "
+        "add_feedback(verdict_id, label), explain(verdict_id)")
 
 
 def add_arguments(p) -> None:

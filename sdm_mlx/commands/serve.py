@@ -41,6 +41,9 @@ def add_generator_arguments(p) -> None:
     p.add_argument("--allow-non-json", action="store_true",
                    help="do not require a parseable JSON object (only the closing delimiter) for verification")
     p.add_argument("--max-verdicts", type=int, default=1000, help="verdicts kept in memory by id (oldest dropped)")
+    p.add_argument("--persist-feedback", action="store_true",
+                   help="write every feedback label into the verifier directory too (atomically, with its update "
+                        "log); default: feedback lives in memory until the server stops")
 
 
 def add_arguments(p) -> None:
@@ -90,7 +93,19 @@ def load_engine(args):
     from ..serve.engine import Engine
 
     name, aliases = model_names(args)
-    return Engine(lambda: build_generator(args), name, aliases=aliases, max_verdicts=args.max_verdicts)
+    return Engine(lambda: build_generator(args), name, aliases=aliases, max_verdicts=args.max_verdicts,
+                  persist_feedback=verifier_directory(args) if getattr(args, "persist_feedback", False) else None)
+
+
+def verifier_directory(args) -> str:
+    """The verifier directory in use: ``--verifier``, else the head's ``verifier`` entry."""
+    if args.verifier:
+        return os.path.abspath(args.verifier)
+    if not args.head:
+        raise CLIError("--persist-feedback needs --verifier or --head (the directory to write feedback into)")
+    from ..network.artifact import read_network_config
+
+    return os.path.join(os.path.abspath(args.head), read_network_config(args.head)["verifier"])
 
 
 def run(args) -> int:

@@ -8,6 +8,7 @@ Routes::
     POST /v1/completions            verified text completion (stream or not)
     POST /v1/verify                 {prompt | messages, completion} -> verdict, no generation
     GET  /v1/verdicts/{verdict_id}  the full per-row quantities of a verdict (as MCP ``explain``)
+    POST /v1/feedback               {verdict_id, label} -> the verdict's row joins the support set (no retraining)
 
 Every error is an OpenAI error object (:class:`~.schema.APIError`).  Model work
 is queued on the engine's single thread; a stream whose client disconnects
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import responses as R
-from .engine import Cancelled, Engine
+from .engine import Cancelled, Engine, UnknownVerdict
 from .schema import APIError, GenerationRequest, parse_generation, parse_json, parse_verify
 
 log = logging.getLogger("sdm_mlx.serve")
@@ -153,6 +154,24 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
                                 f"{engine.verdicts.capacity} verdicts)", param="verdict_id", code="verdict_not_found")
         return JSONResponse(out)
 
+    async def feedback(request: Request):
+        body = await read_json(request, max_body_bytes)
+        unknown = sorted(set(body) - {"verdict_id", "label"})
+        if unknown:
+            raise APIError(400, f"unknown field(s) {unknown}; /v1/feedback takes verdict_id and label",
+                           param=unknown[0])
+        vid = body.get("verdict_id")
+        if not isinstance(vid, str) or not vid:
+            raise APIError(400, "'verdict_id' must be the verdict_id of an earlier verification", param="verdict_id")
+        if "label" not in body:
+            raise APIError(400, "'label' is required: true (the answer was right), false (wrong) or a class index",
+                           param="label")
+        try:
+            out = await run_on_model(engine, engine.add_feedback, vid, body["label"], "server")
+        except UnknownVerdict as e:
+            raise APIError(404, str(e), param="verdict_id", code="verdict_not_found") from None
+        return JSONResponse({"object": "feedback", **out})
+
     async def models(request: Request):
         return JSONResponse(R.models_body(engine.model_id, engine.created))
 
@@ -166,6 +185,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         Route("/v1/completions", text, methods=["POST"]),
         Route("/v1/verify", verify, methods=["POST"]),
         Route("/v1/verdicts/{verdict_id}", verdict, methods=["GET"]),
+        Route("/v1/feedback", feedback, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, Exception: _server_error})

@@ -53,6 +53,29 @@ class Cancelled(Exception):
     """The client went away, or the server is shutting down."""
 
 
+class UnknownVerdict(LookupError):
+    """A verdict id that was never issued, or was evicted from the store."""
+
+
+def feedback_class(label, verified_label: int, num_classes: int) -> int:
+    """The verifier's class for a feedback ``label``.
+
+    ``true`` (the answer was right) is the verifier's verified class (``verified_label``, 1 for the
+    verifiers ``sdm-mlx`` trains); ``false`` (the answer was wrong) is the other class of a binary
+    verifier; an integer is taken as the class index itself (0..C−1).
+    """
+    if isinstance(label, bool):
+        if label:
+            return int(verified_label)
+        if num_classes != 2:
+            raise ValueError(f"label false is ambiguous for a {num_classes}-class verifier: give the class index")
+        return 1 - int(verified_label)
+    if isinstance(label, int) and 0 <= label < num_classes:
+        return int(label)
+    raise ValueError(f"label must be true (the answer was right), false (it was wrong) or a class index "
+                     f"0..{num_classes - 1}, got {label!r}")
+
+
 class VerdictStore:
     """Verdict records by id, oldest dropped beyond ``capacity`` (thread-safe)."""
 
@@ -133,7 +156,9 @@ class Engine:
     ``/v1/models``; ``aliases`` are other accepted ``model`` values (e.g. the model path).
     """
 
-    def __init__(self, load: Callable, model_id: str, *, aliases=(), max_verdicts: int = 1000):
+    def __init__(self, load: Callable, model_id: str, *, aliases=(), max_verdicts: int = 1000,
+                 persist_feedback: str | None = None):
+        self.persist_feedback = persist_feedback  # verifier directory rewritten (atomically) after each feedback
         self._thread = ModelThread()
         self.closing = threading.Event()
         self.verdicts = VerdictStore(max_verdicts)
@@ -251,6 +276,40 @@ class Engine:
             "answer": text, "verified": v.verified, "reason": v.reason, "p_lower": v.p_lower, "parsed": v.parsed,
             "exemplars": v.exemplars, "verifier": v.verifier, "row": row,
         })
+
+    def add_feedback(self, verdict_id: str, label, source: str) -> dict:
+        """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread).
+
+        The row is recomputed from the verdict's prompt and answer token ids (the verifier's own
+        features), appended with :meth:`~sdm_mlx.estimator.SDMEstimator.add_support` under the id
+        ``feedback-<verdict_id>`` (so a verdict takes one label), and, with ``persist_feedback``, the
+        verifier directory is rewritten atomically.  Later verdicts see the new row in q and d.
+        """
+        from ..feedback import artifact_lock, summary
+
+        rec = self.verdicts.get(verdict_id)
+        if rec is None:
+            raise UnknownVerdict(f"no verdict {verdict_id!r} (unknown, or evicted from the last "
+                                 f"{self.verdicts.capacity} verdicts)")
+        est, verifier = self.gen.estimator, self.gen.verifier
+        cls = feedback_class(label, verifier.verified_label, est.num_classes_)
+        X, _ = verifier.features(rec["prompt_ids"], rec["answer_ids"])
+        rid = f"feedback-{verdict_id}"
+        n_log = len(est.feedback_state_.log)
+        entry = est.add_support(X, est.classes_[[cls]], ids=[rid], source=source)[0]
+        if self.persist_feedback:
+            try:
+                with artifact_lock(self.persist_feedback):
+                    est.save(self.persist_feedback, overwrite=True)
+            except BaseException:
+                est.remove_support([rid], source=source)  # memory and disk stay in step
+                del est.feedback_state_.log[n_log:]
+                raise
+        s = summary(est)
+        return {"verdict_id": verdict_id, "support_id": rid, "label": entry["label"],
+                "predicted_label": entry["predicted_label"], "persisted": bool(self.persist_feedback),
+                "support_rows": s["support_rows"], "added_rows": s["added_rows"],
+                "retrain_recommended": s["retrain_recommended"]}
 
     def explain(self, verdict_id: str) -> dict | None:
         """The full per-row quantities of a stored verdict (None: unknown or evicted id); no model work."""
