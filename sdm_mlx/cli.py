@@ -75,14 +75,14 @@ def _check_plain_option(action: argparse.Action, value, where: str):
 
     if value is None:
         return None
-    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        if not isinstance(value, list):
-            raise SettingsError(f"{where}: expected a list (YAML [a, b] or one '- item' per line), got {value!r}")
-        return [_check_plain_option(_Scalar(action), v, f"{where}[{i}]") for i, v in enumerate(value)]
     if action.nargs == 0:  # store_true / store_false / BooleanOptionalAction
         if not isinstance(value, bool):
             raise SettingsError(f"{where}: expected true or false, got {value!r}")
         return value
+    if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1):
+        if not isinstance(value, list):
+            raise SettingsError(f"{where}: expected a list (YAML [a, b] or one '- item' per line), got {value!r}")
+        return [_check_plain_option(_Scalar(action), v, f"{where}[{i}]") for i, v in enumerate(value)]
     if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise SettingsError(f"{where}: expected an integer, got {value!r}")
     if action.type is float:

@@ -1,0 +1,77 @@
+"""Each estimator default lives in exactly one place (EstimatorConfig): the Python API, the `train`
+parser, a YAML config and the dataclass agree; `-c/--config` YAML is type-checked per key."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from sdm_mlx.cli import build_parser, load_yaml_config
+from sdm_mlx.commands.train import SETTINGS, estimator_config, paper_base
+from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, EstimatorConfig
+from sdm_mlx.estimator import SDMEstimator
+from sdm_mlx.settings import resolve
+
+FIELDS = [f.name for f in dataclasses.fields(EstimatorConfig)]
+
+
+def _train_parser():
+    parser, subparsers = build_parser()
+    return parser, subparsers["train"][0]
+
+
+def test_api_cli_yaml_and_dataclass_defaults_agree(tmp_path):
+    api = SDMEstimator().get_params()
+    parser, train_parser = _train_parser()
+    from_cli = estimator_config(parser.parse_args(["train", "--train", "x", "--output", "y"]))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    from_yaml = resolve(EstimatorConfig, {}, load_yaml_config(str(empty), train_parser, SETTINGS))
+    for name in FIELDS:
+        default = dataclasses.fields(EstimatorConfig)[FIELDS.index(name)].default
+        assert api[name] == getattr(from_cli, name) == getattr(from_yaml, name) == ESTIMATOR_DEFAULTS[name] \
+            == default, name
+    assert set(FIELDS) <= set(api)  # every setting is an estimator parameter
+
+
+def test_cli_and_yaml_reach_the_estimator_and_cli_wins(tmp_path):
+    parser, train_parser = _train_parser()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("epochs: 7\nexemplar-dim: 32\nindex-backend: hnsw\nnormalize: false\nclass-names: [a, b]\n")
+    values = load_yaml_config(str(cfg), train_parser, SETTINGS)
+    assert values["class_names"] == ["a", "b"]
+    train_parser.set_defaults(**values)
+    args = parser.parse_args(["train", "--train", "x", "--output", "y", "--epochs", "3", "--unstratified",
+                              "--index", "exact", "--patience", "0"])
+    got = estimator_config(args, paper_base(args))
+    assert (got.epochs, got.exemplar_dim, got.index_backend, got.normalize, got.stratified, got.patience) == \
+        (3, 32, "exact", False, False, None)
+
+
+def _cli(*argv, cwd):
+    return subprocess.run([sys.executable, "-m", "sdm_mlx", *argv], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("class-names: a b c\n", "key 'class-names': expected a list"),
+    ("epochs: 1.5\n", "key 'epochs': expected an integer"),
+    ("learning-rate: fast\n", "key 'learning-rate': expected a number"),
+    ("index-backend: faiss\n", "'faiss' is not one of exact, hnsw"),
+    ("paper: 1\n", "key 'paper': expected true or false"),
+    ("epochz: 3\n", "unknown key(s)"),
+])
+def test_cli_yaml_type_errors_name_file_and_key(tmp_path, text, needle):
+    (tmp_path / "bad.yaml").write_text(text)
+    res = _cli("train", "-c", "bad.yaml", "--train", "x.jsonl", "--output", "m", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "bad.yaml" in res.stderr and needle in res.stderr
+
+
+def test_help_shows_real_defaults_and_required():
+    res = subprocess.run([sys.executable, "-m", "sdm_mlx", "train", "--help"], capture_output=True, text=True)
+    flat = " ".join(res.stdout.split())
+    assert res.returncode == 0 and "-c CONFIG, --config CONFIG" in flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    assert "(default: largest class count)" in flat and "(required)" in flat
+    assert "--index-backend {exact,hnsw}, --index {exact,hnsw}" in flat and "--no-normalize" in flat
