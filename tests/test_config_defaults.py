@@ -75,3 +75,24 @@ def test_help_shows_real_defaults_and_required():
     assert "(default: None)" not in flat and "(default: False)" not in flat
     assert "(default: largest class count)" in flat and "(required)" in flat
     assert "--index-backend {exact,hnsw}, --index {exact,hnsw}" in flat and "--no-normalize" in flat
+
+
+def test_network_train_options_come_from_network_config(tmp_path):
+    from sdm_mlx.commands.network_train import network_config
+    from sdm_mlx.network_config import NetworkConfig
+
+    parser, subparsers = build_parser()
+    common = ["network-train", "-m", "base", "--data", "d.jsonl", "--preset", "sentiment"]
+    got = network_config(parser.parse_args(common + ["--output", "out", "--quiet"]))
+    want = NetworkConfig(model="base", output_dir="out", data="d.jsonl", preset="sentiment")
+    assert got == want  # every other field: the dataclass default
+    old = network_config(parser.parse_args(common + ["--output-dir", "out", "--no-chat-template", "--no-compile",
+                                                     "--system-prompt", ""]))
+    assert (old.output_dir, old.use_chat_template, old.compile_step, old.system, old.verbose) == \
+        ("out", False, False, None, True)
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("model: base\noutput: out\ntasks: [{name: s, data: d.jsonl, preset: sentiment}]\n"
+                   "completions: yes-no\n")
+    res = subprocess.run([sys.executable, "-m", "sdm_mlx", "network-train", "-c", str(cfg)], capture_output=True,
+                         text=True)
+    assert res.returncode == 2 and "key 'completions': expected a list" in res.stderr
