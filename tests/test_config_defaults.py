@@ -96,3 +96,25 @@ def test_network_train_options_come_from_network_config(tmp_path):
     res = subprocess.run([sys.executable, "-m", "sdm_mlx", "network-train", "-c", str(cfg)], capture_output=True,
                          text=True)
     assert res.returncode == 2 and "key 'completions': expected a list" in res.stderr
+
+
+@pytest.mark.parametrize("verb, flags", [
+    ("generate", ["-m", "-p", "--max-tokens", "--system-prompt", "--ignore-chat-template", "--adapter-path",
+                  "--system", "--no-chat-template", "--head"]),
+    ("chat", ["-m", "--system-prompt", "--ignore-chat-template", "--adapter-path"]),
+    ("serve", ["-m", "--max-tokens", "--system-prompt", "--ignore-chat-template", "--adapter-path"]),
+    ("embed", ["-m", "--system-prompt", "--ignore-chat-template"]),
+    ("make-verification-data", ["-m", "--system-prompt"]),
+])
+def test_mlx_lm_names_and_old_spellings_share_one_destination(verb, flags):
+    parser, subparsers = build_parser()
+    sub = subparsers[verb][0]
+    dests = {s: a.dest for a in sub._actions for s in a.option_strings}
+    assert all(f in dests for f in flags), [f for f in flags if f not in dests]
+    pairs = [("--system-prompt", "--system"), ("--ignore-chat-template", "--no-chat-template"),
+             ("--adapter-path", "--head"), ("-m", "--model"), ("-p", "--prompt")]
+    for new, old in pairs:
+        if new in flags:
+            assert dests[new] == dests[old]
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text

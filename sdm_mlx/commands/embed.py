@@ -23,7 +23,7 @@ HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last posi
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", help="mlx-lm model directory or Hugging Face id "
+    p.add_argument("-m", "--model", help="mlx-lm model directory or Hugging Face id "
                                    "(e.g. mlx-community/Phi-3.5-mini-instruct-4bit)")
     p.add_argument("--input", help="input JSONL (id, [label], document, ...)")
     p.add_argument("--output", help="output JSONL (input rows + embedding); appended to / resumed")
@@ -33,10 +33,11 @@ def add_arguments(p) -> None:
                         "(overrides --document-field, --system, --prompt-template)")
     p.add_argument("--completion-field", default=None,
                    help="field holding the assistant completion to force-decode (e.g. completion)")
-    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--system", "--system-prompt", dest="system", default=None,
+                   help="system message for the chat template")
     p.add_argument("--prompt-template", default=None,
                    help="user message with a {document} slot, e.g. 'Classify ... REVIEW: {document}'")
-    p.add_argument("--no-chat-template", action="store_true",
+    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
                    help="use the raw text (base models without a chat template)")
     p.add_argument("--position", choices=["delimiter", "last"], default=None,
                    help="second half of the feature: state predicting the completion's last closing delimiter, "

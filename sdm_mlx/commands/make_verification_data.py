@@ -28,8 +28,9 @@ def add_arguments(p) -> None:
                    help="the paper's completions and instruction; factcheck is used when neither "
                         "--completions nor --preset is given")
     p.add_argument("--prompt-template", default=None, help="user message with a {document} slot (default: the preset's)")
-    p.add_argument("--system", default="You are a helpful AI assistant.", help="system message ('' for none)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--system", "--system-prompt", dest="system", default="You are a helpful AI assistant.",
+                   help="system message ('' for none)")
+    p.add_argument("-m", "--model", default=None,
                    help="model directory or hub id whose tokenizer's chat template builds the prompt "
                         "(default: the Phi-3.5-mini-instruct chat format, no model needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the negative assignment")

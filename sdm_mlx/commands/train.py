@@ -74,9 +74,11 @@ def jsonl_num_classes(args, train, cal) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--train", help="training JSONL (id, label, embedding and/or attributes, optional document) (required)")
+    p.add_argument("--train",
+                   help="training JSONL (id, label, embedding and/or attributes, optional document) (required)")
     p.add_argument("--calibration", default=None, help="calibration JSONL (pooled with --train, as in the paper)")
-    p.add_argument("--output", help="model directory to write (new or empty; an existing model only with --overwrite) (required)")
+    p.add_argument("--output",
+                   help="model directory to write (new or empty; an existing model only with --overwrite) (required)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing sdm_mlx model at --output (atomically); other directories are never "
                         "replaced")
