@@ -136,6 +136,13 @@ def _available_verbs() -> dict:
     return mods
 
 
+def _mark_required(parser: argparse.ArgumentParser, names) -> None:
+    """Append "(required)" to the help of the options a verb cannot run without (given on the CLI or in YAML)."""
+    for action in parser._actions:
+        if action.dest in names and action.help and "(required)" not in action.help:
+            action.help += " (required)"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser = argparse.ArgumentParser(
         prog="sdm-mlx",
@@ -155,6 +162,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p.add_argument("-c", "--config", default=None,
                        help="YAML file of option values, keys = option names (CLI > YAML > defaults)")
         mod.add_arguments(p)
+        _mark_required(p, getattr(mod, "REQUIRED", ()))
         subparsers[verb] = (p, mod)
     return parser, subparsers
 
@@ -180,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         from .blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
+        require(args, *getattr(mod, "REQUIRED", ()))
         rc = mod.run(args)
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)

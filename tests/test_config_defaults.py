@@ -118,3 +118,14 @@ def test_mlx_lm_names_and_old_spellings_share_one_destination(verb, flags):
             assert dests[new] == dests[old]
     text = " ".join(sub.format_help().split())
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("verb, flags", [("predict", ["--model", "--input"]), ("recalibrate", ["--model", "--alpha"]),
+                                         ("train", ["--train", "--output"])])
+def test_required_options_say_so_and_are_checked_from_one_declaration(verb, flags, tmp_path):
+    text = subprocess.run([sys.executable, "-m", "sdm_mlx", verb, "--help"], capture_output=True, text=True).stdout
+    assert text.count("(required)") == len(flags)
+    helps = {s: a.help for a in build_parser()[1][verb][0]._actions for s in a.option_strings}
+    assert all(helps[flag].endswith("(required)") for flag in flags)
+    res = _cli(verb, cwd=tmp_path)
+    assert res.returncode == 2 and f"missing required option(s): {', '.join(flags)}" in res.stderr

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
+
+
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model", "input", "output")
 
 
 def add_arguments(p) -> None:
@@ -92,7 +96,6 @@ def _texts(args, rows, tokenizer, path):
 
 
 def run(args) -> int:
-    require(args, "model", "input", "output")
     if args.max_length < 1 or args.batch_size < 1:
         raise CLIError("--max-length and --batch-size must be >= 1")
     position = args.position or ("delimiter" if args.completion_field else "last")

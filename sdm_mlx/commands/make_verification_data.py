@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
 
 HELP = ("build verification rows (prompt, completion, label 1 = correct / 0 = constructed negative) "
         "from a task JSONL")
+
+
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("input", "output")
 
 
 def add_arguments(p) -> None:
@@ -54,7 +58,6 @@ def _completions(args) -> list[str]:
 
 
 def run(args) -> int:
-    require(args, "input", "output")
     from ..data import read_objects as read_jsonl
     from ..io import refuse_same_files, write_jsonl
     from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt

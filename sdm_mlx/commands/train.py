@@ -11,6 +11,10 @@ HELP = "Train and calibrate an SDM estimator (Alg. 1-3) on JSONL rows; save a mo
 SETTINGS = (EstimatorConfig,)
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("train", "output")
+
+
 def mode_help(parser, modes: dict) -> None:
     """Append each mode's value to the help of the options it changes: "(default: X; --paper Y)"."""
     for action in parser._actions:
@@ -75,10 +79,10 @@ def jsonl_num_classes(args, train, cal) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--train",
-                   help="training JSONL (id, label, embedding and/or attributes, optional document) (required)")
+                   help="training JSONL (id, label, embedding and/or attributes, optional document)")
     p.add_argument("--calibration", default=None, help="calibration JSONL (pooled with --train, as in the paper)")
     p.add_argument("--output",
-                   help="model directory to write (new or empty; an existing model only with --overwrite) (required)")
+                   help="model directory to write (new or empty; an existing model only with --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing sdm_mlx model at --output (atomically); other directories are never "
                         "replaced")
@@ -157,12 +161,10 @@ def run(args) -> int:
 
     from ..artifact import check_artifact_output
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
-    from ..cli import require
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
     from ..progress import log
 
-    require(args, "train", "output")
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)
     check_artifact_output(args.output, args.overwrite, inputs)
