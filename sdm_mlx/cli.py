@@ -109,10 +109,18 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser, classes=()) -> 
 
     fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config") and a.dest not in fields}
-    values = yaml_values(path, classes, extra_keys=tuple(actions))
-    for dest, value in values.items():
-        if dest in actions:
-            values[dest] = _check_plain_option(actions[dest], value, f"{path}: key {dest.replace('_', '-')!r}")
+    negated = {s[2:].replace("-", "_"): a.dest for a in parser._actions if a.dest in fields
+               for s in a.option_strings  # old spellings such as "unstratified: true", "no-normalize: true"
+               if isinstance(a, argparse._StoreFalseAction)
+               or (isinstance(a, argparse.BooleanOptionalAction) and s.startswith("--no-"))}
+    values = yaml_values(path, classes, extra_keys=tuple(actions) + tuple(negated))
+    for key, value in list(values.items()):
+        where = f"{path}: key {key.replace('_', '-')!r}"
+        if key in negated:
+            del values[key]
+            values[negated[key]] = not _check_plain_option(argparse.Action([], key, nargs=0), value, where)
+        elif key in actions:
+            values[key] = _check_plain_option(actions[key], value, where)
     return values
 
 

@@ -129,3 +129,14 @@ def test_required_options_say_so_and_are_checked_from_one_declaration(verb, flag
     assert all(helps[flag].endswith("(required)") for flag in flags)
     res = _cli(verb, cwd=tmp_path)
     assert res.returncode == 2 and f"missing required option(s): {', '.join(flags)}" in res.stderr
+
+
+def test_yaml_keeps_the_old_negative_spellings(tmp_path):
+    parser, train_parser = _train_parser()
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("unstratified: true\nindex: hnsw\nno-normalize: true\n")
+    values = load_yaml_config(str(cfg), train_parser, SETTINGS)
+    assert values == {"stratified": False, "index_backend": "hnsw", "normalize": False}
+    cfg.write_text("unstratified: 1\n")
+    with pytest.raises(ValueError, match="key 'unstratified': expected true or false"):
+        load_yaml_config(str(cfg), train_parser, SETTINGS)
