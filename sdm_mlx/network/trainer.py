@@ -321,7 +321,7 @@ class SDMNetworkTrainer:
         config.validate()
         self.config = config
         prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
-                              "--output-dir", check_only=True)
+                              "--output", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
         elif tokenizer is None:
@@ -468,7 +468,7 @@ class SDMNetworkTrainer:
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
         c = self.config
-        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output-dir")
+        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
