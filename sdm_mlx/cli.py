@@ -4,14 +4,15 @@ Each verb lives in ``sdm_mlx/commands/<verb>.py`` and exposes ``HELP`` (one
 line), ``add_arguments(parser)`` and ``run(args) -> int``.  Command modules keep
 heavy imports (mlx, mlx-lm) inside ``run`` so ``--help`` stays fast.
 
-Every verb accepts ``--config file.yaml``: its keys are the verb's option names
-(hyphens or underscores); precedence is CLI > YAML > defaults and unknown keys
-are rejected.
+Every verb accepts ``-c/--config file.yaml``: its keys are the verb's option names
+(hyphens or underscores); precedence is CLI > YAML > defaults, unknown keys
+are rejected and values are type-checked (errors name the file and key).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import importlib
 import os
@@ -65,36 +66,73 @@ def user_message(e: BaseException) -> str:
     return str(e)
 
 
-def _load_yaml_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    import yaml
+def _settings_classes(mod) -> tuple:
+    """The settings dataclasses whose fields are ``mod``'s options (``SETTINGS`` of a command module)."""
+    return tuple(getattr(mod, "SETTINGS", ()))
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise CLIError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CLIError(f"cannot read the config file {path}: {getattr(e, 'strerror', None) or e}") from None
-    except yaml.YAMLError as e:
-        raise CLIError(f"config file {path} is not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise CLIError(f"config file {path} must hold a mapping of option names to values")
-    known = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
-    out, unknown = {}, []
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        if dest not in known:
-            unknown.append(str(key))
-        else:
-            out[dest] = value
-    if unknown:
-        raise CLIError(
-            f"unknown key(s) in {path}: {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(sorted(k.replace('_', '-') for k in known))}"
-        )
-    return out
+
+def _check_plain_option(action: argparse.Action, value, where: str):
+    """A YAML value for an option not generated from a settings class, checked against its argparse action."""
+    from .settings import SettingsError
+
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true / store_false / BooleanOptionalAction
+        if not isinstance(value, bool):
+            raise SettingsError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1):
+        if not isinstance(value, list):
+            raise SettingsError(f"{where}: expected a list (YAML [a, b] or one '- item' per line), got {value!r}")
+        return [_check_plain_option(_Scalar(action), v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise SettingsError(f"{where}: expected an integer, got {value!r}")
+    if action.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SettingsError(f"{where}: expected a number, got {value!r}")
+        value = float(value)
+    if action.choices and value not in action.choices:
+        raise SettingsError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+class _Scalar:
+    """The item view of a list option's action (type and choices, one value)."""
+
+    def __init__(self, action):
+        self.nargs, self.type, self.choices = None, action.type, action.choices
+
+
+def load_yaml_config(path: str, parser: argparse.ArgumentParser, classes=()) -> dict:
+    """{dest: value} of a verb's YAML config: fields of ``classes`` are type-checked by
+    :func:`sdm_mlx.settings.yaml_values`, the verb's other options against their argparse actions.
+    Errors name the file and the key."""
+    from .settings import yaml_values
+
+    fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config") and a.dest not in fields}
+    negated = {s[2:].replace("-", "_"): a.dest for a in parser._actions if a.dest in fields
+               for s in a.option_strings  # old spellings such as "unstratified: true", "no-normalize: true"
+               if isinstance(a, argparse._StoreFalseAction)
+               or (isinstance(a, argparse.BooleanOptionalAction) and s.startswith("--no-"))}
+    values = yaml_values(path, classes, extra_keys=tuple(actions) + tuple(negated))
+    for key, value in list(values.items()):
+        where = f"{path}: key {key.replace('_', '-')!r}"
+        if key in negated:
+            del values[key]
+            values[negated[key]] = not _check_plain_option(argparse.Action([], key, nargs=0), value, where)
+        elif key in actions:
+            values[key] = _check_plain_option(actions[key], value, where)
+    return values
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a real default; never "(default: None)" or "(default: False)" (flags and unset options)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _available_verbs() -> dict:
@@ -106,6 +144,13 @@ def _available_verbs() -> dict:
             if e.name != f"sdm_mlx.commands.{name}":
                 raise
     return mods
+
+
+def _mark_required(parser: argparse.ArgumentParser, names) -> None:
+    """Append "(required)" to the help of the options a verb cannot run without (given on the CLI or in YAML)."""
+    for action in parser._actions:
+        if action.dest in names and action.help and "(required)" not in action.help:
+            action.help += " (required)"
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -122,10 +167,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
             verb,
             help=mod.HELP,
             description=mod.HELP,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
-        p.add_argument("--config", default=None, help="YAML file of option values (CLI > YAML > defaults)")
+        p.add_argument("-c", "--config", default=None,
+                       help="YAML file of option values, keys = option names (CLI > YAML > defaults)")
         mod.add_arguments(p)
+        _mark_required(p, getattr(mod, "REQUIRED", ()))
         subparsers[verb] = (p, mod)
     return parser, subparsers
 
@@ -146,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     sub_parser, mod = subparsers[args.verb]
     try:
         if args.config:
-            sub_parser.set_defaults(**_load_yaml_config(args.config, sub_parser))
+            sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
             args = parser.parse_args(argv)
         from .blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
+        require(args, *getattr(mod, "REQUIRED", ()))
         rc = mod.run(args)
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)

@@ -35,7 +35,7 @@ from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from . import validation
 from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
-from .defaults import ESTIMATOR_DEFAULTS as D
+from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
@@ -48,6 +48,8 @@ from .io import put_float
 from .progress import log
 from .results import Predictions
 from .train import TrainConfig, sdm_numpy, train_rounds
+
+_D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
 
 #: why a stored robust min valid q~ is null (+inf): every prediction is rejected
 ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
@@ -67,7 +69,7 @@ class SDMEstimator:
     ``score`` (accuracy), ``get_params`` / ``set_params`` / ``sklearn.base.clone``; ``estimate`` gives the
     full per-row results.  Parameters are stored as given and validated in ``fit``.
 
-    Defaults: :data:`sdm_mlx.defaults.ESTIMATOR_DEFAULTS` (evidence in ``docs/defaults.md``);
+    Defaults: :class:`sdm_mlx.defaults.EstimatorConfig` (evidence in ``docs/defaults.md``);
     ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
     Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
     ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
@@ -85,25 +87,25 @@ class SDMEstimator:
 
     def __init__(
         self,
-        alpha: float = D["alpha"],
-        iterations: int = D["iterations"],
-        epochs: int = D["epochs"],
-        exemplar_dim: int = D["exemplar_dim"],
-        batch_size: int = D["batch_size"],
-        learning_rate: float = D["learning_rate"],
-        k: int | None = D["k"],
-        normalize: bool = D["normalize"],
-        stratified: bool = D["stratified"],
-        index_backend: str = D["index_backend"],
-        rescaler_max_epochs: int = D["rescaler_max_epochs"],
-        rescaler_patience: int = D["rescaler_patience"],
-        rescaler_learning_rate: float = D["rescaler_learning_rate"],
-        rescaler_engine: str = D["rescaler_engine"],
-        n_exemplars: int = D["n_exemplars"],
-        seed: int = D["seed"],
+        alpha: float = _D.alpha,
+        iterations: int = _D.iterations,
+        epochs: int = _D.epochs,
+        exemplar_dim: int = _D.exemplar_dim,
+        batch_size: int = _D.batch_size,
+        learning_rate: float = _D.learning_rate,
+        k: int | None = _D.k,
+        normalize: bool = _D.normalize,
+        stratified: bool = _D.stratified,
+        index_backend: str = _D.index_backend,
+        rescaler_max_epochs: int = _D.rescaler_max_epochs,
+        rescaler_patience: int = _D.rescaler_patience,
+        rescaler_learning_rate: float = _D.rescaler_learning_rate,
+        rescaler_engine: str = _D.rescaler_engine,
+        n_exemplars: int = _D.n_exemplars,
+        seed: int = _D.seed,
         verbose: bool = False,
         class_names: list | None = None,
-        patience: int | None = D["patience"],
+        patience: int | None = _D.patience,
     ):
         self.alpha = alpha
         self.iterations = iterations

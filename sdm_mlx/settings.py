@@ -26,15 +26,16 @@ _META = "sdm_mlx"
 
 
 def option(default: Any, help: str, *, choices=None, short: str | None = None, aliases=(), none_means: str = "",
-           metavar: str | None = None, required: bool = False, cli: bool = True) -> Any:
+           metavar: str | None = None, required: bool = False, cli: bool = True, flag: str | None = None) -> Any:
     """A dataclass field carrying its default, help text and CLI details.
 
     ``none_means`` explains a ``None`` default in ``--help`` ("largest class count"); ``aliases``
     are older flag spellings kept working; ``required`` fields have no usable default (``None``
-    until given); ``cli=False`` keeps a field out of the command line (API/YAML only).
+    until given); ``cli=False`` keeps a field out of the command line (API/YAML only); ``flag`` replaces
+    the flag made from the field name (``output_dir`` shown as ``--output``; the field name stays an alias).
     """
     meta = {_META: dict(help=help, choices=choices, short=short, aliases=tuple(aliases), none_means=none_means,
-                        metavar=metavar, required=required, cli=cli)}
+                        metavar=metavar, required=required, cli=cli, flag=flag)}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -47,6 +48,13 @@ def flag_name(name: str) -> str:
 
 def _meta(f: dataclasses.Field) -> dict:
     return f.metadata.get(_META, {})
+
+
+def field_flags(f: dataclasses.Field) -> list[str]:
+    """The long flags of field ``f``: its primary flag first, then the field-name flag and old spellings."""
+    meta = _meta(f)
+    names = [meta["flag"]] if meta.get("flag") else []
+    return names + [n for n in [flag_name(f.name), *meta.get("aliases", ())] if n not in names]
 
 
 def default_of(f: dataclasses.Field) -> Any:
@@ -113,7 +121,7 @@ def add_arguments(parser, cls, *, title: str | None = None, exclude=(), only=Non
         if not meta.get("cli", True) or f.name in exclude or (only is not None and f.name not in only):
             continue
         tp, _optional, item = types_[f.name]
-        names = ([meta["short"]] if meta.get("short") else []) + [flag_name(f.name)] + list(meta.get("aliases", ()))
+        names = ([meta["short"]] if meta.get("short") else []) + field_flags(f)
         kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=_help_text(f, shown[f.name]))
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
@@ -198,9 +206,11 @@ def yaml_values(path: str, classes, extra_keys=()) -> dict:
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path} must hold a mapping of option names to values")
     owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
+    spelled = {flag[2:].replace("-", "_"): f.name for cls in classes for f in dataclasses.fields(cls)
+               for flag in field_flags(f)}  # YAML may use any long flag name of a field
     out, unknown = {}, []
     for key, value in data.items():
-        name = str(key).replace("-", "_")
+        name = spelled.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name in owner:
             out[name] = check_value(owner[name], name, value, f"{path}: key {key!r}")
         elif name in extra_keys:
@@ -220,7 +230,7 @@ def resolve(cls, cli: argparse.Namespace | dict, yaml: dict | None = None, **ove
     values = {}
     for source in (yaml or {}, given, overrides):
         values.update({k: v for k, v in source.items() if k in names})
-    missing = [flag_name(f.name) for f in dataclasses.fields(cls)
+    missing = [field_flags(f)[0] for f in dataclasses.fields(cls)
                if _meta(f).get("required") and values.get(f.name, default_of(f)) in (None, "", [])]
     if missing:
         raise SettingsError(f"missing required option(s): {', '.join(missing)} (on the command line or in --config)")

@@ -119,24 +119,30 @@ def test_estimator_defaults_come_from_one_place_and_paper_is_exact():
 
 def test_cli_help_shows_the_real_defaults_and_paper_gives_the_paper_settings():
     from sdm_mlx.cli import build_parser
-    from sdm_mlx.commands.train import resolved_settings
+    from sdm_mlx.commands.train import estimator_config, paper_base
 
     out = _cli("train", "--help").stdout
     flat = " ".join(out.split())
     D, P = ESTIMATOR_DEFAULTS, PAPER_SETTINGS
-    assert f"(default {D['learning_rate']}; --paper {P['learning_rate']})" in flat
-    assert f"(default {D['epochs']}; --paper {P['epochs']})" in flat
-    assert f"(default {D['iterations']}; --paper {P['iterations']})" in flat
-    assert "(default {}; --paper off)".format(D["patience"] or "off") in flat
+    assert f"(default: {D['learning_rate']}; --paper {P['learning_rate']})" in flat
+    assert f"(default: {D['epochs']}; --paper {P['epochs']})" in flat
+    assert f"(default: {D['iterations']}; --paper {P['iterations']})" in flat
+    assert "(default: {}; --paper off)".format(D["patience"] or "off") in flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+
+    def resolved(argv):
+        args = parser.parse_args(common + argv)
+        cfg = estimator_config(args, paper_base(args))
+        return {k: getattr(cfg, k) for k in P}
+
     parser, _ = build_parser()
     common = ["train", "--train", "x", "--output", "y"]
-    assert resolved_settings(parser.parse_args(common + ["--paper"])) == P
-    assert resolved_settings(parser.parse_args(common)) == {k: D[k] for k in P}
-    mixed = resolved_settings(parser.parse_args(common + ["--paper", "--epochs", "7"]))
-    assert mixed == {**P, "epochs": 7}  # explicit flags win over the mode
-    assert resolved_settings(parser.parse_args(common + ["--patience", "0"]))["patience"] is None
+    assert resolved(["--paper"]) == P
+    assert resolved([]) == {k: D[k] for k in P}
+    assert resolved(["--paper", "--epochs", "7"]) == {**P, "epochs": 7}  # explicit flags win over the mode
+    assert resolved(["--patience", "0"])["patience"] is None
     demo = " ".join(_cli("demo", "--help").stdout.split())
-    assert f"(default {D['learning_rate']}; --quick {D['learning_rate']}; --paper {P['learning_rate']})" in demo
+    assert f"(default: {D['learning_rate']}; --quick {D['learning_rate']}; --paper {P['learning_rate']})" in demo
 
 
 # ---------------------------------------------------------------------------------------------

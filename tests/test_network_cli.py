@@ -88,12 +88,13 @@ def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["tiny_sentiment", "phi35_sentiment", "phi35_factcheck", "phi35_universal"])
 def test_recipes_have_only_known_keys(name):
-    from sdm_mlx.cli import _load_yaml_config, build_parser
+    from sdm_mlx.cli import build_parser, load_yaml_config
+    from sdm_mlx.commands.network_train import SETTINGS
 
     _, subparsers = build_parser()
     parser, _ = subparsers["network-train"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    values = _load_yaml_config(os.path.join(root, "recipes", f"{name}.yaml"), parser)
+    values = load_yaml_config(os.path.join(root, "recipes", f"{name}.yaml"), parser, SETTINGS)
     assert values["model"] and values["output_dir"]
     if name == "phi35_universal":
         from sdm_mlx.network import NetworkConfig

@@ -124,18 +124,16 @@ def bench_head_step(vocab: int, hidden: int, batch: int, steps: int, quantize: i
 def tiny_recipe_run(workdir: str) -> dict:
     import warnings
 
-    import yaml
-
     sys.path.insert(0, HERE)
     import make_tiny_model
 
     from sdm_mlx.network.trainer import NetworkConfig, train_network
+    from sdm_mlx.settings import yaml_values
 
     t0 = time.perf_counter()
     built = make_tiny_model.build(os.path.join(workdir, "tiny"), quiet=True)
     t_build = time.perf_counter() - t0
-    with open(os.path.join(ROOT, "recipes", "tiny_sentiment.yaml"), encoding="utf-8") as f:
-        recipe = {str(k).replace("-", "_"): v for k, v in yaml.safe_load(f).items()}
+    recipe = yaml_values(os.path.join(ROOT, "recipes", "tiny_sentiment.yaml"), [NetworkConfig], extra_keys=("quiet",))
     recipe.update(model=built["model"], data=built["task"], output_dir=os.path.join(workdir, "out"), verbose=False)
     recipe.pop("quiet", None)
     cfg = NetworkConfig(**recipe)

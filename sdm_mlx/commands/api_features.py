@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
 
 HELP = ("7-dim features (mean top-1 token probability per JSON value ⊕ confidence-weighted answer one-hot) "
         "from LLM API answers")
+
+
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("input", "output")
 
 
 def add_arguments(p) -> None:
@@ -29,7 +33,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    require(args, "input", "output")
     letters = str(args.letters).strip().upper()
     if len(letters) < 2 or len(set(letters)) != len(letters) or not letters.isalpha():
         raise CLIError("--letters must be at least two distinct letters, e.g. ABCD")

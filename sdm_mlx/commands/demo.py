@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import os
 
-from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
+from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
 from .evaluate import add_conformal_argument
-from .train import add_estimator_arguments
+from .train import add_estimator_arguments, estimator_config, mode_help
+
+#: The settings classes whose fields are this verb's options and YAML keys.
+SETTINGS = (EstimatorConfig,)
 
 HELP = "Train and evaluate on the embedded factcheck data (in-distribution and shifted): the paper's point in minutes."
 
@@ -58,23 +61,23 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plots", action="store_true", help="do not draw plots even if matplotlib is installed")
     add_conformal_argument(p)
     add_estimator_arguments(p)
-    # mode-dependent defaults: None = "take the mode's value"; explicit flags win
+    _demo_defaults_in_help(p)
+
+
+def _demo_defaults_in_help(p) -> None:
+    """The mode-dependent options show the demo's own default and each mode's value."""
     for action in p._actions:
-        if action.dest in MODES["default"]:
-            vals = {m: "off" if MODES[m][action.dest] is None else MODES[m][action.dest] for m in MODES}
-            action.default = None
-            action.help = (action.help or action.dest.replace("_", " ")).split(" (default")[0] + (
-                f" (default {vals['default']}; --quick {vals['quick']}; --paper {vals['paper']})%(default).0s")
+        if action.dest in MODES["default"] and action.help:
+            action.help = action.help.split(" (default")[0] + " (default: {})".format(
+                "off" if MODES["default"][action.dest] is None else MODES["default"][action.dest])
+    mode_help(p, {m: MODES[m] for m in ("quick", "paper")})
 
 
 def settings(args) -> dict:
-    """The effective values of the mode-dependent options."""
+    """The effective values of the mode-dependent options (explicit flags and YAML win over the mode)."""
     mode = "quick" if args.quick else "paper" if args.paper else "default"
-    out = {"mode": mode}
-    for key, value in MODES[mode].items():
-        given = getattr(args, key, None)
-        out[key] = value if given is None else given
-    return out
+    cfg = estimator_config(args, {k: v for k, v in MODES[mode].items()})
+    return {"mode": mode, **{key: getattr(cfg, key) for key in MODES[mode]}}
 
 
 def _rows(ds) -> list[dict]:
@@ -103,12 +106,11 @@ def run(args) -> int:
     t_start = time.perf_counter()
     verbose = not args.quiet
     cfg = settings(args)
-    for key in MODES["default"]:
-        setattr(args, key, cfg[key])
+    est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES), base=MODES[cfg["mode"]])
     out = args.output
     prepare_run_directory(out, "demo", args.overwrite)
 
-    pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=args.seed)
+    pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=est.seed)
     log(f"factcheck data ({FACTCHECK_CITATION})", verbose)
     log(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "
         f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral attributes",
@@ -121,8 +123,7 @@ def run(args) -> int:
         write_jsonl(paths[name], _rows(ds))
 
     log(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
-        f"M={cfg['exemplar_dim']}, alpha'={args.alpha}) ...", verbose)
-    est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES))
+        f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...", verbose)
     t0 = time.perf_counter()
     est.fit(pool.X, pool.y, ids_train=pool.ids)
     fit_seconds = time.perf_counter() - t0
@@ -138,7 +139,7 @@ def run(args) -> int:
                       predictions=predictions, verbose=verbose, options=baseline_options(args.conformal))
     eval_seconds = time.perf_counter() - t1
     report["demo"] = {
-        "settings": {**cfg, "alpha": args.alpha, "seed": args.seed, "heldout_fraction": args.heldout_fraction,
+        "settings": {**cfg, "alpha": est.alpha, "seed": est.seed, "heldout_fraction": args.heldout_fraction,
                      "conformal": args.conformal},
         "paper_settings": "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)",
         "data": {"citation": FACTCHECK_CITATION, "pool": len(pool), "heldout_topics": len(heldout),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
@@ -22,8 +22,12 @@ from ..data import read_objects as read_jsonl
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model", "input", "output")
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--model", help="mlx-lm model directory or Hugging Face id "
+    p.add_argument("-m", "--model", help="mlx-lm model directory or Hugging Face id "
                                    "(e.g. mlx-community/Phi-3.5-mini-instruct-4bit)")
     p.add_argument("--input", help="input JSONL (id, [label], document, ...)")
     p.add_argument("--output", help="output JSONL (input rows + embedding); appended to / resumed")
@@ -33,10 +37,11 @@ def add_arguments(p) -> None:
                         "(overrides --document-field, --system, --prompt-template)")
     p.add_argument("--completion-field", default=None,
                    help="field holding the assistant completion to force-decode (e.g. completion)")
-    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--system", "--system-prompt", dest="system", default=None,
+                   help="system message for the chat template")
     p.add_argument("--prompt-template", default=None,
                    help="user message with a {document} slot, e.g. 'Classify ... REVIEW: {document}'")
-    p.add_argument("--no-chat-template", action="store_true",
+    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
                    help="use the raw text (base models without a chat template)")
     p.add_argument("--position", choices=["delimiter", "last"], default=None,
                    help="second half of the feature: state predicting the completion's last closing delimiter, "
@@ -98,7 +103,6 @@ def _texts(args, rows, tokenizer, path, foreign=None):
 
 
 def run(args) -> int:
-    require(args, "model", "input", "output")
     if args.max_length < 1 or args.batch_size < 1:
         raise CLIError("--max-length and --batch-size must be >= 1")
     position = args.position or ("delimiter" if args.completion_field else "last")

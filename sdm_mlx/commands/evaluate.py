@@ -24,6 +24,10 @@ HELP = "Evaluate a trained SDM estimator and the baselines on labelled JSONL fil
 FEATURE_CHOICES = ["auto", "embedding", "attributes", "embedding+attributes"]
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model", "input")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
     p.add_argument("--input", action="append", default=None,
@@ -115,14 +119,12 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
 
 
 def run(args) -> int:
-    from ..cli import require
     from ..data import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ..progress import log
 
-    require(args, "model", "input")
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
     refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)

@@ -26,15 +26,20 @@ HELP = "verified generation: greedy decoding (joint neg+pos with --head), SDM ve
 
 def add_common_arguments(p) -> None:
     """Options shared by ``generate`` and ``chat``."""
-    p.add_argument("--model", help="mlx-lm model directory or hub id (default with --head: the head's base model)")
+    p.add_argument("-m", "--model",
+                   help="mlx-lm model directory or hub id (default with --head: the head's base model)")
     p.add_argument("--verifier", help="verification layer: a saved SDMEstimator directory trained on features of "
                                       "force-decoded prompt + completion (default with --head: HEAD/verifier)")
-    p.add_argument("--head", default=None, help="SDM-network directory with the positive head W_pos "
-                                                "(joint neg+pos decoding; its stored settings become the defaults)")
-    p.add_argument("--system", default=None, help="system message (default: the head's, else none)")
+    p.add_argument("--head", "--adapter-path", dest="head", default=None,
+                   help="SDM-network directory with the positive head W_pos (joint neg+pos decoding; its stored "
+                        "settings become the defaults); --adapter-path is mlx-lm's name: like an adapter it holds "
+                        "trained weights applied on top of the frozen --model")
+    p.add_argument("--system", "--system-prompt", dest="system", default=None,
+                   help="system message (default: the head's, else none)")
     p.add_argument("--prompt-template", default=None,
                    help="user message with a {document} slot (default: the head's, else the prompt itself)")
-    p.add_argument("--no-chat-template", action="store_true", help="raw text prompts (base models)")
+    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
+                   help="raw text prompts (base models)")
     p.add_argument("--max-tokens", type=int, default=None, help="max generated tokens per attempt "
                                                                 "(default: the head's max_new_tokens, else 256)")
     p.add_argument("--delimiter", default=None, help="closing delimiter of the verification unit (default '}')")
@@ -92,7 +97,7 @@ def verdict_line(att) -> str:
 
 def add_arguments(p) -> None:
     add_common_arguments(p)
-    p.add_argument("--prompt", default=None, help="one prompt (the user message / {document}); result on stdout")
+    p.add_argument("-p", "--prompt", default=None, help="one prompt (the user message / {document}); result on stdout")
     p.add_argument("--input", default=None, help="JSONL prompts: {id, <document-field>, ...} per line")
     p.add_argument("--output", default=None, help="JSONL results for --input (appended; resumable)")
     p.add_argument("--document-field", default="document", help="field of --input rows holding the prompt")

@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
 
 HELP = ("build verification rows (prompt, completion, label 1 = correct / 0 = constructed negative) "
         "from a task JSONL")
+
+
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("input", "output")
 
 
 def add_arguments(p) -> None:
@@ -28,8 +32,9 @@ def add_arguments(p) -> None:
                    help="the paper's completions and instruction; factcheck is used when neither "
                         "--completions nor --preset is given")
     p.add_argument("--prompt-template", default=None, help="user message with a {document} slot (default: the preset's)")
-    p.add_argument("--system", default="You are a helpful AI assistant.", help="system message ('' for none)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--system", "--system-prompt", dest="system", default="You are a helpful AI assistant.",
+                   help="system message ('' for none)")
+    p.add_argument("-m", "--model", default=None,
                    help="model directory or hub id whose tokenizer's chat template builds the prompt "
                         "(default: the Phi-3.5-mini-instruct chat format, no model needed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the negative assignment")
@@ -53,7 +58,6 @@ def _completions(args) -> list[str]:
 
 
 def run(args) -> int:
-    require(args, "input", "output")
     from ..data import read_objects as read_jsonl
     from ..io import refuse_same_files, write_jsonl
     from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt

@@ -2,12 +2,12 @@
 
 See :mod:`sdm_mlx.network.trainer`.  Typical use with a recipe::
 
-    sdm-mlx network-train --config recipes/phi35_sentiment.yaml
+    sdm-mlx network-train -c recipes/phi35_sentiment.yaml
 
-Writes ``<output-dir>/network/`` (positive head + config + verification layer;
-load with ``sdm_mlx.network.load_network``), ``<output-dir>/verifier/``,
-``<output-dir>/metrics.json`` (per-epoch loss, β range, calibration count,
-times, tokens/s) and ``<output-dir>/verification_rows.jsonl``.  Progress goes to
+Writes ``<output>/network/`` (positive head + config + verification layer;
+load with ``sdm_mlx.network.load_network``), ``<output>/verifier/``,
+``<output>/metrics.json`` (per-epoch loss, β range, calibration count,
+times, tokens/s) and ``<output>/verification_rows.jsonl``.  Progress goes to
 stderr; a one-line JSON summary goes to stdout.
 """
 
@@ -16,109 +16,82 @@ from __future__ import annotations
 import json
 import sys
 
-from ..cli import CLIError, require
+from ..cli import CLIError
+from ..network_config import NetworkConfig
 
 HELP = "train an SDM network (duplicated LM head, verification layer, Alg. 4) on an mlx-lm model"
 
 
-def add_arguments(p) -> None:
-    from ..defaults import ESTIMATOR_DEFAULTS as D
+#: The settings classes whose fields are this verb's options and YAML keys.
+SETTINGS = (NetworkConfig,)
 
-    g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="base model: mlx-lm directory or hub id (e.g. mlx-community/Phi-3.5-mini-instruct-4bit)")
-    g.add_argument("--data", help="task JSONL with id, label (task label 0..C-1), document")
-    g.add_argument("--verification-data", default=None,
-                   help="instead of --data: verification rows JSONL (id, prompt, completion, label, [task_label]), "
-                        "e.g. from make-verification-data")
-    g.add_argument("--tasks", default=None,
-                   help="instead of --data: several tasks trained together (universal verification), a YAML list "
-                        "of mappings {name, data, preset | completions + prompt_template} (JSON on the CLI)")
-    g.add_argument("--completions", nargs="+", default=None,
-                   help="one completion per task label, in label order (default: the --preset's)")
-    g.add_argument("--preset", choices=["factcheck", "sentiment"], default=None,
-                   help="the paper's completions and instruction")
-    g.add_argument("--system", default="You are a helpful AI assistant.", help="system message ('' for none)")
-    g.add_argument("--prompt-template", default=None, help="user message with a {document} slot (default: the preset's)")
-    g.add_argument("--no-chat-template", action="store_true", help="raw text prompts (base models without a chat template)")
-    g.add_argument("--delimiter", default="}", help="closing delimiter of the answer")
-    g.add_argument("--max-length", type=int, default=500, help="token positions kept for features and targets")
-    g.add_argument("--negatives-seed", type=int, default=0, help="seed of the constructed-negative assignment")
-    g.add_argument("--output-dir", help="output directory (new or empty; an earlier network-train run's directory "
-                                        "only with --overwrite)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace the outputs of an earlier network-train run in --output-dir (a directory that "
-                        "sdm-mlx did not create is never written into)")
-    t = p.add_argument_group("next-token training of W_pos")
-    t.add_argument("--epochs", type=int, default=5)
-    t.add_argument("--beta-min", type=float, default=0.0, help="β at the first mini-batch of every epoch")
-    t.add_argument("--beta-max", type=float, default=0.1, help="β approached at the end of every epoch")
-    t.add_argument("--learning-rate", type=float, default=1e-5, help="Adam learning rate for W_pos")
-    t.add_argument("--batch-size", type=int, default=50, help="tokens per mini-batch")
-    t.add_argument("--max-new-tokens", type=int, default=32, help="greedy decoding limit")
-    t.add_argument("--generation-batch-size", type=int, default=8, help="prompts decoded together")
-    t.add_argument("--embed-batch-size", type=int, default=8, help="documents per forward pass for features")
-    t.add_argument("--no-compile", action="store_true",
-                   help="run the training step eagerly (MLX's fused CPU kernels were slower for Phi-3.5-sized "
-                        "heads on a Linux CPU; keep compilation on Apple silicon)")
-    t.add_argument("--reference-head", choices=["model", "float32"], default="model",
-                   help="z_ref = z_neg from the model's own (possibly quantised) head, or from a frozen float32 "
-                        "copy (+|V|*D*4 bytes; much faster on Linux CPUs for quantised models)")
-    t.add_argument("--seed", type=int, default=0)
-    v = p.add_argument_group("verification layer (SDM estimator)")
-    v.add_argument("--verifier", default=None, help="reuse an already trained verification layer (directory)")
-    v.add_argument("--alpha", type=float, default=D["alpha"])
-    v.add_argument("--verifier-iterations", type=int, default=D["iterations"], help="J")
-    v.add_argument("--verifier-epochs", type=int, default=D["epochs"],
-                   help=f"cap; rounds stop after {D['patience']} epochs without a better balanced median q")
-    v.add_argument("--verifier-exemplar-dim", type=int, default=D["exemplar_dim"])
-    v.add_argument("--verifier-batch-size", type=int, default=D["batch_size"])
-    v.add_argument("--verifier-learning-rate", type=float, default=D["learning_rate"])
-    v.add_argument("--verifier-rescaler-max-epochs", type=int, default=D["rescaler_max_epochs"])
+
+def add_arguments(p) -> None:
+    """Options generated from :class:`sdm_mlx.network_config.NetworkConfig`, plus old spellings."""
+    import argparse
+
+    from ..settings import add_arguments as add_settings
+
+    groups = {
+        "model and data": ("model", "output_dir", "data", "verification_data", "completions", "preset", "system",
+                           "prompt_template", "use_chat_template", "delimiter", "max_length", "negatives_seed",
+                           "overwrite"),
+        "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
+                                         "max_new_tokens", "generation_batch_size", "embed_batch_size",
+                                         "compile_step", "reference_head", "seed"),
+        "verification layer (SDM estimator)": tuple(f for f in NetworkConfig.__dataclass_fields__
+                                                    if f == "verifier" or f == "alpha" or f.startswith("verifier_")),
+    }
+    for title, names in groups.items():
+        add_settings(p, NetworkConfig, title=title, only=names)
+    g = p.add_argument_group("other spellings")
+    g.add_argument("--tasks", default=argparse.SUPPRESS,
+                   help="instead of --data: several tasks trained together (universal verification), a JSON list "
+                        "of mappings {name, data, preset | completions + prompt_template} (a YAML list in --config)")
+    for flag, dest in (("--no-chat-template", "use_chat_template"), ("--ignore-chat-template", "use_chat_template"),
+                       ("--no-compile", "compile_step")):
+        g.add_argument(flag, dest=dest, action="store_false", default=argparse.SUPPRESS,
+                       help=f"same as --no-{dest.replace('_', '-')}")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
-def run(args) -> int:
-    require(args, "model", "output_dir")
-    tasks = args.tasks
+def _tasks(args):
+    """--tasks as given in YAML (a list) or on the command line (JSON text)."""
+    tasks = getattr(args, "tasks", None)
     if isinstance(tasks, str):
         try:
             tasks = json.loads(tasks)
         except json.JSONDecodeError as e:
             raise CLIError(f"--tasks is not valid JSON: {e}") from None
-    if sum(bool(x) for x in (args.data, args.verification_data, tasks)) != 1:
+    return tasks
+
+
+def network_config(args) -> NetworkConfig:
+    """The :class:`NetworkConfig` of ``args`` (CLI > YAML > defaults), checked."""
+    from ..settings import resolve
+
+    config = resolve(NetworkConfig, args, tasks=_tasks(args), verbose=not args.quiet)
+    if config.system == "":
+        config.system = None
+    if sum(bool(x) for x in (config.data, config.verification_data, config.tasks)) != 1:
         raise CLIError("give exactly one of --data (task JSONL), --verification-data (verification rows) "
                        "and --tasks (several tasks)")
-    completions = args.completions
-    if isinstance(completions, str):
-        completions = [completions]
-    if args.data and not completions and not args.preset:
+    if config.data and not config.completions and not config.preset:
         raise CLIError("--data needs --completions (one per task label) and --prompt-template, or --preset")
-    if args.data and completions and not args.preset and not args.prompt_template:
+    if config.data and config.completions and not config.preset and not config.prompt_template:
         raise CLIError("--prompt-template (with a {document} slot) is needed with custom --completions")
-
-    from ..io import dumps
-    from ..network.trainer import NetworkConfig, train_network
-
-    config = NetworkConfig(
-        model=args.model, output_dir=args.output_dir, data=args.data, verification_data=args.verification_data,
-        tasks=tasks,
-        completions=completions, preset=args.preset, system=args.system or None,
-        prompt_template=args.prompt_template, use_chat_template=not args.no_chat_template,
-        delimiter=args.delimiter, max_length=args.max_length, negatives_seed=args.negatives_seed,
-        epochs=args.epochs, beta_min=args.beta_min, beta_max=args.beta_max, learning_rate=args.learning_rate,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-        generation_batch_size=args.generation_batch_size, embed_batch_size=args.embed_batch_size,
-        compile_step=not args.no_compile, reference_head=args.reference_head,
-        verifier=args.verifier, alpha=args.alpha, verifier_iterations=args.verifier_iterations,
-        verifier_epochs=args.verifier_epochs, verifier_exemplar_dim=args.verifier_exemplar_dim,
-        verifier_batch_size=args.verifier_batch_size, verifier_learning_rate=args.verifier_learning_rate,
-        verifier_rescaler_max_epochs=args.verifier_rescaler_max_epochs, seed=args.seed, verbose=not args.quiet,
-        overwrite=bool(args.overwrite),
-    )
     try:
         config.validate()
     except ValueError as e:
         raise CLIError(str(e)) from None
+    return config
+
+
+def run(args) -> int:
+    from ..io import dumps
+    from ..network.trainer import train_network
+
+    config = network_config(args)
     result = train_network(config)
     summary = {
         "network": result.network_path, "verifier": result.verifier_path, "metrics": result.metrics_path,

@@ -5,6 +5,10 @@ from __future__ import annotations
 HELP = "Predict with a trained SDM estimator: one JSON result per input row (ids preserved)."
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model", "input")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
     p.add_argument("--input", help="JSONL rows (id, embedding and/or attributes; label optional); '-' = stdin")
@@ -21,12 +25,10 @@ def run(args) -> int:
     import sys
     from collections import Counter
 
-    from ..cli import require
     from ..data import check_labels, check_model_width, read_jsonl
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
 
-    require(args, "model", "input")
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
     est = SDMEstimator.load(args.model)

@@ -5,6 +5,10 @@ from __future__ import annotations
 HELP = "Re-threshold a trained SDM estimator at a new alpha (Alg. 3 + Cauchy offsets), no retraining."
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model", "alpha")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
     p.add_argument("--alpha", type=float, help="the new target conditional accuracy α'")
@@ -20,10 +24,8 @@ def run(args) -> int:
     import sys
 
     from ..artifact import check_artifact_output
-    from ..cli import require
     from ..estimator import SDMEstimator
 
-    require(args, "model", "alpha")
     out = args.output or args.model
     check_artifact_output(out, args.overwrite)
     est = SDMEstimator.load(args.model)

@@ -26,13 +26,17 @@ def add_generator_arguments(p) -> None:
     p.add_argument("-m", "--model", help="mlx-lm model directory or hub id (default with --head: its base model)")
     p.add_argument("--verifier", help="verification layer: a saved SDMEstimator directory (default with --head: "
                                       "HEAD/verifier)")
-    p.add_argument("--head", default=None, help="SDM-network directory with the positive head W_pos (joint neg+pos "
-                                                "decoding; its stored settings become the defaults)")
-    p.add_argument("--system", default=None, help="system message added to chats without one (default: the head's)")
+    p.add_argument("--head", "--adapter-path", dest="head", default=None,
+                   help="SDM-network directory with the positive head W_pos (joint neg+pos decoding; its stored "
+                        "settings become the defaults); --adapter-path is mlx-lm's name: like an adapter it holds "
+                        "trained weights applied on top of the frozen --model")
+    p.add_argument("--system", "--system-prompt", dest="system", default=None,
+                   help="system message added to chats without one (default: the head's)")
     p.add_argument("--prompt-template", default=None,
                    help="template with a {document} slot for the last user message (default: the head's; "
                         "'{document}' sends messages unchanged)")
-    p.add_argument("--no-chat-template", action="store_true", help="join chat messages as raw text (base models)")
+    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
+                   help="join chat messages as raw text (base models)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="default max generated tokens per attempt (the head's max_new_tokens, else 256)")
     p.add_argument("--delimiter", default=None, help="closing delimiter of the verification unit (default '}')")

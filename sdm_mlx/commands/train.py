@@ -2,87 +2,68 @@
 
 from __future__ import annotations
 
+from ..defaults import EstimatorConfig
+
 HELP = "Train and calibrate an SDM estimator (Alg. 1-3) on JSONL rows; save a model directory."
 
 
-#: Options whose value ``--paper`` changes (their CLI default is None = "the mode's value").
-PAPER_KEYS = ("iterations", "epochs", "exemplar_dim", "batch_size", "learning_rate", "patience")
+#: The settings classes whose fields are this verb's options and YAML keys (cli.py type-checks --config with them).
+SETTINGS = (EstimatorConfig,)
 
 
-def _patience(text: str):
-    import argparse
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("train", "output")
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0 = run every epoch), got {value}")
-    return value
+
+def mode_help(parser, modes: dict) -> None:
+    """Append each mode's value to the help of the options it changes: "(default: X; --paper Y)"."""
+    for action in parser._actions:
+        if action.help and any(action.dest in values for values in modes.values()):
+            extra = "".join(f"; --{m} {'off' if v.get(action.dest) is None else v[action.dest]}"
+                            for m, v in modes.items() if action.dest in v)
+            action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
 
 
 def add_estimator_arguments(p) -> None:
-    """Estimator settings shared by `train` and `demo`; defaults from :mod:`sdm_mlx.defaults` (one place)."""
-    from ..defaults import ESTIMATOR_DEFAULTS as D
-    from ..defaults import PAPER_SETTINGS as P
+    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
+    import argparse
 
-    def both(key):
-        paper = "off" if P[key] is None else P[key]
-        mine = "off" if D[key] is None else D[key]
-        return f" (default {mine}; --paper {paper})%(default).0s"
+    from ..settings import add_arguments
 
-    g = p.add_argument_group("estimator")
-    g.add_argument("--alpha", type=float, default=D["alpha"], help="target conditional accuracy α'")
-    g.add_argument("--iterations", type=int, default=None,
-                   help="J: rounds over re-splits of train+calibration" + both("iterations"))
-    g.add_argument("--epochs", type=int, default=None,
-                   help="epochs per round; a cap when --patience is on" + both("epochs"))
-    g.add_argument("--patience", type=_patience, default=None,
-                   help="convergence-aware stopping: end a round after this many epochs without a better balanced "
-                        "median calibration q; 0 = run every epoch" + both("patience"))
-    g.add_argument("--exemplar-dim", type=int, default=None, help="M: exemplar vector width" + both("exemplar_dim"))
-    g.add_argument("--batch-size", type=int, default=None, help="Adam batch size" + both("batch_size"))
-    g.add_argument("--learning-rate", type=float, default=None,
-                   help="Adam learning rate of the adaptor" + both("learning_rate"))
-    g.add_argument("--k", type=int, default=None, help="neighbours scanned for q (default: largest class count)")
-    g.add_argument("--no-normalize", action="store_true", help="disable the scalar input normalisation")
-    g.add_argument("--unstratified", action="store_true", help="split rounds without stratifying by label")
-    g.add_argument("--index", choices=["exact", "hnsw"], default=D["index_backend"], help="support index backend")
-    g.add_argument("--rescaler-max-epochs", type=int, default=D["rescaler_max_epochs"])
-    g.add_argument("--rescaler-patience", type=int, default=D["rescaler_patience"])
-    g.add_argument("--rescaler-learning-rate", type=float, default=D["rescaler_learning_rate"])
-    g.add_argument("--rescaler-engine", choices=["numpy", "mlx"], default=D["rescaler_engine"],
-                   help="numpy: host loop (fast); mlx: compiled MLX step (same math, ~10x slower on CPU)")
-    g.add_argument("--n-exemplars", type=int, default=D["n_exemplars"],
-                   help="nearest training exemplars reported per row")
-    g.add_argument("--seed", type=int, default=D["seed"])
+    g = add_arguments(p, EstimatorConfig, title="estimator")
+    g.add_argument("--unstratified", dest="stratified", action="store_false", default=argparse.SUPPRESS,
+                   help="same as --no-stratified")
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def resolved_settings(args) -> dict:
-    """The effective values of the ``--paper``-dependent options: explicit flags win, then the mode."""
-    from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
+def estimator_config(args, base: dict | None = None):
+    """The :class:`EstimatorConfig` of ``args`` (CLI and YAML) over ``base`` (a mode such as --paper) over
+    the defaults; ``--patience 0`` means off."""
+    import dataclasses
 
-    base = PAPER_SETTINGS if getattr(args, "paper", False) else ESTIMATOR_DEFAULTS
-    out = {}
-    for key in PAPER_KEYS:
-        given = getattr(args, key, None)
-        out[key] = base[key] if given is None else given
-    if out["patience"] == 0:
-        out["patience"] = None
-    return out
+    from ..settings import SettingsError, resolve
+
+    cfg = resolve(EstimatorConfig, args, base)
+    if cfg.patience is not None and cfg.patience < 0:
+        raise SettingsError(f"--patience: expected an integer >= 0 (0 = run every epoch), got {cfg.patience}")
+    return cfg if cfg.patience != 0 else dataclasses.replace(cfg, patience=None)
 
 
-def estimator_from_args(args, class_names=None):
+def paper_base(args) -> dict:
+    """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
+    from ..defaults import PAPER_SETTINGS
+
+    return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
+
+
+def estimator_from_args(args, class_names=None, base: dict | None = None):
+    """An :class:`SDMEstimator` from the resolved settings (``base`` default: --paper's overrides)."""
+    from dataclasses import asdict
+
     from ..estimator import SDMEstimator
 
-    return SDMEstimator(
-        alpha=args.alpha, k=args.k, normalize=not args.no_normalize,
-        stratified=not args.unstratified, index_backend=args.index, rescaler_max_epochs=args.rescaler_max_epochs,
-        rescaler_patience=args.rescaler_patience, rescaler_learning_rate=args.rescaler_learning_rate,
-        rescaler_engine=args.rescaler_engine, n_exemplars=args.n_exemplars, seed=args.seed,
-        verbose=not args.quiet, class_names=class_names, **resolved_settings(args),
-    )
+    cfg = estimator_config(args, paper_base(args) if base is None else base)
+    return SDMEstimator(**asdict(cfg), verbose=not args.quiet, class_names=class_names)
 
 
 def jsonl_num_classes(args, train, cal) -> int:
@@ -97,9 +78,11 @@ def jsonl_num_classes(args, train, cal) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--train", help="training JSONL (id, label, embedding and/or attributes, optional document)")
+    p.add_argument("--train",
+                   help="training JSONL (id, label, embedding and/or attributes, optional document)")
     p.add_argument("--calibration", default=None, help="calibration JSONL (pooled with --train, as in the paper)")
-    p.add_argument("--output", help="model directory to write (new or empty; an existing model only with --overwrite)")
+    p.add_argument("--output",
+                   help="model directory to write (new or empty; an existing model only with --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing sdm_mlx model at --output (atomically); other directories are never "
                         "replaced")
@@ -116,6 +99,9 @@ def add_arguments(p) -> None:
     p.add_argument("--restart", action="store_true",
                    help="ignore the checkpoint OUTPUT.partial of an interrupted run and start over")
     add_estimator_arguments(p)
+    from ..defaults import PAPER_SETTINGS
+
+    mode_help(p, {"paper": PAPER_SETTINGS})
 
 
 def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
@@ -175,12 +161,10 @@ def run(args) -> int:
 
     from ..artifact import check_artifact_output
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
-    from ..cli import require
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
     from ..progress import log
 
-    require(args, "train", "output")
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)
     check_artifact_output(args.output, args.overwrite, inputs)

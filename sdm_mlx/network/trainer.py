@@ -55,132 +55,14 @@ import numpy as np
 from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
-from ..defaults import ESTIMATOR_DEFAULTS
 from ..io import write_json, write_jsonl
 from ..progress import Progress, log
-from ..verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
+from ..network_config import NetworkConfig
+from ..verification_data import PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .generation import generation_features, greedy_generate, parse_task_prediction
 from .heads import SDMHeads, token_hidden_states
 from .loss import beta_schedule, network_loss
-
-
-# ---------------------------------------------------------------------------------------------
-# configuration
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class NetworkConfig:
-    """Settings of :func:`train_network` (paper defaults where the paper has one)."""
-
-    model: str = ""  #: base model: local mlx-lm directory or hub id
-    output_dir: str = ""
-    data: str | None = None  #: task JSONL: id, label (task label 0..C-1), document
-    verification_data: str | None = None  #: or: JSONL of verification rows (id, prompt, completion, label[, task_label])
-    #: or: several tasks trained together (universal verification): a list of mappings with ``name``,
-    #: ``data`` and ``preset`` or ``completions`` + ``prompt_template``; row ids become "<name>/<id>"
-    tasks: list | None = None
-    completions: list | None = None  #: one completion per task label (default: the preset's)
-    preset: str | None = None  #: "sentiment" | "factcheck": the paper's completions and instruction
-    system: str | None = PAPER_SYSTEM
-    prompt_template: str | None = None  #: user message with a {document} slot (default: the preset's)
-    use_chat_template: bool = True
-    delimiter: str = _embed.DEFAULT_DELIMITER
-    max_length: int = _embed.DEFAULT_MAX_LENGTH  #: positions kept for features and token targets
-    negatives_seed: int = 0  #: seed of the constructed-negative assignment
-    # next-token training
-    epochs: int = 5
-    beta_min: float = 0.0
-    beta_max: float = 0.1
-    learning_rate: float = 1e-5
-    batch_size: int = 50  #: tokens per mini-batch
-    max_new_tokens: int = 32
-    generation_batch_size: int = 8
-    embed_batch_size: int = 8
-    compile_step: bool = True  #: mx.compile the training step (on Linux CPUs eager can be faster for big heads)
-    reference_head: str = "model"  #: "model" (the base model's own, possibly quantised head) or "float32" copy
-    # verification layer
-    verifier: str | None = None  #: an already saved verification layer to reuse (skips its training)
-    # (defaults: the estimator's, sdm_mlx/defaults.py; verifier_options may set e.g. "patience")
-    alpha: float = ESTIMATOR_DEFAULTS["alpha"]
-    verifier_iterations: int = ESTIMATOR_DEFAULTS["iterations"]
-    verifier_epochs: int = ESTIMATOR_DEFAULTS["epochs"]
-    verifier_exemplar_dim: int = ESTIMATOR_DEFAULTS["exemplar_dim"]
-    verifier_batch_size: int = ESTIMATOR_DEFAULTS["batch_size"]
-    verifier_learning_rate: float = ESTIMATOR_DEFAULTS["learning_rate"]
-    verifier_rescaler_max_epochs: int = ESTIMATOR_DEFAULTS["rescaler_max_epochs"]
-    verifier_options: dict = field(default_factory=dict)  #: any other SDMEstimator keyword
-    seed: int = 0
-    verbose: bool = False  #: progress on stderr (the CLI turns it on)
-    overwrite: bool = False  #: replace the outputs of an earlier network-train run in output_dir
-
-    def validate(self) -> None:
-        if not self.model:
-            raise ValueError("a base model (path or hub id) is required")
-        if not self.output_dir:
-            raise ValueError("an output directory is required")
-        if sum(x is not None for x in (self.data, self.verification_data, self.tasks)) != 1:
-            raise ValueError("give exactly one of data (task JSONL), verification_data (verification rows JSONL) "
-                             "and tasks (several task JSONLs)")
-        if self.tasks is not None:
-            if not isinstance(self.tasks, list) or not self.tasks:
-                raise ValueError("tasks must be a non-empty list of mappings (name, data, preset | completions)")
-            names = set()
-            for i, t in enumerate(self.tasks):
-                if not isinstance(t, dict) or "data" not in t or "name" not in t:
-                    raise ValueError(f"tasks[{i}] must be a mapping with at least 'name' and 'data'")
-                unknown = set(t) - {"name", "data", "preset", "completions", "prompt_template"}
-                if unknown:
-                    raise ValueError(f"tasks[{i}] has unknown key(s) {sorted(unknown)}")
-                if t["name"] in names:
-                    raise ValueError(f"task name {t['name']!r} repeats")
-                names.add(t["name"])
-                if t.get("preset") is not None and t["preset"] not in PRESETS:
-                    raise ValueError(f"tasks[{i}]: unknown preset {t['preset']!r}")
-                if not t.get("completions") and not t.get("preset"):
-                    raise ValueError(f"tasks[{i}] needs completions or a preset")
-        for name in ("epochs",):
-            if int(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("batch_size", "max_new_tokens", "generation_batch_size", "embed_batch_size", "max_length",
-                     "verifier_iterations", "verifier_epochs", "verifier_exemplar_dim", "verifier_batch_size",
-                     "verifier_rescaler_max_epochs"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.beta_min < 0 or self.beta_max < 0:
-            raise ValueError("beta_min and beta_max must be >= 0")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        if self.prompt_template is not None and "{document}" not in self.prompt_template:
-            raise ValueError("prompt_template must contain a {document} slot")
-
-    def resolved_completions(self) -> list | dict | None:
-        """One completion per task label (a list), or ``{task name: list}`` with ``tasks``."""
-        if self.tasks:
-            return {t["name"]: list(t.get("completions") or PRESETS[t["preset"]]["completions"]) for t in self.tasks}
-        if self.completions:
-            return list(self.completions)
-        if self.preset:
-            return list(PRESETS[self.preset]["completions"])
-        return None
-
-    def resolved_template(self) -> str | None:
-        if self.prompt_template:
-            return self.prompt_template
-        if self.preset:
-            return PRESETS[self.preset]["prompt_template"]
-        return None
-
-    def estimator_params(self) -> dict:
-        params = dict(
-            alpha=self.alpha, iterations=self.verifier_iterations, epochs=self.verifier_epochs,
-            exemplar_dim=self.verifier_exemplar_dim, batch_size=self.verifier_batch_size,
-            learning_rate=self.verifier_learning_rate, rescaler_max_epochs=self.verifier_rescaler_max_epochs,
-            seed=self.seed, verbose=self.verbose,
-        )
-        params.update(self.verifier_options or {})
-        return params
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -439,7 +321,7 @@ class SDMNetworkTrainer:
         config.validate()
         self.config = config
         prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
-                              "--output-dir", check_only=True)
+                              "--output", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
         elif tokenizer is None:
@@ -586,7 +468,7 @@ class SDMNetworkTrainer:
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
         c = self.config
-        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output-dir")
+        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
