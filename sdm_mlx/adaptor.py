@@ -146,8 +146,3 @@ class InvariantForward:
             h = self._hidden(x_norm).astype(np.float32)
             return self._logits(h).astype(np.float32), h
         return self._logits(x_norm).astype(np.float32), self._coordinates(x_norm).astype(np.float32)
-
-
-def forward_with_coordinates(model: ExemplarAdaptor, x: np.ndarray, basis=_NO_BASIS) -> tuple[np.ndarray, np.ndarray]:
-    """(z' [N, C], exemplar coordinates [N, min(D, M)]) by the batch-invariant :class:`InvariantForward`."""
-    return InvariantForward(model, basis)(x)

@@ -57,11 +57,10 @@ class TrainConfig:
     stratified: bool = True
     seed: int = 0
     index_backend: str = "exact"
-    eval_batch_size: int = 1024
     patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
 
     def validate(self) -> None:
-        for name in ("epochs", "batch_size", "exemplar_dim", "iterations", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
