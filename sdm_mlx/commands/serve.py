@@ -17,33 +17,14 @@ import os
 import sys
 
 from ..cli import CLIError
+from ._common import add_model_arguments, add_policy_arguments
 
 HELP = "OpenAI-compatible server for verified generation (/v1/chat/completions, /v1/completions, /v1/verify)"
 
 
 def add_generator_arguments(p) -> None:
     """Model, verifier and generation options shared by ``serve`` and ``mcp`` (dests as ``generate``'s)."""
-    p.add_argument("-m", "--model", help="mlx-lm model directory or hub id (default with --head: its base model)")
-    p.add_argument("--verifier", help="verification layer: a saved SDMEstimator directory (default with --head: "
-                                      "HEAD/verifier)")
-    p.add_argument("--head", "--adapter-path", dest="head", default=None,
-                   help="SDM-network directory with the positive head W_pos (joint neg+pos decoding; its stored "
-                        "settings become the defaults); --adapter-path is mlx-lm's name: like an adapter it holds "
-                        "trained weights applied on top of the frozen --model")
-    p.add_argument("--system", "--system-prompt", dest="system", default=None,
-                   help="system message added to chats without one (default: the head's)")
-    p.add_argument("--prompt-template", default=None,
-                   help="template with a {document} slot for the last user message (default: the head's; "
-                        "'{document}' sends messages unchanged)")
-    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
-                   help="join chat messages as raw text (base models)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="default max generated tokens per attempt (the head's max_new_tokens, else 256)")
-    p.add_argument("--delimiter", default=None, help="closing delimiter of the verification unit (default '}')")
-    p.add_argument("--max-length", type=int, default=None, help="kept positions of the verifier features (500)")
-    p.add_argument("--n-exemplars", type=int, default=5, help="nearest training exemplars reported per verdict")
-    p.add_argument("--allow-non-json", action="store_true",
-                   help="do not require a parseable JSON object (only the closing delimiter) for verification")
+    add_model_arguments(p)
     p.add_argument("--max-verdicts", type=int, default=1000, help="verdicts kept in memory by id (oldest dropped)")
     p.add_argument("--persist-feedback", action="store_true",
                    help="write every feedback label into the verifier directory too (atomically, with its update "
@@ -52,12 +33,7 @@ def add_generator_arguments(p) -> None:
 
 def add_arguments(p) -> None:
     add_generator_arguments(p)
-    p.add_argument("--on-reject", choices=["abstain", "reask", "return"], default="abstain",
-                   help="default policy for a rejected answer (a request overrides it with sdm.on_reject)")
-    p.add_argument("--max-attempts", type=int, default=3, help="default attempts in total with on_reject=reask")
-    p.add_argument("--reask-fallback", choices=["abstain", "return"], default="abstain",
-                   help="result when no re-asked attempt is verified")
-    p.add_argument("--reask-template", default=None, help="re-ask user message with a {previous} slot")
+    add_policy_arguments(p, per_request=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed on stderr)")
     p.add_argument("--served-model-name", default=None,
