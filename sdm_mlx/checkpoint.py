@@ -97,7 +97,7 @@ def save_checkpoint(path, fp: str, progress: RoundsProgress, rounds: list[RoundC
                  "movement": best.movement, "epochs_run": best.epochs_run, "stopped_early": best.stopped_early,
                  "num_classes": int(best.train.z.shape[1])},
     }
-    save_artifact(path, KIND, VERSION, groups, json.loads(json.dumps(meta)), overwrite=True)
+    save_artifact(path, KIND, VERSION, groups, meta, overwrite=True)
 
 
 def _restore_round(arrays: dict, meta: dict) -> RoundCalibration:

@@ -27,10 +27,7 @@ import warnings
 import numpy as np
 
 from .calibration import RoundCalibration, cauchy_robust_min, mad
-
-
-def _finite_or_none(x: float):
-    return float(x) if math.isfinite(x) else None
+from .io import finite_or_none
 
 
 def best_reachable_share(q_tilde: np.ndarray, good: np.ndarray, n_min: int) -> float:
@@ -138,9 +135,9 @@ def admission_diagnosis(rounds, best_index: int, alpha: float, robust_min: float
     diag = {
         "can_admit": not conditions,
         "alpha": float(alpha),
-        "min_valid_qbin": _finite_or_none(best.min_valid),
-        "robust_min_valid_qbin": _finite_or_none(robust_min),
-        "round_min_valid_qbin": [_finite_or_none(r.min_valid) for r in rounds],
+        "min_valid_qbin": finite_or_none(best.min_valid),
+        "robust_min_valid_qbin": finite_or_none(robust_min),
+        "round_min_valid_qbin": [finite_or_none(r.min_valid) for r in rounds],
         "calibration_rows_clearing_thresholds": rows_clearing(best, max(best.min_valid, robust_min)),
         "projection_movement": movement,
         "rescaler": None if best.rescaler is None else {

@@ -22,11 +22,9 @@ paper reports and the nearest training exemplars.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
 import warnings
-from dataclasses import asdict
 
 import numpy as np
 from mlx.utils import tree_flatten
@@ -590,7 +588,7 @@ class SDMEstimator:
             meta["n_training_support"] = state.n_training
             texts[FEEDBACK_LOG] = dump_log(state.log)
         put_float(meta, "robust_min_valid", self.robust_min_valid_, ROBUST_INF_REASON)
-        save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, json.loads(json.dumps(meta, default=_json_default)),
+        save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
                       overwrite=overwrite, texts=texts)
 
     @classmethod
@@ -650,18 +648,6 @@ class SDMEstimator:
         est._prepare_predict()
         est._apply_alpha(est.alpha)
         return est
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if hasattr(o, "__dataclass_fields__"):
-        return asdict(o)
-    raise TypeError(f"cannot serialise {type(o).__name__}")
 
 
 def _same(a, b) -> bool:

@@ -66,7 +66,6 @@ Report schema (JSON-serialisable; ``None`` = N/A or not finite)::
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -79,6 +78,7 @@ from .baselines import BASELINES, make_baseline
 from .calibration import check_alpha, estimate
 from .data import Dataset
 from .metrics import format_results_table, index_conditional_report, label_error_rows
+from .io import finite_or_none, strict
 from .progress import log
 from .validation import label_indices
 
@@ -126,31 +126,6 @@ def baseline_options(conformal: str = DEFAULT_CONFORMAL) -> dict[str, dict]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _num(x) -> float | None:
-    """A finite float or None (JSON has no inf/NaN)."""
-    if x is None:
-        return None
-    f = float(x)
-    return f if math.isfinite(f) else None
-
-
-def _jsonable(o):
-    """Recursively replace NumPy scalars/arrays and non-finite floats by JSON values."""
-    if isinstance(o, Mapping):
-        return {str(k): _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, np.ndarray):
-        return _jsonable(o.tolist())
-    if isinstance(o, (bool, np.bool_)):
-        return bool(o)
-    if isinstance(o, (int, np.integer)):
-        return int(o)
-    if isinstance(o, (float, np.floating)):
-        return _num(o)
-    return o
 
 
 def _check_dataset(name: str, ds: Dataset, num_classes: int, input_dim: int) -> None:
@@ -360,9 +335,9 @@ def _model_summary(estimator) -> dict:
         "calibration_size": len(estimator.calibration_ids_),
         "support_size": int(np.asarray(estimator.support_vectors_).shape[0]),
         "input_dim": int(estimator.input_dim_),
-        "min_valid_qbin": _num(cal.min_valid),
-        "robust_min_valid_qbin": _num(cal.robust_min_valid),
-        "psi": [_num(p) for p in np.asarray(cal.psi).tolist()],
+        "min_valid_qbin": finite_or_none(cal.min_valid),
+        "robust_min_valid_qbin": finite_or_none(cal.robust_min_valid),
+        "psi": [finite_or_none(p) for p in np.asarray(cal.psi).tolist()],
     }
 
 
@@ -458,7 +433,7 @@ def evaluate(
                                   z_cal, y_cal, C, options, verbose) for name, ds in datasets.items()}
     report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
                        out_sets, notes)
-    return _jsonable(report)
+    return strict(report)
 
 
 # --------------------------------------------------------------------------- presentation

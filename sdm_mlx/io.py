@@ -232,6 +232,14 @@ def open_append(path):
 # --------------------------------------------------------------------------------------------
 # strict JSON
 # --------------------------------------------------------------------------------------------
+def finite_or_none(x):
+    """``float(x)``, or None for None / NaN / ±inf (JSON has no non-finite numbers)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
 def strict(obj):
     """``obj`` as plain JSON values: NumPy scalars/arrays and dataclasses converted, non-finite floats → None."""
     if obj is None or isinstance(obj, (bool, str)):

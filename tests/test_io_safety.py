@@ -18,18 +18,7 @@ from sdm_mlx.artifact import prepare_run_directory
 from sdm_mlx.errors import ArtifactError, OutputError, SDMError
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.io import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
-from test_hostile import TINY, cli, rows, snapshot, write_rows
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("iolab")
-    write_rows(root / "train.jsonl", rows())
-    write_rows(root / "test.jsonl", rows(12, seed=1))
-    r = cli("train", "--train", "train.jsonl", "--output", "model", "--features", "embedding", "--alpha", "0.6",
-            *TINY, cwd=root)
-    assert r.returncode == 0, r.stderr
-    return root
+from test_hostile import TINY, cli, lab, rows, snapshot, write_rows  # noqa: F401 (lab: the shared fixture)
 
 
 @pytest.fixture

@@ -39,11 +39,10 @@ their split).  Progress goes to stderr.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
@@ -55,7 +54,7 @@ import numpy as np
 from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
-from ..io import write_json, write_jsonl
+from ..io import strict, write_json, write_jsonl
 from ..progress import Progress, log
 from ..network_config import NetworkConfig
 from ..verification_data import PRESETS, make_verification_rows
@@ -492,7 +491,7 @@ class SDMNetworkTrainer:
         cache.hidden = None  # the device copy is the one used from here on
         targets = mx.array(cache.targets.astype(np.int32))
 
-        metrics = {"config": _jsonable(asdict(c)), "base_model": base_model_reference(c.model),
+        metrics = {"config": strict(c), "base_model": base_model_reference(c.model),
                    "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
                    "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
                    "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
@@ -529,10 +528,6 @@ class SDMNetworkTrainer:
 
 def _head_label(epoch: int) -> str:
     return "the untrained base head (epoch 0)" if epoch == 0 else f"the head of epoch {epoch}"
-
-
-def _jsonable(obj):
-    return json.loads(json.dumps(obj, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 
 
 def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None) -> NetworkTrainResult:

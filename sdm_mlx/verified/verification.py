@@ -29,12 +29,12 @@ are returned as evidence in every case.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from .. import embed as _embed
+from ..io import finite_or_none, strict
 from ..network.generation import first_json_object
 from ..results import VERDICT_FLOAT_KEYS, VERDICT_KEYS
 
@@ -43,25 +43,6 @@ PREDICTED_UNVERIFIED = "predicted_unverified"
 #: Fields of the estimator's per-row result copied into a verdict's ``verifier`` record (derived from the
 #: result dataclasses: the fields marked ``verdict`` in :mod:`sdm_mlx.results`).
 VERIFIER_FIELDS = VERDICT_KEYS
-
-
-def json_safe(value):
-    """``value`` with every non-finite float (recursively in lists / dicts) replaced by None."""
-    if isinstance(value, float):
-        return finite_or_none(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def finite_or_none(x):
-    """``float(x)`` or None for NaN / inf / None (JSON has no NaN)."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
 
 
 @dataclass
@@ -139,6 +120,6 @@ class AnswerVerifier:
         return Verdict(
             verified=reason is None, reason=reason, p_lower=record["p_lower"], parsed=parsed,
             exemplars=row["exemplars"], verifier=record, feature_seconds=t1 - t0, estimate_seconds=t2 - t1,
-            row=json_safe(row),
+            row=strict(row),
         )
 
