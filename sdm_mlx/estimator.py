@@ -80,7 +80,9 @@ class SDMEstimator:
     ``rescaler_engine`` "numpy" (default: the sequential batch-1 Adam loop on the host, ~10x faster than
     per-row MLX dispatch) or "mlx" (compiled MLX step; the same math, tested to agree)); ``n_exemplars``
     nearest training exemplars returned per row by ``estimate``; ``seed``; ``verbose`` progress on stderr
-    (off by default; the CLI turns it on); ``class_names`` display names, one per class of ``classes_``.
+    (off by default; the CLI turns it on); ``class_names`` display names, one per class of ``classes_``;
+    ``shard_index`` under ``mlx.launch`` (more than one rank) split the exact index over the ranks, with
+    ``shard_timeout`` seconds for a dead or hung rank (``docs/distributed.md``).
     """
 
     def __init__(
@@ -104,6 +106,8 @@ class SDMEstimator:
         verbose: bool = False,
         class_names: list | None = None,
         patience: int | None = _D.patience,
+        shard_index: bool = _D.shard_index,
+        shard_timeout: float = _D.shard_timeout,
     ):
         self.alpha = alpha
         self.iterations = iterations
@@ -124,6 +128,8 @@ class SDMEstimator:
         self.verbose = verbose
         self.class_names = class_names
         self.patience = patience
+        self.shard_index = shard_index
+        self.shard_timeout = shard_timeout
 
     @classmethod
     def paper(cls, **overrides) -> "SDMEstimator":
@@ -168,6 +174,7 @@ class SDMEstimator:
             epochs=self.epochs, batch_size=self.batch_size, learning_rate=self.learning_rate,
             exemplar_dim=self.exemplar_dim, k=self.k, normalize=self.normalize, iterations=self.iterations,
             stratified=self.stratified, seed=self.seed, index_backend=self.index_backend, patience=self.patience,
+            shard_index=self.shard_index, shard_timeout=self.shard_timeout,
         )
 
     @property
@@ -326,7 +333,8 @@ class SDMEstimator:
     def _prepare_predict(self) -> None:
         """The support index and the batch-invariant forward map, built once per fit / load (so that
         prediction never changes the estimator's state)."""
-        self._index = make_index(self.support_vectors_, self.index_backend)
+        self._index = make_index(self.support_vectors_, self.index_backend, shard=getattr(self, "shard_index", True),
+                                 shard_timeout=getattr(self, "shard_timeout", None))
         self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
 
     def calibration_at(self, alpha: float) -> Calibration:

@@ -360,7 +360,8 @@ class ExactIndex:
                 rows = rows_c[start : start + self.block_rows]
                 dist, q_sq = _squared_distances(mx.array(qc[rows]), grouping.support, grouping.support_sq)
                 if ex is not None:
-                    dist = mx.where(cols[None, :] == mx.array(grouping.inverse[ex[rows]])[:, None], mx.inf, dist)
+                    ex_cols = np.where(ex[rows] >= 0, grouping.inverse[ex[rows]], -1)  # −1: nothing excluded
+                    dist = mx.where(cols[None, :] == mx.array(ex_cols)[:, None], mx.inf, dist)
                 mx.eval(dist, q_sq)  # once: the q count and the top-n screening both read it
                 q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
                 self._top_into(queries, rows, dist, q_sq, grouping.support_sq, grouping.perm, ex, top_d, top_i)
@@ -515,9 +516,17 @@ class HnswIndex:
         return q, dist[:, 0].astype(np.float32), top_d, top_i
 
 
-def make_index(support, backend: str = "exact", **kwargs):
-    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib)."""
+def make_index(support, backend: str = "exact", shard: bool = False, shard_timeout: float | None = None, **kwargs):
+    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib).
+
+    ``shard``: under ``mlx.launch`` with more than one rank, the exact index is split over the ranks
+    (:class:`sdm_mlx.sharded_index.ShardedExactIndex`, same results); ignored in a single process.
+    """
     if backend == "exact":
+        if shard:
+            from .sharded_index import make_sharded_or_local
+
+            return make_sharded_or_local(support, timeout=shard_timeout, **kwargs)
         return ExactIndex(support, **kwargs)
     if backend == "hnsw":
         return HnswIndex(support, **kwargs)

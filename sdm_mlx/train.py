@@ -58,6 +58,8 @@ class TrainConfig:
     seed: int = 0
     index_backend: str = "exact"
     patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
+    shard_index: bool = True  #: under mlx.launch, split the exact index over the ranks (sdm_mlx.sharded_index)
+    shard_timeout: float = 300.0  #: seconds a sharded-index collective waits for the other ranks
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
@@ -70,6 +72,9 @@ class TrainConfig:
             raise ValueError(f"patience must be a positive integer or None, got {self.patience!r}")
         if self.k is not None and self.k < 1:
             raise ValueError(f"k must be ≥ 1 or None, got {self.k}")
+        if isinstance(self.shard_timeout, bool) or not (isinstance(self.shard_timeout, (int, float))
+                                                          and self.shard_timeout > 0):
+            raise ValueError(f"shard_timeout must be a number of seconds > 0, got {self.shard_timeout!r}")
         if self.index_backend not in ("exact", "hnsw"):
             raise ValueError(f"index_backend must be 'exact' or 'hnsw', got {self.index_backend!r}")
 
@@ -197,7 +202,7 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
     z_tr, h_tr = forward(X_tr)
     z_ca, h_ca = forward(X_ca)
     good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
-    index = make_index(h_tr, config.index_backend)
+    index = make_index(h_tr, config.index_backend, shard=config.shard_index, shard_timeout=config.shard_timeout)
     tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes, exclude=np.arange(X_tr.shape[0]))
     ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes)
     return tr, ca, basis
