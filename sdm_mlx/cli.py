@@ -199,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
 
         maybe_warn_slow_blas()
         require(args, *getattr(mod, "REQUIRED", ()))
-        rc = mod.run(args)
+        from .distributed import install_sigterm_message, quiet_unless_primary
+
+        install_sigterm_message()
+        with quiet_unless_primary():  # under mlx.launch, rank 0 alone reports
+            rc = mod.run(args)
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)
         return 2

@@ -19,9 +19,11 @@ also stops every rank with SIGTERM once one exits with an error.)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
+import signal
 import threading
 
 import numpy as np
@@ -73,6 +75,31 @@ def launched_rank() -> int | None:
     """The rank ``mlx.launch`` gave this process (env ``MLX_RANK``), without initialising MLX; None if not launched."""
     value = os.environ.get("MLX_RANK")
     return int(value) if value is not None and value.isdigit() else None
+
+
+@contextlib.contextmanager
+def quiet_unless_primary():
+    """Under ``mlx.launch``, silence stdout and stderr of ranks > 0 inside the block (rank 0 reports);
+    exceptions still leave the block, so their messages are printed by the caller on every rank."""
+    if not launched_rank():
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+def install_sigterm_message() -> None:
+    """Under ``mlx.launch``: SIGTERM (sent by the launcher to every rank once one fails or is killed) raises a
+    :class:`DistributedError` naming this rank, so the CLI ends with a message and a non-zero status."""
+    r = launched_rank()
+    if r is None or threading.current_thread() is not threading.main_thread():
+        return
+
+    def stopped(signum, frame):
+        raise DistributedError(f"rank {r}: stopped by SIGTERM: mlx.launch stops every rank once one fails or is "
+                               "killed (the cause is the other rank's message)")
+
+    signal.signal(signal.SIGTERM, stopped)
 
 
 def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:

@@ -554,6 +554,8 @@ class SDMEstimator:
         An existing artifact at ``path`` is replaced only with ``overwrite=True``; any other existing
         non-empty directory (or a file) is refused with :class:`ArtifactError` and left untouched."""
         self._check_fitted()
+        if getattr(self._index, "group", None) is not None and self._index.group.rank() != 0:
+            return  # sharded under mlx.launch: rank 0 alone writes the artifact (docs/distributed.md)
         C = self.num_classes_
         groups = {
             "adaptor": {k: np.array(v) for k, v in tree_flatten(self.model_.parameters())},

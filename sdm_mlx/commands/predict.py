@@ -39,6 +39,10 @@ def run(args) -> int:
     if data.y is not None:
         check_labels(data.y, est.num_classes_, args.input)
     pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+    from ..distributed import is_primary, launched_rank
+
+    if launched_rank() is not None and not is_primary():
+        return 0  # under mlx.launch rank 0 alone writes the results
     rows = pred.to_dicts()
     if data.y is not None:
         for row, label in zip(rows, data.y.tolist()):

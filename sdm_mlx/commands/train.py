@@ -161,6 +161,7 @@ def run(args) -> int:
 
     from ..artifact import check_artifact_output
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
+    from ..distributed import is_distributed, is_primary, launched_rank
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
     from ..progress import log
@@ -178,6 +179,9 @@ def run(args) -> int:
     checkpoint = os.path.abspath(args.output).rstrip(os.sep) + ".partial"
     if args.restart:
         remove_checkpoint(checkpoint)
+    distributed_run = launched_rank() is not None and is_distributed()
+    if distributed_run:  # the ranks would resume from different (or shared) checkpoints: none under mlx.launch
+        checkpoint = None
     t0 = time.perf_counter()
     try:
         est.fit(
@@ -186,14 +190,17 @@ def run(args) -> int:
             num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint,
         )
     except KeyboardInterrupt:
-        done = checkpoint_rounds(checkpoint)
+        done = checkpoint_rounds(checkpoint) if checkpoint else 0
         log(f"interrupted: {done} finished round(s) are kept in {checkpoint}; run the same command again to "
             "resume (--restart to start over)" if done else "interrupted before the first round finished", True)
         raise
     seconds = time.perf_counter() - t0
     est.feature_field_ = train.features
+    if distributed_run and not is_primary():
+        return 0  # rank 0 alone writes the model and the report
     est.save(args.output, overwrite=args.overwrite)
-    remove_checkpoint(checkpoint)
+    if checkpoint:
+        remove_checkpoint(checkpoint)
     report = training_report(est, seconds, getattr(est, "resumed_rounds_", 0))
     report_path = args.report or os.path.join(args.output, "training_report.json")
     write_json(report_path, report)
