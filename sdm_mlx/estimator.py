@@ -552,7 +552,8 @@ class SDMEstimator:
         """Write a versioned safetensors + JSON artifact directory atomically.
 
         An existing artifact at ``path`` is replaced only with ``overwrite=True``; any other existing
-        non-empty directory (or a file) is refused with :class:`ArtifactError` and left untouched."""
+        non-empty directory (or a file) is refused with :class:`ArtifactError` and left untouched.
+        Fitted under ``mlx.launch`` with a sharded index, rank 0 alone writes (the other ranks return)."""
         self._check_fitted()
         if getattr(self._index, "group", None) is not None and self._index.group.rank() != 0:
             return  # sharded under mlx.launch: rank 0 alone writes the artifact (docs/distributed.md)

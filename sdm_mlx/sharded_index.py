@@ -55,7 +55,7 @@ class ShardedExactIndex:
         s = _as_float32_matrix(support, "support")
         dist.check_same("support sets", s, timeout=timeout, grp=grp)
         start, stop = dist.shard_bounds(s.shape[0], grp.rank(), grp.size())
-        return cls(s[start:stop], start, s.shape[0], timeout=timeout, group=grp, **kwargs)
+        return cls(s[start:stop].copy(), start, s.shape[0], timeout=timeout, group=grp, **kwargs)  # not a view
 
     def _check_layout(self, rows: int) -> None:
         """The shards must tile 0..total−1 in rank order, none empty."""
