@@ -8,6 +8,7 @@
   and saves the model to ``out_dir/model`` (rank 0 alone writes it).
 * ``loop``    — builds a sharded index, prints ``ready``, then queries it forever (killed by the test).
 * ``selfkill`` — like ``loop``, but rank 1 kills itself (SIGKILL) after the first query.
+* ``mismatch`` — rank 1 passes a different support set to ``from_full`` (must be refused on every rank).
 
 A :class:`~sdm_mlx.distributed.DistributedError` ends the process with its message and status 3.
 """
@@ -113,6 +114,11 @@ def main() -> int:
             run_fixture(out)
         elif mode in ("loop", "selfkill"):
             run_loop(out, mode == "selfkill")
+        elif mode == "mismatch":
+            from sdm_mlx.sharded_index import ShardedExactIndex
+
+            support = random_case()[0]
+            ShardedExactIndex.from_full(support + dist.rank())
         else:
             raise SystemExit(f"unknown mode {mode}")
     except dist.DistributedError as e:

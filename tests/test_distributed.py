@@ -194,6 +194,13 @@ def test_cli_train_under_launch_then_single_process_predict_equals_distributed_p
     assert any(json.loads(r)["admitted"] for r in dist_rows.splitlines())
 
 
+@needs_launch
+def test_ranks_holding_different_support_sets_are_refused(tmp_path):
+    run = launch([str(SCRIPT), "mismatch", str(tmp_path)])
+    assert run.stderr.count("rank(s) [1] hold different support sets than rank 0") >= 1, run.stderr
+    assert "exited with code 3" in run.stderr
+
+
 # -- a rank that dies or hangs -----------------------------------------------------------------
 BOUND = 30.0  #: seconds within which the surviving rank must have ended (measured: ~1-2 s for a death)
 
