@@ -44,6 +44,17 @@ def random_case(seed: int = 0, n: int = 1500, m: int = 6, classes: int = 3):
     return support, good, queries, y_hat, exclude
 
 
+def tiny_case():
+    """5 support rows (shards of 3 and 2): a shard with no bad row for class 0, a class with no good row,
+    an exact tie across the shards, and n larger than a shard."""
+    support = np.array([[0, 0], [1, 0], [0, 1], [1, 0], [3, 3]], dtype=np.float32)
+    labels = np.array([0, 0, 0, 1, 1])
+    preds = np.array([0, 0, 0, 1, 0])
+    good = good_neighbours_by_class(labels, preds, 3)
+    queries = np.array([[0, 0], [1, 0], [0.5, 0], [2, 2], [1, 0]], dtype=np.float32)
+    return support, good, queries, np.array([0, 1, 0, 2, 0]), np.array([0, 3, -1, -1, 1])
+
+
 def index_results(index, case) -> dict:
     """Every query the test compares: q/d0/top-n with self-exclusion, without, and search."""
     support, good, queries, y_hat, exclude = case
@@ -63,7 +74,10 @@ def run_index(out: Path) -> None:
     full = index_results(ShardedExactIndex.from_full(case[0]), case)
     start, stop = dist.shard_bounds(case[0].shape[0], dist.rank(), dist.size())
     by_shard = index_results(ShardedExactIndex(case[0][start:stop], start, case[0].shape[0]), case)
-    np.savez(out / f"rank{dist.rank()}.npz", **full, **{f"shard_{k}": v for k, v in by_shard.items()})
+    tiny = tiny_case()
+    small = index_results(ShardedExactIndex.from_full(tiny[0]), tiny)
+    np.savez(out / f"rank{dist.rank()}.npz", **full, **{f"shard_{k}": v for k, v in by_shard.items()},
+             **{f"tiny_{k}": v for k, v in small.items()})
 
 
 def run_fixture(out: Path) -> None:

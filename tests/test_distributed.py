@@ -30,7 +30,7 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 FIXTURE = HERE / "data" / "fixtures" / "factcheck_estimates.json"
 
 sys.path.insert(0, str(HERE))
-from distributed_script import index_results, random_case  # noqa: E402
+from distributed_script import index_results, random_case, tiny_case  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")
 
@@ -128,11 +128,15 @@ def test_sharded_index_equals_the_single_process_index(tmp_path):
     case = random_case()
     ref = index_results(ExactIndex(case[0]), case)
     assert ref["q_ex"].max() > 5 and (ref["ni_ex"] == -1).sum() == 0 and (ref["si_all"] == -1).any()
+    tiny = index_results(ExactIndex(tiny_case()[0]), tiny_case())
+    assert tiny["q"].tolist() == [3, 0, 2, 0, 1] and tiny["q_ex"].tolist() == [2, 0, 2, 0, 0]  # by hand
     for rank in (0, 1):
         got = np.load(tmp_path / f"rank{rank}.npz")
         for key, want in ref.items():
             for name in (key, f"shard_{key}"):  # from_full, and the (shard, offset, total) constructor
                 assert got[name].dtype == want.dtype and np.array_equal(got[name], want), (rank, name)
+        for key, want in tiny.items():
+            assert got[f"tiny_{key}"].dtype == want.dtype and np.array_equal(got[f"tiny_{key}"], want), (rank, key)
 
 
 @needs_launch
