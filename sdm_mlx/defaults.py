@@ -38,8 +38,9 @@ class EstimatorConfig:
                                            "on CPU)", choices=("numpy", "mlx"))
     n_exemplars: int = option(5, "nearest training exemplars reported per row")
     seed: int = option(0, "random seed of splits and initialisation")
-    shard_index: bool = option(True, "under mlx.launch with more than one rank, split the exact support index over "
-                                     "the ranks (identical results; docs/distributed.md)")
+    shard_index: bool = option(False, "under mlx.launch with more than one rank, split the exact support index over "
+                                      "the ranks (identical results; off: every rank holds all of it; "
+                                      "docs/distributed.md)")
     shard_timeout: float = option(300.0, "seconds a sharded-index collective waits for the other ranks before "
                                          "failing (a dead or hung rank)")
 

@@ -333,7 +333,7 @@ class SDMEstimator:
     def _prepare_predict(self) -> None:
         """The support index and the batch-invariant forward map, built once per fit / load (so that
         prediction never changes the estimator's state)."""
-        self._index = make_index(self.support_vectors_, self.index_backend, shard=getattr(self, "shard_index", True),
+        self._index = make_index(self.support_vectors_, self.index_backend, shard=getattr(self, "shard_index", False),
                                  shard_timeout=getattr(self, "shard_timeout", None))
         self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
 

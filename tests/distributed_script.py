@@ -88,7 +88,7 @@ def run_fixture(out: Path) -> None:
     from sdm_mlx.estimator import SDMEstimator
 
     pool, heldout, generated = factcheck_splits()  # as behaviour_fixture.fixture_results, keeping the estimator
-    est = SDMEstimator(**SETTINGS).fit(pool.X, pool.y, ids_train=pool.ids)
+    est = SDMEstimator(**SETTINGS, shard_index=True).fit(pool.X, pool.y, ids_train=pool.ids)
     results = {}
     for name, ds in (("heldout", heldout), ("generated", generated)):
         results[name] = est.estimate(ds.X[:ROWS], ids=ds.ids[:ROWS]).to_dicts()

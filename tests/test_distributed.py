@@ -181,7 +181,7 @@ def test_cli_train_under_launch_then_single_process_predict_equals_distributed_p
     cli = ["-m", "sdm_mlx"]
     train = launch(cli + ["train", "--train", str(tmp_path / "train.jsonl"), "--output", str(tmp_path / "model"),
                           "--iterations", "2", "--epochs", "2", "--exemplar-dim", "32", "--learning-rate", "1e-3",
-                          "--rescaler-max-epochs", "30"])
+                          "--rescaler-max-epochs", "30", "--shard-index"])
     assert (tmp_path / "model").is_dir(), train.stdout + train.stderr
     assert train.stdout.count("trained in") == 1  # rank 0 alone reports
     assert not list(tmp_path.glob("model.partial*"))  # no checkpoint under mlx.launch
@@ -196,6 +196,10 @@ def test_cli_train_under_launch_then_single_process_predict_equals_distributed_p
     dist_rows = (tmp_path / "dist.jsonl").read_text()
     assert dist_rows == (tmp_path / "single.jsonl").read_text() and len(dist_rows.splitlines()) == 150
     assert any(json.loads(r)["admitted"] for r in dist_rows.splitlines())
+    # --no-shard-index overrides the model's setting: every rank holds the whole index, same answers
+    whole = launch(cli + ["predict", "--model", str(tmp_path / "model"), "--input", str(tmp_path / "test.jsonl"),
+                          "--output", str(tmp_path / "whole.jsonl"), "--no-shard-index"])
+    assert (tmp_path / "whole.jsonl").read_text() == dist_rows, whole.stderr
 
 
 @needs_launch

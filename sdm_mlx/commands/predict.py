@@ -19,6 +19,11 @@ def add_arguments(p) -> None:
                    help="row field(s) to use; auto = the field the model was trained on when the row has it")
     p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
     p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
+    import argparse
+
+    p.add_argument("--shard-index", action=argparse.BooleanOptionalAction, default=None,
+                   help="under mlx.launch, split the exact support index over the ranks (default: the model's "
+                        "shard_index setting; docs/distributed.md)")
 
 
 def run(args) -> int:
@@ -33,6 +38,9 @@ def run(args) -> int:
                       [("--input", args.input), ("--model", args.model)])
     est = SDMEstimator.load(args.model)
     est.verbose = False
+    if args.shard_index is not None and args.shard_index != est.shard_index:
+        est.shard_index = args.shard_index
+        est._prepare_predict()  # rebuild the support index sharded (or not)
     trained_on = getattr(est, "feature_field_", None)
     data = read_jsonl(args.input, args.features, require_labels=False, prefer=trained_on)
     check_model_width(data, est.input_dim_, trained_on, args.input)

@@ -182,6 +182,9 @@ def run(args) -> int:
     distributed_run = launched_rank() is not None and is_distributed()
     if distributed_run:  # the ranks would resume from different (or shared) checkpoints: none under mlx.launch
         checkpoint = None
+        if not est.shard_index:
+            log("under mlx.launch without --shard-index: every rank holds the whole support index "
+                "(docs/distributed.md)", not args.quiet)
     t0 = time.perf_counter()
     try:
         est.fit(
