@@ -185,9 +185,9 @@ class ShardedExactIndex:
                                      self.timeout, self.group)  # [R, 2, b, 1 + n]
         d = every[:, 0].view(np.float64)
         i = every[:, 1]
-        bad_d, bad_i = dist.smallest_pairs(np.concatenate(list(d[:, :, :1]), 1), np.concatenate(list(i[:, :, :1]), 1), 1)
-        m = both_d.shape[1] - 1
-        top_d, top_i = dist.smallest_pairs(np.concatenate(list(d[:, :, 1:]), 1), np.concatenate(list(i[:, :, 1:]), 1), m)
+        side = lambda a, cols: np.concatenate(list(a[:, :, cols]), axis=1)  # noqa: E731  [b, R·width]
+        bad_d, bad_i = dist.smallest_pairs(side(d, slice(0, 1)), side(i, slice(0, 1)), 1)
+        top_d, top_i = dist.smallest_pairs(side(d, slice(1, None)), side(i, slice(1, None)), both_d.shape[1] - 1)
         return np.concatenate([bad_d, top_d], 1), np.concatenate([bad_i, top_i], 1)
 
     def _first_bad(self, queries, rows, dist_b, q_sq, grouping, c, ex_l):
