@@ -91,8 +91,13 @@ def run(args) -> int:
     from ..io import dumps
     from ..network.trainer import train_network
 
+    from ..network.data_parallel import DataParallel
+
     config = network_config(args)
-    result = train_network(config)
+    dp = DataParallel()  # under mlx.launch: this rank; otherwise a group of one
+    result = train_network(config, dp=dp)
+    if not dp.writer:
+        return 0  # rank 0 alone reports
     summary = {
         "network": result.network_path, "verifier": result.verifier_path, "metrics": result.metrics_path,
         "selected_epoch": result.selected_epoch, "best_count": result.best_count,
