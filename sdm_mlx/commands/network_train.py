@@ -95,7 +95,13 @@ def run(args) -> int:
 
     config = network_config(args)
     dp = DataParallel()  # under mlx.launch: this rank; otherwise a group of one
-    result = train_network(config, dp=dp)
+    try:
+        result = train_network(config, dp=dp)
+    except RuntimeError as e:  # a collective failed: another rank died or was stopped
+        lost = dp.lost_peer_message(e)
+        if lost is None:
+            raise
+        raise CLIError(lost) from None
     if not dp.writer:
         return 0  # rank 0 alone reports
     summary = {

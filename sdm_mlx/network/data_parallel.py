@@ -31,6 +31,7 @@ is the single-process gradient up to float summation order.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import Callable
 
@@ -58,6 +59,14 @@ class DataParallel:
     def writer(self) -> bool:
         """Rank 0 alone writes the run directory, prints and shows progress."""
         return self.rank == 0
+
+    def lost_peer_message(self, error: BaseException) -> str | None:
+        """A user-facing message if ``error`` is a failed collective (a peer rank died), else None."""
+        if not self.active or not re.search(r"\[(ring|mpi|jaccl|nccl)\]", str(error)):
+            return None
+        return (f"rank {self.rank} of {self.size} lost the connection to another rank ({error}): that rank "
+                "stopped or died (see its own error); this rank stops too.  The run directory keeps what rank 0 "
+                "wrote last (not marked finished)")
 
     def shard(self, n: int, rank: int | None = None) -> tuple[int, int]:
         """``[lo, hi)`` of rank ``rank`` (default: this one) in a contiguous split of ``n`` rows."""
