@@ -31,7 +31,12 @@ is the single-process gradient up to float summation order.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import threading
+import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable
 
@@ -43,13 +48,72 @@ from mlx.utils import tree_map
 from .loss import network_loss_terms, rescaled_regularizer
 
 
-class DataParallel:
-    """The rank/size of the ``mx.distributed`` group and the few collectives Alg. 4 needs."""
+#: Seconds a rank waits inside one collective before it gives up (a peer died or stalled).
+TIMEOUT_ENV = "SDM_MLX_DP_TIMEOUT"
+DEFAULT_TIMEOUT = 900.0
+#: Exit status of a rank stopped by the watchdog.
+WATCHDOG_EXIT = 75
 
-    def __init__(self, group=None):
+
+class _Watchdog:
+    """Ends the process with a clear message when a guarded wait outlives its deadline.
+
+    MLX's ring backend raises "connection to a peer was lost" when a peer dies during a
+    collective, but a collective *started after* the failure was noticed can block forever;
+    a bounded wait turns that into an error.  One daemon thread polls five times a second.
+    """
+
+    def __init__(self, timeout: float, label: str):
+        self.timeout, self.label = timeout, label
+        self.deadline: float | None = None
+        self.what = ""
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def guard(self, what: str):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="sdm-mlx-dp-watchdog", daemon=True)
+            self._thread.start()
+        self.what, self.deadline = what, time.monotonic() + self.timeout
+        try:
+            yield
+        finally:
+            self.deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                sys.stderr.write(
+                    f"sdm-mlx: error: {self.label} had no answer from the other ranks for {self.timeout:g} s "
+                    f"during {self.what}: a rank died or stalled, stopping (set {TIMEOUT_ENV} to wait longer)\n")
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT)
+
+
+class DataParallel:
+    """The rank/size of the ``mx.distributed`` group and the few collectives Alg. 4 needs.
+
+    Every blocking collective runs under a watchdog (``timeout`` seconds; default
+    ``$SDM_MLX_DP_TIMEOUT`` or 900): a rank that waits longer for its peers stops with a message.
+    """
+
+    def __init__(self, group=None, timeout: float | None = None):
         self.group = group if group is not None else mx.distributed.init()
         self.rank = int(self.group.rank())
         self.size = int(self.group.size())
+        if timeout is None:
+            timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
+        self.watchdog = _Watchdog(timeout, f"rank {self.rank} of {self.size}")
+
+    def wait(self, *arrays, what: str = "a collective") -> None:
+        """``mx.eval(*arrays)`` (which runs the pending collectives) with a bounded wait."""
+        if not self.active:
+            mx.eval(*arrays)
+            return
+        with self.watchdog.guard(what):
+            mx.eval(*arrays)
 
     @property
     def active(self) -> bool:
@@ -78,13 +142,17 @@ class DataParallel:
         a = np.asarray(values)
         if not self.active:
             return a
-        return np.array(mx.distributed.all_sum(mx.array(a), group=self.group))
+        out = mx.distributed.all_sum(mx.array(a), group=self.group)
+        self.wait(out, what="all_sum")
+        return np.array(out)
 
     def all_max(self, values) -> np.ndarray:
         a = np.asarray(values)
         if not self.active:
             return a
-        return np.array(mx.distributed.all_max(mx.array(a), group=self.group))
+        out = mx.distributed.all_max(mx.array(a), group=self.group)
+        self.wait(out, what="all_max")
+        return np.array(out)
 
     def gather_rows(self, local: np.ndarray) -> np.ndarray:
         """Concatenate every rank's rows (axis 0) in rank order; ranks may hold different row counts."""
@@ -101,7 +169,9 @@ class DataParallel:
         padded = np.zeros((int(counts.max()),) + width, dtype=local.dtype)
         if local.shape[0]:
             padded[: local.shape[0]] = local
-        every = np.array(mx.distributed.all_gather(mx.array(padded), group=self.group))
+        every = mx.distributed.all_gather(mx.array(padded), group=self.group)
+        self.wait(every, what="all_gather")
+        every = np.array(every)
         every = every.reshape((self.size, padded.shape[0]) + width)
         return np.concatenate([every[r, : counts[r]] for r in range(self.size)], axis=0)
 
@@ -195,8 +265,8 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True)
         step = partial(mx.compile, inputs=state, outputs=state)(step)
 
     def dispatch(h, t, q, d, beta, n_global):
-        if int(h.shape[0]) == 0:
-            return empty_step(beta, n_global)
-        return step(h, t, q, d, beta, n_global)
+        out = empty_step(beta, n_global) if int(h.shape[0]) == 0 else step(h, t, q, d, beta, n_global)
+        dp.wait(out, heads.state, optimizer.state, what="a training step")  # the step's two all_sums
+        return out
 
     return dispatch
