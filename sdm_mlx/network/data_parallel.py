@@ -4,7 +4,8 @@ Under ``mlx.launch -n N`` every rank runs the same Alg. 4 (:mod:`.trainer`) on t
 inputs; without a launcher ``mx.distributed.init()`` gives a group of size 1 and nothing
 here communicates.  What is split and what is replicated:
 
-* **Split by whole batches**: the token-cache forward pass over the y = 1 training documents,
+* **Split by whole batches**: the verifier's force-decoded features of the verification rows,
+  the token-cache forward pass over the y = 1 training documents,
   the per-epoch greedy generations whose q, d feed the loss, and the calibration generations
   of Alg. 4's selection count.  These functions sort their rows by length and pad per batch,
   so a row's float result depends on its batch: rank r of N takes the batches
@@ -15,10 +16,10 @@ here communicates.  What is split and what is replicated:
 * **Split per mini-batch**: the global token permutation (same seed on every rank) is cut
   into global mini-batches of ``batch_size`` tokens exactly as in one process; rank r
   takes the contiguous slice ``[r·B/N, (r+1)·B/N)`` of each.
-* **Replicated**: the verifier's force-decoded features and the verification estimator
-  (trained identically on every rank: its SGD amplifies feature differences of 1e-6 from
-  another batch composition into different q, so they are not split), the token cache after
-  the gather, W_pos and the Adam state (identical because every rank applies the
+* **Replicated**: the verification estimator (trained identically on every rank on the
+  gathered, bit-identical features; its SGD turns feature differences of 1e-6 — what another
+  batch composition gives — into different q, hence the whole-batch split), the token cache
+  after the gather, W_pos and the Adam state (identical because every rank applies the
   same summed gradient).
 
 The loss of ``eq:sdm-network-next-token-training-loss`` is not a plain per-token mean:

@@ -380,13 +380,22 @@ class SDMNetworkTrainer:
             write_json(self.metrics_path, metrics)
 
     def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
-        with Progress(len(rows), desc, unit="doc", enabled=self.config.verbose) as bar:
+        """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
+        c = self.config
+        prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
+        parts = [np.arange(len(rows))]
+        if self.dp.active:
+            keys = _embed.prompt_completion_kept_lengths(self.tokenizer, prompts, completions,
+                                                         delimiter=c.delimiter, max_length=c.max_length)
+            parts = self.dp.aligned_parts(keys, c.embed_batch_size)
+        mine = parts[self.dp.rank]
+        with Progress(len(mine), desc, unit="doc", enabled=c.verbose) as bar:
             feats = _embed.prompt_completion_features(
-                self.model, self.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows],
-                delimiter=self.config.delimiter, max_length=self.config.max_length,
-                batch_size=self.config.embed_batch_size, on_missing="error", progress=bar.update,
-            )
-        return feats.embeddings
+                self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
+                delimiter=c.delimiter, max_length=c.max_length,
+                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update,
+            ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
+        return self.dp.gather_parts(feats, parts)
 
     def generate(self, rows: Sequence[dict], desc: str):
         c = self.config
