@@ -163,3 +163,43 @@ def test_the_watchdog_ends_a_wait_that_outlives_its_deadline():
     assert res.returncode == 75 and res.stdout == "short wait ok\n", (res.returncode, res.stdout)
     assert ("sdm-mlx: error: rank 1 of 2 had no answer from the other ranks for 0.5 s during all_gather: a rank "
             "died or stalled, stopping (set SDM_MLX_DP_TIMEOUT to wait longer)") in res.stderr
+
+
+class _Group:
+    """A stand-in group of 3 ranks (only rank()/size() are used by the split helpers)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 3
+
+
+def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
+    """Features and greedy generations of each rank's whole-batch part equal the one-process rows bit for bit
+    (the key functions reproduce the batching of the real ones); uneven lengths, a last partial batch."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny_models import make_tiny_model
+
+    from sdm_mlx import embed as E
+    from sdm_mlx.network.data_parallel import DataParallel
+    from sdm_mlx.network.generation import generation_features, greedy_generate, prompt_lengths
+    from sdm_mlx.network.heads import SDMHeads
+
+    model, tok = E.load_model(make_tiny_model(str(tmp_path), "phi3"))
+    prompts = [f"Review {i}: " + "a warm and funny film " * (i % 5) for i in range(23)]
+    comps = ['{"sentiment": "positive"}' if i % 2 else '{"sentiment": "negative"}' for i in range(23)]
+    dp = DataParallel(group=_Group())
+    full = E.prompt_completion_features(model, tok, prompts, comps, batch_size=4).embeddings
+    keys = E.prompt_completion_kept_lengths(tok, prompts, comps)
+    parts = dp.aligned_parts(keys, 4)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(23)) and all(len(p) for p in parts)
+    for p in parts:
+        got = E.prompt_completion_features(model, tok, [prompts[i] for i in p], [comps[i] for i in p], batch_size=4)
+        assert np.array_equal(got.embeddings, full[p])
+    heads = SDMHeads(model)
+    gens = greedy_generate(heads, tok, prompts, max_new_tokens=4, batch_size=4)
+    for p in dp.aligned_parts(prompt_lengths(tok, prompts), 4):
+        part = greedy_generate(heads, tok, [prompts[i] for i in p], max_new_tokens=4, batch_size=4)
+        assert np.array_equal(generation_features(part), generation_features([gens[i] for i in p]))
+        assert [g.text for g in part] == [gens[i].text for i in p]
