@@ -3,8 +3,9 @@
 Every rank trains two copies of the same SDMHeads (tiny random Phi-3) for two epochs over random
 cached states: one with the one-process compiled step, one with its slice of every global batch and
 the data-parallel step (the last global batch holds one token, so a rank gets an empty slice).
-Adam (the trainer's) and plain SGD (which, unlike Adam, is not blind to a wrong gradient scale).
-Rank 0 prints one JSON line: per optimizer the max |ΔW_pos| and both runs' per-epoch losses.
+Adam (the trainer's) and plain SGD (which, unlike Adam, is not blind to a wrong gradient scale), each
+with both gradient exchanges (the dense all_sum and the all-gathered factors).
+Rank 0 prints one JSON line: per optimizer/exchange the max |ΔW_pos| and both runs' per-epoch losses.
 """
 
 import json
@@ -24,7 +25,7 @@ from sdm_mlx.network.heads import SDMHeads  # noqa: E402
 from sdm_mlx.network.trainer import make_optimizer, make_train_step, train_epoch  # noqa: E402
 
 
-def compare(path: str, dp: DataParallel, optimizer: str) -> dict:
+def compare(path: str, dp: DataParallel, optimizer: str, exchange: str) -> dict:
     runs = {}
     for mode in ("single", "data_parallel"):
         model, _ = load_model(path)
@@ -38,7 +39,7 @@ def compare(path: str, dp: DataParallel, optimizer: str) -> dict:
         if mode == "single":
             step, use = make_train_step(heads, opt), None
         else:
-            step, use = make_dp_train_step(heads, opt, dp), dp
+            step, use = make_dp_train_step(heads, opt, dp, exchange=exchange), dp
         order = np.random.default_rng(1)
         runs[mode] = {"epochs": [train_epoch(step, heads, opt, H, T, q, d, 11, 0.5, 3.0, order, dp=use)
                                  for _ in range(2)], "w": np.array(heads.pos.weight)}
@@ -55,7 +56,8 @@ def compare(path: str, dp: DataParallel, optimizer: str) -> dict:
 def main(tmp: str) -> None:
     dp = DataParallel()
     path = make_tiny_model(os.path.join(tmp, f"rank{dp.rank}"), "phi3", seed=0)
-    out = {"ranks": dp.size, **{name: compare(path, dp, name) for name in ("adam", "sgd")}}
+    out = {"ranks": dp.size, **{f"{name}/{ex}": compare(path, dp, name, ex)
+                                for name in ("adam", "sgd") for ex in ("gradient", "factors")}}
     if dp.writer:
         print(json.dumps(out), flush=True)
 

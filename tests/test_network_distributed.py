@@ -80,13 +80,14 @@ def test_data_parallel_step_equals_the_one_process_step(tmp_path):
     assert len(lines) == 1, (res.stdout, res.stderr)  # rank 0 alone prints
     out = json.loads(lines[0])
     assert out["ranks"] == 2
-    for name, tol in (("adam", 1e-4), ("sgd", 1e-5)):
+    for name, tol in (("adam/gradient", 1e-4), ("sgd/gradient", 1e-5), ("adam/factors", 1e-4), ("sgd/factors", 1e-5)):
         r = out[name]
         assert r["batches"] == [3, 3]  # 23 tokens in batches of 11: the last batch (1 token) leaves a rank empty
         assert r["moved"] > 0.1  # training really moved W_pos
         assert r["max_abs_diff"] <= tol * max(1.0, r["max_abs_weight"]), r
         np.testing.assert_allclose(r["losses"][1], r["losses"][0], rtol=1e-5)
-    assert max(out["sgd"]["losses"][0][2::4]) > 1  # R > 1 somewhere: the rescaled regulariser's gradient is used
+    assert max(out["sgd/gradient"]["losses"][0][2::4]) > 1  # R > 1 somewhere: the rescaled regulariser's gradient
+    # is used
 
 
 def test_two_ranks_train_the_same_head_as_one_process(runs):

@@ -10,9 +10,11 @@ Measured, as medians over ``--steps`` steps after 3 warm-up steps, each ended by
 * ``step_ms``: one W_pos update on a global mini-batch of ``--batch`` tokens (1 rank: the trainer's
   compiled step; N ranks: :func:`sdm_mlx.network.data_parallel.make_dp_train_step` on this rank's
   ``batch/N`` slice, including its two ``all_sum``-s);
-* ``allsum_grad_ms``: ``all_sum`` of a W_pos-shaped float32 array alone (the gradient exchange);
+* ``allsum_grad_ms``: ``all_sum`` of a W_pos-shaped float32 array alone (the dense gradient exchange);
+* ``gather_factors_ms``: ``all_gather`` of the ``[⌈B/N⌉, |V|]`` and ``[⌈B/N⌉, D]`` factors alone (the
+  factor exchange);
 * ``allsum_scalars_ms``: ``all_sum`` of the two loss sums alone;
-* ``comm_share``: (allsum_grad + allsum_scalars) / step.
+* ``comm_share``: (the chosen exchange + allsum_scalars) / step.
 
 Rank 0 prints one JSON line.  Several ranks on one machine share its cores: run them with
 ``--env OPENBLAS_NUM_THREADS=1`` so they do not oversubscribe.
@@ -58,13 +60,14 @@ def allsum_only(vocab: int, hidden: int, steps: int) -> dict:
             "allsum_grad_ms": ms} if dp.writer else {}
 
 
-def bench(hidden: int, layers: int, vocab: int | None, batch: int, steps: int, tmp: str, compile: bool = True) -> dict:
+def bench(hidden: int, layers: int, vocab: int | None, batch: int, steps: int, tmp: str, compile: bool = True,
+          exchange: str = "auto") -> dict:
     import mlx.core as mx
     import numpy as np
     from tiny_models import make_tiny_model
 
     from sdm_mlx.embed import load_model
-    from sdm_mlx.network.data_parallel import DataParallel, make_dp_train_step
+    from sdm_mlx.network.data_parallel import DataParallel, exchange_for, make_dp_train_step
     from sdm_mlx.network.heads import SDMHeads
     from sdm_mlx.network.trainer import make_optimizer, make_train_step
 
@@ -84,7 +87,7 @@ def bench(hidden: int, layers: int, vocab: int | None, batch: int, steps: int, t
     opt = make_optimizer(1e-3)
     if dp.active:
         lo, hi = dp.minibatch_slice(batch)
-        step = make_dp_train_step(heads, opt, dp, compile=compile)
+        step = make_dp_train_step(heads, opt, dp, compile=compile, exchange=exchange)
         args = (H[lo:hi], T[lo:hi], q[lo:hi], d[lo:hi], beta, mx.array(float(batch)))
     else:
         step = make_train_step(heads, opt, compile=compile)
@@ -96,11 +99,16 @@ def bench(hidden: int, layers: int, vocab: int | None, batch: int, steps: int, t
     out = {"ranks": dp.size, "vocab": V, "hidden": D, "layers": layers, "batch": batch, "compiled": compile,
            "w_pos_mb": V * D * 4 / 2**20, "step_ms": _median_ms(one_step, steps)}
     if dp.active:
-        g = mx.ones((V, D))
-        two = mx.ones(2)
+        g, two = mx.ones((V, D)), mx.ones(2)
+        width = -(-batch // dp.size)
+        dz, hs = mx.ones((width, V)), mx.ones((width, D))
+        out["exchange"] = exchange_for(V, D, batch, dp.size, exchange)
         out["allsum_grad_ms"] = _median_ms(lambda: mx.eval(mx.distributed.all_sum(g, group=dp.group)), steps)
+        out["gather_factors_ms"] = _median_ms(lambda: mx.eval(mx.distributed.all_gather(dz, group=dp.group),
+                                                              mx.distributed.all_gather(hs, group=dp.group)), steps)
         out["allsum_scalars_ms"] = _median_ms(lambda: mx.eval(mx.distributed.all_sum(two, group=dp.group)), steps)
-        out["comm_share"] = (out["allsum_grad_ms"] + out["allsum_scalars_ms"]) / out["step_ms"]
+        chosen = out["gather_factors_ms"] if out["exchange"] == "factors" else out["allsum_grad_ms"]
+        out["comm_share"] = (chosen + out["allsum_scalars_ms"]) / out["step_ms"]
     return out if dp.writer else {}
 
 
@@ -112,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=50, help="global mini-batch (tokens)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true", help="do not mx.compile the step")
+    ap.add_argument("--exchange", default="auto", choices=("auto", "gradient", "factors"),
+                    help="how the W_pos gradient crosses the ranks (sdm_mlx.network.data_parallel)")
     ap.add_argument("--allsum-only", action="store_true",
                     help="only time the all_sum of a vocab × hidden array (needs --vocab; no model is built)")
     a = ap.parse_args(argv)
@@ -121,7 +131,8 @@ def main(argv=None) -> int:
         out = allsum_only(a.vocab, a.hidden, a.steps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            out = bench(a.hidden, a.layers, a.vocab, a.batch, a.steps, tmp, compile=not a.no_compile)
+            out = bench(a.hidden, a.layers, a.vocab, a.batch, a.steps, tmp, compile=not a.no_compile,
+                        exchange=a.exchange)
     if out:
         print(json.dumps(out), flush=True)
     return 0

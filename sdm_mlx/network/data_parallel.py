@@ -231,27 +231,56 @@ def global_losses(sums: mx.array, n_global: mx.array, beta: mx.array):
     return nll + beta * reg_rescaled, nll, reg, reg_rescaled, c
 
 
-def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True) -> Callable:
+#: How the W_pos gradient crosses the ranks: the dense ``|V| × D`` gradient, or its factors.
+EXCHANGES = ("auto", "gradient", "factors")
+
+
+def exchange_for(vocab: int, hidden: int, n_batch: int, ranks: int, exchange: str = "auto") -> str:
+    """``"factors"`` when gathering ``(∂/∂z_pos, h)`` of the batch moves fewer floats than the dense gradient."""
+    if exchange != "auto":
+        return exchange
+    width = -(-n_batch // ranks)
+    return "factors" if ranks * width * (vocab + hidden) < vocab * hidden else "gradient"
+
+
+def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True, exchange: str = "auto") -> Callable:
     """``step(h, t, q, d, beta, n_global) -> (total, L, R, R')`` for this rank's slice of a global batch.
 
     The returned losses are the global mini-batch's (identical on every rank).  A rank whose slice
-    is empty (a last mini-batch with fewer tokens than ranks) still takes part in both collectives.
+    is empty (a last mini-batch with fewer tokens than ranks) still takes part in the collectives.
+    ``exchange`` (:data:`EXCHANGES`): ``"gradient"`` ``all_sum``-s the dense ``|V| × D`` W_pos
+    gradient; ``"factors"`` all-gathers the batch's ``∂objective/∂z_pos`` ``[B, |V|]`` and states
+    ``h`` ``[B, D]`` (each rank's slice zero-padded to ``⌈B/N⌉`` rows) and every rank forms
+    ``∇W_pos = Σ_n ∂z_n^T h_n`` itself — ``B(|V| + D)`` floats instead of ``|V| D`` (for Phi-3.5 and
+    B = 50: 1.8M instead of 98.5M); ``"auto"`` picks the smaller per step.
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
 
-    def local_objective(hd, h, t, q, d, beta, n_global):
-        z_ref = hd.ref_logits(h)
-        nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, hd.pos_logits(h), t, q, d)
-        local = mx.stack([nll_rows.sum(), reg_rows.sum()])
+    def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
+        nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)
+        local = mx.stack([(valid * nll_rows).sum(), (valid * reg_rows).sum()])
         sums = mx.stop_gradient(mx.distributed.all_sum(local, group=dp.group))
         total, nll, reg, reg_rescaled, c = global_losses(sums, n_global, beta)
         objective = (local[0] + beta * mx.stop_gradient(c) * local[1]) / n_global
         return objective, (total, nll, reg, reg_rescaled)
 
+    def local_objective(hd, h, t, q, d, beta, n_global):
+        return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta, n_global)
+
     loss_and_grad = nn.value_and_grad(heads, local_objective)
+    logit_grad = mx.value_and_grad(logit_objective)  # ∂objective/∂z_pos
 
     def step(h, t, q, d, beta, n_global):
         (_, parts), grads = loss_and_grad(heads, h, t, q, d, beta, n_global)
         optimizer.update(heads, dp.sum_gradients(grads))
+        return parts
+
+    def factor_step(h, t, q, d, valid, beta, n_global):
+        (_, parts), dz = logit_grad(heads.pos_logits(h), heads.ref_logits(h), t, q, d, valid, beta, n_global)
+        dz_all = mx.distributed.all_gather(dz, group=dp.group)
+        h_all = mx.distributed.all_gather(h, group=dp.group)
+        optimizer.update(heads, {"pos": {"weight": dz_all.T @ h_all}})
         return parts
 
     def empty_step(beta, n_global):
@@ -264,10 +293,28 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True)
     if compile:
         state = [heads.state, optimizer.state]
         step = partial(mx.compile, inputs=state, outputs=state)(step)
+        factor_step = partial(mx.compile, inputs=state, outputs=state)(factor_step)
+
+    def padded(h, t, q, d, width):
+        """The slice padded to ``width`` rows (h = 0, a valid target, q = 0, d = 1) and its 0/1 row mask."""
+        m, pad = int(h.shape[0]), width - int(h.shape[0])
+        if pad == 0:
+            return h, t, q, d, mx.ones((m,))
+        cat = lambda a, fill: mx.concatenate([a, fill])  # noqa: E731
+        return (cat(h, mx.zeros((pad, h.shape[1]), dtype=h.dtype)),
+                cat(t, mx.full((pad,), heads.vocab_size, dtype=t.dtype)),
+                cat(q, mx.zeros((pad,), dtype=q.dtype)), cat(d, mx.ones((pad,), dtype=d.dtype)),
+                mx.concatenate([mx.ones((m,)), mx.zeros((pad,))]))
 
     def dispatch(h, t, q, d, beta, n_global):
-        out = empty_step(beta, n_global) if int(h.shape[0]) == 0 else step(h, t, q, d, beta, n_global)
-        dp.wait(out, heads.state, optimizer.state, what="a training step")  # the step's two all_sums
+        n_batch = int(n_global.item())
+        if exchange_for(heads.vocab_size, heads.hidden_size, n_batch, dp.size, exchange) == "factors":
+            out = factor_step(*padded(h, t, q, d, -(-n_batch // dp.size)), beta, n_global)
+        elif int(h.shape[0]) == 0:
+            out = empty_step(beta, n_global)
+        else:
+            out = step(h, t, q, d, beta, n_global)
+        dp.wait(out, heads.state, optimizer.state, what="a training step")  # the step's collectives
         return out
 
     return dispatch

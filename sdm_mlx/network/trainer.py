@@ -579,7 +579,7 @@ class SDMNetworkTrainer:
                    "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
                    "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
         if self.dp.active:
-            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "contiguous by rank"}
+            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
 
         initial = self.calibration_count(est, cal_rows)
         best, selected = initial["count"], 0
