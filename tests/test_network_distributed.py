@@ -146,6 +146,7 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
     assert metrics.get("finished") is not True and metrics["epochs"] == []
 
 
+@pytest.mark.slow  # ~15 s; the hand-started test above covers the error path, this one mlx.launch's own handling
 def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
     """The same under mlx.launch: the launcher stops the survivor; nothing hangs and no summary is printed."""
     verifier = str(runs["tmp"] / "one" / "verifier")
