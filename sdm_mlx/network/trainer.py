@@ -440,7 +440,7 @@ class SDMNetworkTrainer:
 
     # -- (b) --------------------------------------------------------------------------------------
     def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
-        """The token cache of the y = 1 training rows (each rank runs its contiguous part; gathered)."""
+        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""
         c = self.config
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
