@@ -490,6 +490,15 @@ def document_features(
     )
 
 
+def prompt_completion_kept_lengths(tokenizer, prompts: Sequence[str], completions: Sequence[str], *,
+                                   delimiter: str = DEFAULT_DELIMITER, max_length: int = DEFAULT_MAX_LENGTH,
+                                   on_missing: str = "error") -> np.ndarray:
+    """Token counts :func:`prompt_completion_features` keeps per (string) pair — its batches' sort key
+    (longest first, stable); tokenisation only (data-parallel training splits by whole batches)."""
+    return np.array([_plan(tokenizer, p + c, (len(p), None), "delimiter", delimiter, max_length, on_missing, i)[1]
+                     for i, (p, c) in enumerate(zip(prompts, completions))], dtype=np.int64)
+
+
 def prompt_completion_features(model, tokenizer, prompts: Sequence, completions: Sequence, **kwargs) -> Features:
     """Features of force-decoded ``prompt + completion`` documents (use (a)).
 

@@ -91,8 +91,19 @@ def run(args) -> int:
     from ..io import dumps
     from ..network.trainer import train_network
 
+    from ..network.data_parallel import DataParallel
+
     config = network_config(args)
-    result = train_network(config)
+    dp = DataParallel()  # under mlx.launch: this rank; otherwise a group of one
+    try:
+        result = train_network(config, dp=dp)
+    except RuntimeError as e:  # a collective failed: another rank died or was stopped
+        lost = dp.lost_peer_message(e)
+        if lost is None:
+            raise
+        raise CLIError(lost) from None
+    if not dp.writer:
+        return 0  # rank 0 alone reports
     summary = {
         "network": result.network_path, "verifier": result.verifier_path, "metrics": result.metrics_path,
         "selected_epoch": result.selected_epoch, "best_count": result.best_count,

@@ -137,6 +137,16 @@ def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
+def prompt_lengths(tokenizer, prompts) -> list[int]:
+    """Token counts of the encoded prompts: :func:`greedy_generate` decodes them longest first."""
+    return [len(ids) for ids in _encode_prompts(tokenizer, prompts)]
+
+
+def decode_batch_size(heads, batch_size: int) -> int:
+    """The batch size :func:`greedy_generate` really uses (1 for models with custom caches)."""
+    return 1 if hasattr(heads.model, "make_cache") else batch_size
+
+
 def _eos_ids(tokenizer) -> set:
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     eid = getattr(tokenizer, "eos_token_id", None)
@@ -240,8 +250,7 @@ def greedy_generate(
         raise ValueError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
     eos = _eos_ids(tokenizer)
-    if hasattr(heads.model, "make_cache"):
-        batch_size = 1  # custom caches (sliding windows, SSMs): no left padding, one prompt at a time
+    batch_size = decode_batch_size(heads, batch_size)  # custom caches (sliding windows, SSMs): one at a time
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     out: list = [None] * len(ids)
     for b0 in range(0, len(order), batch_size):

@@ -74,6 +74,21 @@ def rescaled_regularizer(nll: mx.array, reg: mx.array) -> mx.array:
     return mx.sqrt(mx.power(mx.maximum(reg, 1.0), s))
 
 
+def network_loss_terms(z_ref: mx.array, z_neg: mx.array, z_pos: mx.array, targets: mx.array, q, d):
+    """Per-token ``(−f_gen[n, t_n], ‖i_n ⊙ (f_ref − f_gen)‖_2)``, each ``[N]``: L and R are their batch means.
+
+    (Data-parallel training sums them per rank, :mod:`.data_parallel`.)
+    """
+    z_ref = mx.stop_gradient(z_ref)
+    joint = mx.concatenate([z_neg, z_pos], axis=-1)
+    f_gen = log_sdm(joint, q, d)
+    f_ref = mx.stop_gradient(log_sdm(mx.concatenate([z_ref, z_ref], axis=-1), q, d))
+    t = targets.astype(mx.int32).reshape(-1, 1)
+    nll_rows = -mx.take_along_axis(f_gen, t, axis=-1).squeeze(-1)
+    mask = regularization_mask(z_ref, z_neg, z_pos, targets)
+    return nll_rows, _row_l2(mask * (f_ref - f_gen))
+
+
 def network_loss(
     z_ref: mx.array,
     z_neg: mx.array,
@@ -89,14 +104,9 @@ def network_loss(
     ``q``, ``d``: ``[N]`` per token (the document's); ``beta``: scalar (pass an
     ``mx.array`` inside compiled code so a new β does not retrace).
     """
-    z_ref = mx.stop_gradient(z_ref)
-    joint = mx.concatenate([z_neg, z_pos], axis=-1)
-    f_gen = log_sdm(joint, q, d)
-    f_ref = mx.stop_gradient(log_sdm(mx.concatenate([z_ref, z_ref], axis=-1), q, d))
-    t = targets.astype(mx.int32).reshape(-1, 1)
-    nll = -mx.take_along_axis(f_gen, t, axis=-1).squeeze(-1).mean()
-    mask = regularization_mask(z_ref, z_neg, z_pos, targets)
-    reg = _row_l2(mask * (f_ref - f_gen)).mean()
+    nll_rows, reg_rows = network_loss_terms(z_ref, z_neg, z_pos, targets, q, d)
+    nll = nll_rows.mean()
+    reg = reg_rows.mean()
     reg_rescaled = rescaled_regularizer(nll, reg)
     total = nll + beta * reg_rescaled
     return total, (nll, reg, reg_rescaled)

@@ -39,9 +39,11 @@ their split).  Progress goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
@@ -59,7 +61,8 @@ from ..progress import Progress, log
 from ..network_config import NetworkConfig
 from ..verification_data import PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network
-from .generation import generation_features, greedy_generate, parse_task_prediction
+from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
+from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
 from .heads import SDMHeads, token_hidden_states
 from .loss import beta_schedule, network_loss
 
@@ -218,8 +221,12 @@ def make_optimizer(learning_rate: float) -> optim.Optimizer:
 
 def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
                 q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
-                rng: np.random.Generator, progress: Callable | None = None) -> dict:
-    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics."""
+                rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
+    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
+
+    With an active ``dp`` (:mod:`.data_parallel`) the global mini-batches are the same; this rank
+    runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``.
+    """
     n = int(targets.shape[0])
     if n == 0:
         return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
@@ -232,16 +239,25 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
     sums = np.zeros(4)
     t0 = time.perf_counter()
+    split = dp is not None and dp.active
     for b in range(nb):
-        idx = mx.array(perm[b * batch_size : (b + 1) * batch_size].astype(np.int32))
-        out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], mx.array(betas[b], dtype=mx.float32))
+        sel = perm[b * batch_size : (b + 1) * batch_size]
+        n_b = len(sel)
+        beta = mx.array(betas[b], dtype=mx.float32)
+        if split:
+            lo, hi = dp.minibatch_slice(n_b)
+            idx = mx.array(sel[lo:hi].astype(np.int32))
+            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta, mx.array(float(n_b)))
+        else:
+            idx = mx.array(sel.astype(np.int32))
+            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta)
         mx.eval(out, heads.state, optimizer.state)
         vals = [float(v.item()) for v in out]
         if not all(math.isfinite(v) for v in vals):
             raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
-        sums += np.array(vals) * int(idx.shape[0])
+        sums += np.array(vals) * n_b
         if progress is not None:
-            progress(int(idx.shape[0]), loss=f"{vals[0]:.4f}")
+            progress(n_b, loss=f"{vals[0]:.4f}")
     secs = time.perf_counter() - t0
     mean = sums / n
     return {
@@ -313,14 +329,21 @@ class SDMNetworkTrainer:
 
     ``model`` / ``tokenizer`` may be passed (already loaded) instead of loading
     ``config.model``; ``estimator_factory(**params)`` builds the verification
-    layer (default :class:`sdm_mlx.estimator.SDMEstimator`).
+    layer (default :class:`sdm_mlx.estimator.SDMEstimator`).  Under ``mlx.launch`` the work is
+    split over the ranks of ``dp`` (default: ``mx.distributed.init()``; :mod:`.data_parallel`)
+    and rank 0 alone reports and writes the run directory.
     """
 
-    def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None):
+    def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
+                 dp: DataParallel | None = None):
         config.validate()
+        self.dp = dp if dp is not None else DataParallel()
+        if not self.dp.writer:
+            config = dataclasses.replace(config, verbose=False)  # rank 0 alone shows progress
         self.config = config
-        prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
-                              "--output", check_only=True)
+        if self.dp.writer:
+            prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
+                                  "--output", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
         elif tokenizer is None:
@@ -352,14 +375,27 @@ class SDMNetworkTrainer:
             "completions": self.completions, "alpha": c.alpha,
         }
 
+    def write_metrics(self, metrics: dict) -> None:
+        if self.dp.writer:
+            write_json(self.metrics_path, metrics)
+
     def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
-        with Progress(len(rows), desc, unit="doc", enabled=self.config.verbose) as bar:
+        """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
+        c = self.config
+        prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
+        parts = [np.arange(len(rows))]
+        if self.dp.active:
+            keys = _embed.prompt_completion_kept_lengths(self.tokenizer, prompts, completions,
+                                                         delimiter=c.delimiter, max_length=c.max_length)
+            parts = self.dp.aligned_parts(keys, c.embed_batch_size)
+        mine = parts[self.dp.rank]
+        with Progress(len(mine), desc, unit="doc", enabled=c.verbose) as bar:
             feats = _embed.prompt_completion_features(
-                self.model, self.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows],
-                delimiter=self.config.delimiter, max_length=self.config.max_length,
-                batch_size=self.config.embed_batch_size, on_missing="error", progress=bar.update,
-            )
-        return feats.embeddings
+                self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
+                delimiter=c.delimiter, max_length=c.max_length,
+                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update,
+            ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
+        return self.dp.gather_parts(feats, parts)
 
     def generate(self, rows: Sequence[dict], desc: str):
         c = self.config
@@ -390,6 +426,9 @@ class SDMNetworkTrainer:
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())
             est.fit(X, y, ids_train=ids, num_classes=2)  # labels are the binary verification indices
+        if self.dp.active:  # every rank fitted (or loaded) the same estimator: check it
+            self.dp.check_same(zlib.crc32("\n".join(map(str, est.support_ids_)).encode()), "the verifier's split")
+            self.dp.check_same(float(np.sum(est.support_vectors_, dtype=np.float64)), "the verifier's support set")
         by_key = {id_key(r["id"]): r for r in rows}
         try:
             train_rows = [by_key[id_key(i)] for i in est.support_ids_]
@@ -399,24 +438,64 @@ class SDMNetworkTrainer:
                              "(was it trained on other data?)") from None
         return est, train_rows, cal_rows
 
+    # -- (b) --------------------------------------------------------------------------------------
+    def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
+        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""
+        c = self.config
+        if not self.dp.active:
+            return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
+                                     c.embed_batch_size, c.verbose)
+        need = [max(pos) + 1 if pos else 0 for pos in (
+            completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter, c.max_length)[1]
+            for r in pos_rows)]  # token_hidden_states' sort key
+        mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
+        cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
+                                  c.max_length, c.embed_batch_size, c.verbose)
+        hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
+        hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
+        doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token
+        order = np.argsort(doc, kind="stable")  # the single-process order: documents in row order
+        return TokenCache(hidden=hidden[order], targets=targets[order], doc=doc[order], skipped=cache.skipped)
+
     # -- (c) --------------------------------------------------------------------------------------
     def document_qd(self, est, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, list]:
-        """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs)."""
-        gens = self.generate(rows, "generate (train q, d)")
-        q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")
-        return np.asarray(q, dtype=np.float32), np.asarray(d, dtype=np.float32), gens
+        """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs).
+
+        Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part).
+        """
+        parts = self.generation_parts(rows)
+        part = [rows[i] for i in parts[self.dp.rank]]
+        gens = self.generate(part, "generate (train q, d)")
+        q = d = np.zeros(0, dtype=np.float32)
+        if part:
+            q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")
+        q, d = (self.dp.gather_parts(np.asarray(a, dtype=np.float32), parts) for a in (q, d))
+        return q, d, gens
+
+    def generation_parts(self, rows: Sequence[dict]) -> list:
+        """Every rank's rows of a greedy generation over ``rows``, in whole single-process batches."""
+        if not self.dp.active:
+            return [np.arange(len(rows))]
+        keys = prompt_lengths(self.tokenizer, [r["prompt"] for r in rows])
+        return self.dp.aligned_parts(keys, decode_batch_size(self.heads, self.config.generation_batch_size))
 
     # -- (e) --------------------------------------------------------------------------------------
     def calibration_count(self, est, cal_rows: Sequence[dict]) -> dict:
         """Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer."""
         c = self.config
-        return count_verified(self.heads, self.tokenizer, est, cal_rows, self.completions,
-                              max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                              batch_size=c.generation_batch_size, verbose=c.verbose)
+        part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
+        counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
+                                max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
+                                batch_size=c.generation_batch_size, verbose=c.verbose) if part else None
+        if not self.dp.active:
+            return counts
+        return _sum_counts(self.dp, counts)
 
     # -- everything ------------------------------------------------------------------------------
     def save(self, est_path: str, epoch: int, count: int, epochs_completed: int) -> None:
         """Write the network holding the head of ``epoch`` (0 = the base head), marked as not finished."""
+        if not self.dp.writer:
+            return
         save_network(self.network_path, self.heads, self.config.model, est_path, settings=self.settings(),
                      training={"epoch": epoch, "calibration_count": count, "head": _head_label(epoch),
                                "finished": False, "epochs_completed": epochs_completed,
@@ -428,6 +507,8 @@ class SDMNetworkTrainer:
     def interrupted(self, metrics: dict, epoch: int, selected: int, best: int) -> None:
         """Ctrl-C during ``epoch``: record it in the metrics and say what the network on disk holds."""
         metrics.update(finished=False, interrupted_during_epoch=epoch, epochs_completed=epoch - 1)
+        if not self.dp.writer:
+            return
         write_json(self.metrics_path, metrics)
         log(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
             f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
@@ -443,7 +524,8 @@ class SDMNetworkTrainer:
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
             m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
-                            c.beta_min, c.beta_max, self.rng, progress=bar.update)
+                            c.beta_min, c.beta_max, self.rng, progress=bar.update, dp=self.dp)
+        self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         cal = self.calibration_count(est, cal_rows)
         improved = select_improved(cal["count"], best)
         if improved:
@@ -455,7 +537,7 @@ class SDMNetworkTrainer:
                "epoch_seconds": time.perf_counter() - t0}
         metrics["epochs"].append(row)
         metrics["selected_epoch"], metrics["best_count"] = selected, best
-        write_json(self.metrics_path, metrics)
+        self.write_metrics(metrics)
         self.log(
             f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
             f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
@@ -467,21 +549,22 @@ class SDMNetworkTrainer:
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
         c = self.config
-        prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
+        if self.dp.writer:
+            prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
-        est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked above)
-        split = {id_key(r["id"]): "train" for r in train_rows}
-        split.update({id_key(r["id"]): "calibration" for r in cal_rows})
-        write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
-                           [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+        if self.dp.writer:
+            est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked above)
+            split = {id_key(r["id"]): "train" for r in train_rows}
+            split.update({id_key(r["id"]): "calibration" for r in cal_rows})
+            write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
+                        [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
 
-        cache = build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                  c.embed_batch_size, c.verbose)
+        cache = self.token_cache(pos_rows)
         self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
                  f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
         if len(cache) == 0 and c.epochs > 0:
@@ -495,18 +578,23 @@ class SDMNetworkTrainer:
                    "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
                    "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
                    "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
+        if self.dp.active:
+            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
 
         initial = self.calibration_count(est, cal_rows)
         best, selected = initial["count"], 0
         self.save(self.verifier_path, 0, best, 0)
         metrics["initial"] = initial
         metrics["selected_epoch"], metrics["best_count"] = selected, best
-        write_json(self.metrics_path, metrics)
+        self.write_metrics(metrics)
         self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
                  f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
 
         optimizer = make_optimizer(c.learning_rate)
-        step = make_train_step(self.heads, optimizer, compile=c.compile_step)
+        if self.dp.active:
+            step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
+        else:
+            step = make_train_step(self.heads, optimizer, compile=c.compile_step)
         epoch = 0
         try:
             for epoch in range(1, c.epochs + 1):
@@ -515,10 +603,11 @@ class SDMNetworkTrainer:
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise
-        mark_network_finished(self.network_path, c.epochs)
+        if self.dp.writer:
+            mark_network_finished(self.network_path, c.epochs)
         metrics.update(finished=True, epochs_completed=c.epochs)
         metrics["total_seconds"] = time.perf_counter() - t_start
-        write_json(self.metrics_path, metrics)
+        self.write_metrics(metrics)
         self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
                  f"{self.network_path}")
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
@@ -526,10 +615,25 @@ class SDMNetworkTrainer:
                                   initial_count=initial["count"], history=metrics["epochs"])
 
 
+def _sum_counts(dp: DataParallel, counts: dict | None) -> dict:
+    """Alg. 4's selection count and its parts summed over ranks (``seconds``: the slowest rank's)."""
+    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents")
+    local = np.array([counts[k] if counts else 0 for k in keys], dtype=np.int64)
+    total = dp.all_sum(local)
+    out = {k: int(v) for k, v in zip(keys, total)}
+    out["seconds"] = float(dp.all_max(np.array([counts["seconds"] if counts else 0.0], dtype=np.float32))[0])
+    out["example"] = counts["example"] if counts else None
+    return out
+
+
 def _head_label(epoch: int) -> str:
     return "the untrained base head (epoch 0)" if epoch == 0 else f"the head of epoch {epoch}"
 
 
-def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None) -> NetworkTrainResult:
-    """Run Alg. 4 (see the module docstring); returns paths, the selected epoch and per-epoch metrics."""
-    return SDMNetworkTrainer(config, model, tokenizer, estimator_factory).run()
+def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
+                  dp: DataParallel | None = None) -> NetworkTrainResult:
+    """Run Alg. 4 (see the module docstring); returns paths, the selected epoch and per-epoch metrics.
+
+    Under ``mlx.launch`` the ranks split the work (:mod:`.data_parallel`); rank 0 writes the outputs.
+    """
+    return SDMNetworkTrainer(config, model, tokenizer, estimator_factory, dp).run()

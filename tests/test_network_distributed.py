@@ -1,0 +1,207 @@
+"""Data-parallel ``network-train`` under ``mlx.launch`` (issue 14 §2), two local ranks over the ring backend.
+
+* the data-parallel W_pos step equals the one-process step on the same global batches (Adam and SGD,
+  including a rank with an empty slice) — ``tests/dp_step_check.py`` under ``mlx.launch``;
+* the tiny recipe through the CLI at 2 ranks writes one run directory whose head equals the 1-process
+  run's within float tolerance, with the same initial count, per-epoch counts and selected epoch;
+* a rank that dies makes the other stop with a clear error within a bounded time, not a hang.
+"""
+
+import importlib.util
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+LAUNCH = os.path.join(os.path.dirname(PY), "mlx.launch")
+#: Two ranks share this machine's cores: one BLAS thread each (the users' page says the same).
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+TIMEOUT = 240  # seconds for any one launch; a hang fails the test instead of blocking the suite
+
+pytestmark = pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed next to python")
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on localhost (the ring backend listens on one port per rank)."""
+    for _ in range(200):
+        p = random.randint(20000, 60000)
+        socks = []
+        try:
+            for port in (p, p + 1):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port pair")
+
+
+def launch(args, n=2, timeout=TIMEOUT) -> subprocess.CompletedProcess:
+    cmd = [LAUNCH, "-n", str(n), "--backend", "ring", "--starting-port", str(free_port_pair()), "--python", PY,
+           "--", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def recipe_args(built, out, *extra):
+    return ["-m", "sdm_mlx", "network-train", "-c", os.path.join(ROOT, "recipes", "tiny_sentiment.yaml"),
+            "--model", built["model"], "--data", built["task"], "--output", str(out), "--epochs", "2",
+            "--alpha", "0.6", "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tiny recipe (400 task rows, 2 epochs) in one process and at 2 ranks."""
+    tmp = tmp_path_factory.mktemp("network_dp")
+    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(ROOT, "tools", "make_tiny_model.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    built = tool.build(str(tmp / "tiny"), rows=400, quiet=True)
+    one = subprocess.run([PY, *recipe_args(built, tmp / "one")], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=ENV, cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    two = launch(recipe_args(built, tmp / "two"))
+    return {"tmp": tmp, "built": built, "one": one, "two": two}
+
+
+def test_data_parallel_step_equals_the_one_process_step(tmp_path):
+    res = launch([os.path.join(ROOT, "tests", "dp_step_check.py"), str(tmp_path)])
+    lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1, (res.stdout, res.stderr)  # rank 0 alone prints
+    out = json.loads(lines[0])
+    assert out["ranks"] == 2
+    for name, tol in (("adam/gradient", 1e-4), ("sgd/gradient", 1e-5), ("adam/factors", 1e-4), ("sgd/factors", 1e-5)):
+        r = out[name]
+        assert r["batches"] == [3, 3]  # 23 tokens in batches of 11: the last batch (1 token) leaves a rank empty
+        assert r["moved"] > 0.1  # training really moved W_pos
+        assert r["max_abs_diff"] <= tol * max(1.0, r["max_abs_weight"]), r
+        np.testing.assert_allclose(r["losses"][1], r["losses"][0], rtol=1e-5)
+    assert max(out["sgd/gradient"]["losses"][0][2::4]) > 1  # R > 1 somewhere: the rescaled regulariser's gradient
+    # is used
+
+
+def test_two_ranks_train_the_same_head_as_one_process(runs):
+    from sdm_mlx.network.artifact import load_head_weight
+
+    two, tmp = runs["two"], runs["tmp"]
+    summaries = [x for x in two.stdout.splitlines() if x.startswith("{")]
+    assert len(summaries) == 1, (two.stdout, two.stderr)  # rank 0 alone reports
+    assert "error" not in two.stderr.lower() and "Traceback" not in two.stderr, two.stderr
+    one_m = json.loads((tmp / "one" / "metrics.json").read_text())
+    two_m = json.loads((tmp / "two" / "metrics.json").read_text())
+    assert two_m["data_parallel"]["ranks"] == 2 and "data_parallel" not in one_m
+    assert two_m["finished"] is True and two_m["tokens"] == one_m["tokens"]
+    assert two_m["initial"]["count"] == one_m["initial"]["count"]
+    assert [e["count"] for e in two_m["epochs"]] == [e["count"] for e in one_m["epochs"]]
+    assert two_m["selected_epoch"] == one_m["selected_epoch"] >= 1  # a trained head is compared, not the base
+    for key in ("q_mean", "d_mean"):
+        assert [e[key] for e in two_m["epochs"]] == [e[key] for e in one_m["epochs"]], key
+    np.testing.assert_allclose([e["loss"] for e in two_m["epochs"]], [e["loss"] for e in one_m["epochs"]], rtol=1e-5)
+    w1, w2 = load_head_weight(tmp / "one" / "network"), load_head_weight(tmp / "two" / "network")
+    assert np.abs(w1 - w2).max() <= 1e-5 * max(1.0, float(np.abs(w1).max()))
+    assert json.loads(summaries[0])["selected_epoch"] == one_m["selected_epoch"]
+    assert (tmp / "two" / "verification_rows.jsonl").read_text() == (tmp / "one" / "verification_rows.jsonl").read_text()
+    assert sorted(os.listdir(tmp / "two")) == sorted(os.listdir(tmp / "one"))
+
+
+def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
+    """Rank 1 exits when epoch 1 starts; rank 0 (started by hand, as on a second host) must stop within a bounded
+    time and say why."""
+    hostfile = tmp_path / "hosts.json"
+    p = free_port_pair()
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"], [f"127.0.0.1:{p + 1}"]]))
+    verifier = str(runs["tmp"] / "one" / "verifier")  # skip the verifier fit: reach epoch 1 fast
+    args = [PY, os.path.join(ROOT, "tests", "dp_die.py"),
+            *recipe_args(runs["built"], tmp_path / "out", "--verifier", verifier)[2:]]
+    env = {**ENV, "MLX_HOSTFILE": str(hostfile), "SDM_MLX_DP_TIMEOUT": "20"}
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**env, "MLX_RANK": str(r)}) for r in (0, 1)]
+    try:
+        outs = [pr.communicate(timeout=TIMEOUT) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert procs[1].returncode == 3
+    err = outs[0][1]
+    # MLX's ring backend either raises on the pending collective (exit 2, the CLI's error) or leaves the
+    # next collective blocked, which the watchdog ends after SDM_MLX_DP_TIMEOUT seconds (exit 75)
+    if procs[0].returncode == 2:
+        assert "sdm-mlx network-train: error: rank 0 of 2 lost the connection to another rank" in err, err
+    else:
+        assert procs[0].returncode == 75, (procs[0].returncode, err)
+        assert "sdm-mlx: error: rank 0 of 2 had no answer from the other ranks for 20 s" in err, err
+    assert "Traceback" not in err
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics.get("finished") is not True and metrics["epochs"] == []
+
+
+@pytest.mark.slow  # ~15 s; the hand-started test above covers the error path, this one mlx.launch's own handling
+def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
+    """The same under mlx.launch: the launcher stops the survivor; nothing hangs and no summary is printed."""
+    verifier = str(runs["tmp"] / "one" / "verifier")
+    res = launch([os.path.join(ROOT, "tests", "dp_die.py"),
+                  *recipe_args(runs["built"], tmp_path / "out", "--verifier", verifier)[2:]])
+    assert "rank 1 exited with code 3" in res.stderr, res.stderr
+    assert not [x for x in res.stdout.splitlines() if x.startswith("{")]
+
+
+def test_the_watchdog_ends_a_wait_that_outlives_its_deadline():
+    """The bounded wait used around every collective: a blocked wait ends the process with a message."""
+    code = ("import time\nfrom sdm_mlx.network.data_parallel import _Watchdog\n"
+            "w = _Watchdog(0.5, 'rank 1 of 2')\nwith w.guard('all_gather'):\n    time.sleep(0.1)\n"
+            "print('short wait ok', flush=True)\nwith w.guard('all_gather'):\n    time.sleep(30)\nprint('not reached')")
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=25, env=ENV)
+    assert res.returncode == 75 and res.stdout == "short wait ok\n", (res.returncode, res.stdout)
+    assert ("sdm-mlx: error: rank 1 of 2 had no answer from the other ranks for 0.5 s during all_gather: a rank "
+            "died or stalled, stopping (set SDM_MLX_DP_TIMEOUT to wait longer)") in res.stderr
+
+
+class _Group:
+    """A stand-in group of 3 ranks (only rank()/size() are used by the split helpers)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 3
+
+
+def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
+    """Features and greedy generations of each rank's whole-batch part equal the one-process rows bit for bit
+    (the key functions reproduce the batching of the real ones); uneven lengths, a last partial batch."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny_models import make_tiny_model
+
+    from sdm_mlx import embed as E
+    from sdm_mlx.network.data_parallel import DataParallel
+    from sdm_mlx.network.generation import generation_features, greedy_generate, prompt_lengths
+    from sdm_mlx.network.heads import SDMHeads
+
+    model, tok = E.load_model(make_tiny_model(str(tmp_path), "phi3"))
+    prompts = [f"Review {i}: " + "a warm and funny film " * (i % 5) for i in range(23)]
+    comps = ['{"sentiment": "positive"}' if i % 2 else '{"sentiment": "negative"}' for i in range(23)]
+    dp = DataParallel(group=_Group())
+    full = E.prompt_completion_features(model, tok, prompts, comps, batch_size=4).embeddings
+    keys = E.prompt_completion_kept_lengths(tok, prompts, comps)
+    parts = dp.aligned_parts(keys, 4)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(23)) and all(len(p) for p in parts)
+    for p in parts:
+        got = E.prompt_completion_features(model, tok, [prompts[i] for i in p], [comps[i] for i in p], batch_size=4)
+        assert np.array_equal(got.embeddings, full[p])
+    heads = SDMHeads(model)
+    gens = greedy_generate(heads, tok, prompts, max_new_tokens=4, batch_size=4)
+    for p in dp.aligned_parts(prompt_lengths(tok, prompts), 4):
+        part = greedy_generate(heads, tok, [prompts[i] for i in p], max_new_tokens=4, batch_size=4)
+        assert np.array_equal(generation_features(part), generation_features([gens[i] for i in p]))
+        assert [g.text for g in part] == [gens[i].text for i in p]
