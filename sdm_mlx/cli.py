@@ -19,7 +19,7 @@ import os
 import sys
 
 from . import __version__
-from .errors import SDMError
+from .errors import CLIError, SDMError, require_options
 
 #: verb -> module name under sdm_mlx.commands, in the order shown by --help.
 VERBS = {
@@ -41,16 +41,7 @@ VERBS = {
 }
 
 
-class CLIError(SDMError):
-    """A user-facing error: printed as ``sdm-mlx <verb>: error: ...`` with exit code 2."""
-
-
-def require(args: argparse.Namespace, *names: str) -> None:
-    """Fail with a clear message if any option (given on the CLI or in YAML) is missing."""
-    missing = [n for n in names if getattr(args, n, None) in (None, "", [])]
-    if missing:
-        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise CLIError(f"missing required option(s): {flags} (on the command line or in --config)")
+__all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "require_options", "user_message"]
 
 
 def user_message(e: BaseException) -> str:
@@ -198,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         from .blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
-        require(args, *getattr(mod, "REQUIRED", ()))
+        require_options(args, *getattr(mod, "REQUIRED", ()))
         rc = mod.run(args)
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)

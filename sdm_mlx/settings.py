@@ -22,6 +22,8 @@ import types
 import typing
 from typing import Any
 
+from .errors import SDMError
+
 _META = "sdm_mlx"
 
 
@@ -144,7 +146,7 @@ def _scalar_parser(tp):
     return str
 
 
-class SettingsError(ValueError):
+class SettingsError(SDMError):
     """A setting of the wrong type or an unknown key (names the YAML file and key)."""
 
 

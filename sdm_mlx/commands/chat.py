@@ -85,9 +85,3 @@ def run(args) -> int:
     if interactive:
         sys.stderr.write("\n")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["chat", *sys.argv[1:]]))

@@ -12,9 +12,8 @@ present, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
-import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
@@ -167,9 +166,3 @@ def run(args) -> int:
         say(f"{n_missing} completion(s) without the delimiter {args.delimiter!r} "
             f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["embed", *sys.argv[1:]]))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import CLIError, require
+from ..errors import CLIError, require_options
 from ._common import add_model_arguments, add_policy_arguments
 
 HELP = "verified generation: greedy decoding (joint neg+pos with --head), SDM verification, abstain/re-ask/return"
@@ -99,7 +99,7 @@ def run(args) -> int:
     if (args.prompt is None) == (args.input is None):
         raise CLIError("give exactly one of --prompt and --input")
     if args.input is not None:
-        require(args, "output")
+        require_options(args, "output")
         refuse_same_files([("--output", args.output)], [("--input", args.input)])
     elif not args.prompt.strip():
         raise CLIError("--prompt is empty")
@@ -162,9 +162,3 @@ def run(args) -> int:
     rate = f", {tokens / seconds:.1f} tokens/s incl. verification" if seconds > 0 else ""
     say(f"wrote {len(todo)} result(s) to {args.output}: {summary}{rate}")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["generate", *sys.argv[1:]]))

@@ -32,9 +32,3 @@ def run(args) -> int:
     finally:
         engine.close()
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["mcp", *sys.argv[1:]]))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 from ._common import add_model_arguments, add_policy_arguments
 
 HELP = "OpenAI-compatible server for verified generation (/v1/chat/completions, /v1/completions, /v1/verify)"
@@ -112,9 +112,3 @@ def run(args) -> int:
         engine.close()
     print("sdm-mlx serve: stopped", file=sys.stderr, flush=True)
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))
