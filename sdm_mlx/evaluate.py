@@ -79,7 +79,7 @@ from .calibration import check_alpha, estimate
 from .data import Dataset
 from .metrics import format_results_table, index_conditional_report, label_error_rows
 from .io import finite_or_none, strict
-from .progress import log
+from .callbacks import SILENT, Callback
 from .validation import label_indices
 
 __all__ = [
@@ -283,14 +283,14 @@ def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat) -
 
 
 def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baselines, z_cal, y_cal, C, options,
-                verbose) -> dict:
+                callback: Callback) -> dict:
     """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
     y = np.asarray(ds.y, dtype=np.int64)
     y_hat = np.asarray(pred.prediction, dtype=np.int64)
     if y.shape[0] != y_hat.shape[0]:
         raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
     z = np.asarray(pred.logits, dtype=np.float64)
-    log(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...", verbose)
+    callback.message(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...")
     sweep: dict[str, list] = {e: [] for e in order}
     reports: dict[str, dict] = {}
     for a in sweep_alphas:
@@ -373,7 +373,7 @@ def evaluate(
     alphas: Sequence[float] | None = None,
     baselines: Sequence[str] = DEFAULT_BASELINES,
     predictions: Mapping[str, Any] | None = None,
-    verbose: bool = False,
+    callback: Callback = SILENT,
     options: Mapping[str, dict] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
@@ -394,7 +394,7 @@ def evaluate(
         baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
         predictions: optional precomputed ``{name: estimator.estimate(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
-        verbose: progress lines on stderr.
+        callback: a :class:`sdm_mlx.callbacks.Callback` receiving progress lines (default: silent).
         options: constructor keyword arguments per baseline name (default
             :func:`baseline_options` ``("randomized")``: APS/RAPS as in the paper's reference code).
             Baselines are refitted for every α' and every evaluation set, so the randomised draws
@@ -413,7 +413,7 @@ def evaluate(
     notes: list[str] = []
     z_cal, y_cal = _check_calibration_logits(z_cal, y_cal, C)
     if predictions is None:
-        log("predicting the evaluation sets ...", verbose)
+        callback.message("predicting the evaluation sets ...")
         predictions = predict_datasets(estimator, datasets)
     missing = [n for n in datasets if n not in predictions]
     if missing:
@@ -430,7 +430,7 @@ def evaluate(
     sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
     # step 3: reports
     out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
-                                  z_cal, y_cal, C, options, verbose) for name, ds in datasets.items()}
+                                  z_cal, y_cal, C, options, callback) for name, ds in datasets.items()}
     report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
                        out_sets, notes)
     return strict(report)

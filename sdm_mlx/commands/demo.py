@@ -97,24 +97,24 @@ def run(args) -> int:
     from ..io import make_parent, write_jsonl
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ..plots import plots_available
-    from ..progress import log
+    from ..callbacks import cli_callback, note
     from .evaluate import emit
     from .train import estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:
         raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     t_start = time.perf_counter()
-    verbose = not args.quiet
+    callback = cli_callback(args.quiet)
     cfg = settings(args)
     est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES), base=MODES[cfg["mode"]])
     out = args.output
     prepare_run_directory(out, "demo", args.overwrite)
 
     pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=est.seed)
-    log(f"factcheck data ({FACTCHECK_CITATION})", verbose)
-    log(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "
-        f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral attributes",
-        verbose)
+    callback.message(f"factcheck data ({FACTCHECK_CITATION})")
+    callback.message(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "
+                     f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral "
+                     "attributes")
     data_dir = os.path.join(out, "data")
     paths = {}
     for name, ds in (("pool", pool), ("heldout_topics", heldout), ("generated", generated)):
@@ -122,10 +122,10 @@ def run(args) -> int:
         make_parent(paths[name])
         write_jsonl(paths[name], _rows(ds))
 
-    log(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
-        f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...", verbose)
+    callback.message(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
+                     f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...")
     t0 = time.perf_counter()
-    est.fit(pool.X, pool.y, ids_train=pool.ids)
+    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback)
     fit_seconds = time.perf_counter() - t0
     model_dir = os.path.join(out, "model")
     est.feature_field_ = "attributes"
@@ -136,7 +136,7 @@ def run(args) -> int:
     datasets = {"heldout_topics": heldout, "generated": generated}
     predictions = predict_datasets(est, datasets)
     report = evaluate(est, datasets, est.calibration_logits_, est.calibration_labels_, alphas=args.alphas,
-                      predictions=predictions, verbose=verbose, options=baseline_options(args.conformal))
+                      predictions=predictions, callback=callback, options=baseline_options(args.conformal))
     eval_seconds = time.perf_counter() - t1
     report["demo"] = {
         "settings": {**cfg, "alpha": est.alpha, "seed": est.seed, "heldout_fraction": args.heldout_fraction,
@@ -151,7 +151,7 @@ def run(args) -> int:
     if not args.no_plots:
         plots_dir = os.path.join(out, "plots")
         if not plots_available():
-            log("note: matplotlib is not installed, so no plots (pip install 'sdm_mlx[plots]')", True)
+            note("note: matplotlib is not installed, so no plots (pip install 'sdm_mlx[plots]')")
             plots_dir = None
     files = SimpleNamespace(report=os.path.join(out, "report.json"),
                             label_errors=os.path.join(out, "label_errors.jsonl"), plots=plots_dir)

@@ -110,14 +110,14 @@ def run(args) -> int:
     if args.prompt_template is not None and "{document}" not in args.prompt_template:
         raise CLIError("--prompt-template must contain a {document} slot")
     from ..io import open_append, refuse_same_files
-    from ..progress import Progress, log
+    from ..callbacks import cli_callback, note
 
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
 
-    quiet = args.quiet
+    callback = cli_callback(args.quiet)
 
     def say(msg):
-        log(f"sdm-mlx embed: {msg}", enabled=not quiet)
+        callback.message(f"sdm-mlx embed: {msg}")
 
     rows = read_jsonl(args.input, unique_ids=True)
     todo = pending_rows(rows, args.output, lambda row: "embedding" in row, say)
@@ -130,7 +130,7 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model)
     chunk = args.batch_size * 32
     n_trunc, n_missing, width, trunc_ids, foreign = 0, 0, None, [], []
-    bar = Progress(len(todo), "embed", unit="doc", enabled=not quiet)
+    bar = callback.progress(len(todo), "embed", unit="doc")
     with open_append(args.output) as out, bar:
         for c0 in range(0, len(todo), chunk):
             part = todo[c0 : c0 + chunk]
@@ -158,7 +158,7 @@ def run(args) -> int:
     if foreign:
         from ..embed import prompt_tail
 
-        log(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
+        note(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
             f"model's chat template tail {prompt_tail(tokenizer)!r} (e.g. ids "
             f"{', '.join(map(repr, foreign[:5]))}): they were built for another chat template; rebuild them with "
             f"`make-verification-data --model {args.model}`")
