@@ -105,25 +105,10 @@ class SDMEstimator:
         class_names: list | None = None,
         patience: int | None = _D.patience,
     ):
-        self.alpha = alpha
-        self.iterations = iterations
-        self.epochs = epochs
-        self.exemplar_dim = exemplar_dim
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.k = k
-        self.normalize = normalize
-        self.stratified = stratified
-        self.index_backend = index_backend
-        self.rescaler_max_epochs = rescaler_max_epochs
-        self.rescaler_patience = rescaler_patience
-        self.rescaler_learning_rate = rescaler_learning_rate
-        self.rescaler_engine = rescaler_engine
-        self.n_exemplars = n_exemplars
-        self.seed = seed
-        self.verbose = verbose
-        self.class_names = class_names
-        self.patience = patience
+        params = dict(locals())  # scikit-learn's contract: every parameter stored unchanged under its name
+        del params["self"]
+        for name, value in params.items():
+            setattr(self, name, value)
 
     @classmethod
     def paper(cls, **overrides) -> "SDMEstimator":
