@@ -14,6 +14,10 @@ Events (``j``: round index 0..J−1 of Alg. 1; ``epoch``: 1-based)::
                                        :class:`sdm_mlx.train.RoundsProgress`: checkpointing)
     message(text)                      one log line
     progress(total, desc, unit)        a bar: ``with cb.progress(n, "embed", "doc") as bar: bar.update(k)``
+
+Code that still carries a ``verbose`` switch (the SDM-network trainer, :class:`NetworkConfig`'s
+``verbose``) uses the function forms :func:`log` and :func:`progress_bar`, which draw the same tqdm
+output.
 """
 
 from __future__ import annotations
@@ -154,3 +158,15 @@ def cli_callback(quiet: bool = False) -> Callback:
 def note(text: str) -> None:
     """A line on stderr that is always shown (notes and warnings of the CLI; safe next to a tqdm bar)."""
     TqdmProgress().message(text)
+
+
+def log(message: str, enabled: bool = True) -> None:
+    """A line on stderr when ``enabled`` (the function form of :meth:`TqdmProgress.message`)."""
+    if enabled:
+        note(message)
+
+
+def progress_bar(total: int | None, desc: str = "", unit: str = "it", enabled: bool = True):
+    """A tqdm bar on stderr when ``enabled``, else one that draws nothing (the function form of
+    :meth:`TqdmProgress.progress`): ``with progress_bar(n, "embed", "doc") as bar: bar.update(k)``."""
+    return TqdmProgress().progress(total, desc, unit) if enabled else _NullBar()

@@ -19,7 +19,8 @@ import os
 import sys
 
 from . import __version__
-from .errors import CLIError, SDMError, require_options
+from .errors import CLIError, SDMError
+from .errors import require_options as require
 
 #: verb -> module name under sdm_mlx.commands, in the order shown by --help.
 VERBS = {
@@ -41,7 +42,7 @@ VERBS = {
 }
 
 
-__all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "require_options", "user_message"]
+__all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "require", "user_message"]
 
 
 def user_message(e: BaseException) -> str:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         from .blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
-        require_options(args, *getattr(mod, "REQUIRED", ()))
+        require(args, *getattr(mod, "REQUIRED", ()))
         rc = mod.run(args)
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from . import validation
-from .calibration import Calibration, RoundCalibration, estimate, exact_one_minus
+from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
@@ -105,10 +105,25 @@ class SDMEstimator:
         class_names: list | None = None,
         patience: int | None = _D.patience,
     ):
-        params = dict(locals())  # scikit-learn's contract: every parameter stored unchanged under its name
-        del params["self"]
-        for name, value in params.items():
-            setattr(self, name, value)
+        self.alpha = alpha
+        self.iterations = iterations
+        self.epochs = epochs
+        self.exemplar_dim = exemplar_dim
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.k = k
+        self.normalize = normalize
+        self.stratified = stratified
+        self.index_backend = index_backend
+        self.rescaler_max_epochs = rescaler_max_epochs
+        self.rescaler_patience = rescaler_patience
+        self.rescaler_learning_rate = rescaler_learning_rate
+        self.rescaler_engine = rescaler_engine
+        self.n_exemplars = n_exemplars
+        self.seed = seed
+        self.verbose = verbose
+        self.class_names = class_names
+        self.patience = patience
 
     @classmethod
     def paper(cls, **overrides) -> "SDMEstimator":
@@ -250,7 +265,7 @@ class SDMEstimator:
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
         rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
                         learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
-        calibrator = RoundCalibrator(y, alpha, C, self.seed, rescaler, callback)
+        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback)
         progress, saver = None, None
         if checkpoint is not None:
             from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint

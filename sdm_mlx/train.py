@@ -323,18 +323,18 @@ def round_summary(j: int, result: RoundResult) -> dict:
 
 class RoundCalibrator(Callback):
     """Alg. 1's per-round calibration as a callback: after round j, Alg. 2 + Alg. 3 on the round's
-    calibration split (:func:`sdm_mlx.calibration.calibrate_round`); the results collect in ``rounds``."""
+    calibration split with ``calibrate`` (:func:`sdm_mlx.calibration.calibrate_round`, passed in so that
+    training does not depend on the calibration math); the results collect in ``rounds``."""
 
-    def __init__(self, y: np.ndarray, alpha: float, num_classes: int, seed: int, rescaler: dict,
-                 callback: Callback = SILENT, rounds: list | None = None):
+    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
+                 rescaler: dict, callback: Callback = SILENT, rounds: list | None = None):
+        self.calibrate = calibrate
         self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
         self.rescaler, self.callback = rescaler, callback
         self.rounds = [] if rounds is None else rounds
 
     def on_round_end(self, j: int, result: RoundResult) -> None:
-        from .calibration import calibrate_round
-
-        cal = calibrate_round(
+        cal = self.calibrate(
             result.calibration.sdm, result.calibration.q, self.y[result.cal_idx], result.calibration.y_hat,
             alpha=self.alpha, seed=self.seed * 1000 + j, num_classes=self.num_classes, **self.rescaler,
         )

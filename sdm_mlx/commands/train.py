@@ -163,7 +163,7 @@ def run(args) -> int:
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
-    from ..callbacks import note
+    from ..callbacks import log
 
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)
@@ -187,8 +187,8 @@ def run(args) -> int:
         )
     except KeyboardInterrupt:
         done = checkpoint_rounds(checkpoint)
-        note(f"interrupted: {done} finished round(s) are kept in {checkpoint}; run the same command again to "
-             "resume (--restart to start over)" if done else "interrupted before the first round finished")
+        log(f"interrupted: {done} finished round(s) are kept in {checkpoint}; run the same command again to "
+            "resume (--restart to start over)" if done else "interrupted before the first round finished", True)
         raise
     seconds = time.perf_counter() - t0
     est.feature_field_ = train.features

@@ -137,8 +137,7 @@ def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-def eos_ids(tokenizer) -> set:
-    """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer."""
+def _eos_ids(tokenizer) -> set:
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     eid = getattr(tokenizer, "eos_token_id", None)
     if eid is not None:
@@ -240,7 +239,7 @@ def greedy_generate(
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
-    eos = eos_ids(tokenizer)
+    eos = _eos_ids(tokenizer)
     if hasattr(heads.model, "make_cache"):
         batch_size = 1  # custom caches (sliding windows, SSMs): no left padding, one prompt at a time
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))

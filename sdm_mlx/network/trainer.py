@@ -55,7 +55,7 @@ from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
 from ..io import strict, write_json, write_jsonl
-from ..callbacks import SILENT, Callback, as_callback, note
+from ..callbacks import log, progress_bar as Progress
 from ..network_config import NetworkConfig
 from ..verification_data import PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network
@@ -161,7 +161,7 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
 
 
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, callback: Callback = SILENT) -> TokenCache:
+                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
     """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):
@@ -172,12 +172,12 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
         poss.append(pos)
         tgts.extend(tg)
         docs.extend([i] * len(pos))
-    with callback.progress(len(rows), "cache completion states", unit="doc") as bar:
+    with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
         hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
-    if skipped:
-        callback.message(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length "
-                         f"{max_length} and give no training tokens (e.g. ids {skipped[:5]})")
+    if skipped and verbose:
+        log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
+            f"and give no training tokens (e.g. ids {skipped[:5]})")
     return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
 
 
@@ -253,8 +253,7 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
 
 def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
                    *, max_new_tokens: int = 32, delimiter: str = _embed.DEFAULT_DELIMITER,
-                   max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8,
-                   callback: Callback = SILENT) -> dict:
+                   max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8, verbose: bool = False) -> dict:
     """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
     ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
     with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
@@ -262,7 +261,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``.
     """
     t0 = time.perf_counter()
-    with callback.progress(len(rows), "generate (calibration)", unit="doc") as bar:
+    with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
                                delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
                                progress=bar.update)
@@ -317,11 +316,9 @@ class SDMNetworkTrainer:
     layer (default :class:`sdm_mlx.estimator.SDMEstimator`).
     """
 
-    def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
-                 callback: Callback | None = None):
+    def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None):
         config.validate()
         self.config = config
-        self.callback = as_callback(callback, config.verbose)
         prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
                               "--output", check_only=True)
         if model is None:
@@ -344,7 +341,7 @@ class SDMNetworkTrainer:
 
     # -- helpers --------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
-        self.callback.message(f"network-train: {msg}")
+        log(f"network-train: {msg}", enabled=self.config.verbose)
 
     def settings(self) -> dict:
         c = self.config
@@ -356,7 +353,7 @@ class SDMNetworkTrainer:
         }
 
     def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
-        with self.callback.progress(len(rows), desc, unit="doc") as bar:
+        with Progress(len(rows), desc, unit="doc", enabled=self.config.verbose) as bar:
             feats = _embed.prompt_completion_features(
                 self.model, self.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows],
                 delimiter=self.config.delimiter, max_length=self.config.max_length,
@@ -366,7 +363,7 @@ class SDMNetworkTrainer:
 
     def generate(self, rows: Sequence[dict], desc: str):
         c = self.config
-        with self.callback.progress(len(rows), desc, unit="doc") as bar:
+        with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             return greedy_generate(
                 self.heads, self.tokenizer, [r["prompt"] for r in rows], max_new_tokens=c.max_new_tokens,
                 delimiter=c.delimiter, batch_size=c.generation_batch_size, features=True,
@@ -415,7 +412,7 @@ class SDMNetworkTrainer:
         c = self.config
         return count_verified(self.heads, self.tokenizer, est, cal_rows, self.completions,
                               max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                              batch_size=c.generation_batch_size, callback=self.callback)
+                              batch_size=c.generation_batch_size, verbose=c.verbose)
 
     # -- everything ------------------------------------------------------------------------------
     def save(self, est_path: str, epoch: int, count: int, epochs_completed: int) -> None:
@@ -432,9 +429,9 @@ class SDMNetworkTrainer:
         """Ctrl-C during ``epoch``: record it in the metrics and say what the network on disk holds."""
         metrics.update(finished=False, interrupted_during_epoch=epoch, epochs_completed=epoch - 1)
         write_json(self.metrics_path, metrics)
-        note(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
-             f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), "
-             "marked finished=false in its network_config.json; re-run network-train to train it fully")
+        log(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
+            f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
+            "finished=false in its network_config.json; re-run network-train to train it fully", True)
 
     def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer, metrics, best,
                   selected) -> tuple[int, int]:
@@ -444,7 +441,7 @@ class SDMNetworkTrainer:
         q_doc, d_doc, _ = self.document_qd(est, pos_rows)
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
-        with self.callback.progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok") as bar:
+        with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
             m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
                             c.beta_min, c.beta_max, self.rng, progress=bar.update)
         cal = self.calibration_count(est, cal_rows)
@@ -484,7 +481,7 @@ class SDMNetworkTrainer:
                  f"{len(cal_rows)} calibration rows")
 
         cache = build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                  c.embed_batch_size, self.callback)
+                                  c.embed_batch_size, c.verbose)
         self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
                  f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
         if len(cache) == 0 and c.epochs > 0:
@@ -533,9 +530,6 @@ def _head_label(epoch: int) -> str:
     return "the untrained base head (epoch 0)" if epoch == 0 else f"the head of epoch {epoch}"
 
 
-def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
-                  callback: Callback | None = None) -> NetworkTrainResult:
-    """Run Alg. 4 (see the module docstring); returns paths, the selected epoch and per-epoch metrics.
-    ``callback``: progress and log lines (default: :class:`~sdm_mlx.callbacks.TqdmProgress` when
-    ``config.verbose``, else silent)."""
-    return SDMNetworkTrainer(config, model, tokenizer, estimator_factory, callback).run()
+def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None) -> NetworkTrainResult:
+    """Run Alg. 4 (see the module docstring); returns paths, the selected epoch and per-epoch metrics."""
+    return SDMNetworkTrainer(config, model, tokenizer, estimator_factory).run()

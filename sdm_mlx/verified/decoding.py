@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..network.generation import eos_ids, is_closed
+from ..network.generation import is_closed
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop")
 
@@ -79,6 +79,15 @@ class Decoded:
     text: str
     stop_reason: str
     seconds: float
+
+
+def eos_ids(tokenizer) -> set:
+    """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    eid = getattr(tokenizer, "eos_token_id", None)
+    if eid is not None:
+        ids.add(int(eid))
+    return ids
 
 
 class _StreamingHeads:
