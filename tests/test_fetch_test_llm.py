@@ -8,8 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import fetch_test_llm as F  # noqa: E402
+import fetch_test_llm as F  # tools/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_gguf_names_map_to_mlx_lm_qwen2():
