@@ -21,7 +21,11 @@ def v_vector(sdm: np.ndarray, ecdfs: Sequence[np.ndarray]) -> np.ndarray:
     """v_c = eCDF_c(s_c), strict-left count / n, s_c ≥ max ⇒ 1, empty ⇒ 0 (``equation:sdm-output-cdfs``, DESIGN #11)."""
     num_classes = len(ecdfs)
     sdm = _matrix("sdm", sdm, c=num_classes)
-    ecdfs = _check_lists("output_ecdfs", ecdfs, num_classes)
+    return _v_of(sdm, _check_lists("output_ecdfs", ecdfs, num_classes))
+
+
+def _v_of(sdm: np.ndarray, ecdfs: list[np.ndarray]) -> np.ndarray:
+    """:func:`v_vector` of validated inputs."""
     v = np.zeros(sdm.shape, dtype=np.float64)
     for c, sorted_c in enumerate(ecdfs):
         if sorted_c.size == 0:

@@ -26,7 +26,11 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
     −1, as in R; :func:`dkw_epsilon` then gives ε_c = 1).
     """
     q_tilde = _vector("q_tilde", q_tilde).astype(np.float64)
-    arrays = _check_lists("sample_size_arrays", arrays, len(arrays))
+    return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
+
+
+def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+    """:func:`effective_sample_size` of validated inputs."""
     n_hat = np.empty((q_tilde.shape[0], len(arrays)), dtype=np.int64)
     for c, arr in enumerate(arrays):
         below = np.searchsorted(arr, q_tilde, side="left").astype(np.int64)

@@ -11,8 +11,8 @@ import numpy as np
 from ..results import Estimate, Variant
 from ..rescaler import rescaled_output
 from ._checks import _check_lists, _finite, _matrix, _vector, check_alpha
-from .bins import apply_ood, unique_argmax_is, v_vector
-from .bounds import dkw_bounds, dkw_epsilon, effective_sample_size
+from .bins import _v_of, apply_ood, unique_argmax_is
+from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
 from .cauchy import lookup_offsets
 
 if TYPE_CHECKING:  # a type only: rounds imports this module
@@ -56,7 +56,19 @@ def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, r
 
 
 def _check_calibration(cal: "Calibration") -> tuple:
-    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated."""
+    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated.
+
+    Validated once per :class:`Calibration` (frozen) and kept on it: prediction calls it per batch,
+    and re-checking the sorted eCDFs cost more than scoring a single row."""
+    cached = cal.__dict__.get("_checked")
+    if cached is not None:
+        return cached
+    checked = _validate_calibration(cal)
+    object.__setattr__(cal, "_checked", checked)
+    return checked
+
+
+def _validate_calibration(cal: "Calibration") -> tuple:
     W = _finite("W", cal.W)
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
         raise ValueError(f"W must be [C, C], got shape {W.shape}")
@@ -119,14 +131,14 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
         raise ValueError("q must be ≥ 0")
     if np.any(d < 0):
         raise ValueError("d must be ≥ 0")
-    v = v_vector(sdm, ecdfs).astype(np.float64)
+    v = _v_of(sdm, ecdfs).astype(np.float64)
 
     y_hat = z.argmax(axis=1).astype(np.int64)
     sdm_flip = ~unique_argmax_is(sdm, y_hat)
     common = dict(W=W, log_base=np.log(2.0 + q), y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
                   min_valid_own=min_valid_own, robust_min=robust_min)
     cen = _variant(v_var=v, **common)
-    n_hat = effective_sample_size(cen[0].q_tilde, arrays)
+    n_hat = _n_hat_of(cen[0].q_tilde, arrays)
     eps = dkw_epsilon(n_hat, calibration.alpha)
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
     low = _variant(v_var=v_lower, **common)
