@@ -415,6 +415,20 @@ def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx
     return ids, n, j, trunc, False
 
 
+def _pooled_batch(model, seqs: list, lens: list[int]) -> np.ndarray:
+    """``concat(mean(h_0 .. h_{n-1}), h_{n-1})`` float32 [B, 2D] of one right-padded batch of kept tokens."""
+    import mlx.core as mx
+
+    h = hidden_states(model, seqs)
+    lens_mx = mx.array(np.array(lens, dtype=np.int32))
+    mask = (mx.arange(h.shape[1])[None, :] < lens_mx[:, None])[..., None]
+    mean = mx.where(mask, h, 0.0).sum(axis=1) / lens_mx[:, None].astype(mx.float32)
+    last = mx.take_along_axis(h, (lens_mx - 1)[:, None, None], axis=1)[:, 0, :]
+    feats = mx.concatenate([mean, last], axis=1)
+    mx.eval(feats)
+    return np.array(feats, dtype=np.float32)
+
+
 def document_features(
     model,
     tokenizer,
@@ -441,8 +455,6 @@ def document_features(
     Documents are sorted by kept length and processed ``batch_size`` at a time
     with right padding; ``progress(k)`` is called after each batch of ``k``.
     """
-    import mlx.core as mx
-
     if position not in POSITIONS:
         raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
     if on_missing not in ON_MISSING:
@@ -464,15 +476,7 @@ def document_features(
     for b0 in range(0, n_docs, batch_size):
         idx = order[b0 : b0 + batch_size]
         lens = [int(n_kept[i]) for i in idx]
-        h = hidden_states(model, [plans[i][0][: lens[k]] for k, i in enumerate(idx)])
-        width = h.shape[1]
-        lens_mx = mx.array(np.array(lens, dtype=np.int32))
-        mask = (mx.arange(width)[None, :] < lens_mx[:, None])[..., None]
-        mean = mx.where(mask, h, 0.0).sum(axis=1) / lens_mx[:, None].astype(mx.float32)
-        last = mx.take_along_axis(h, (lens_mx - 1)[:, None, None], axis=1)[:, 0, :]
-        feats = mx.concatenate([mean, last], axis=1)
-        mx.eval(feats)
-        feats = np.array(feats, dtype=np.float32)
+        feats = _pooled_batch(model, [plans[i][0][: lens[k]] for k, i in enumerate(idx)], lens)
         if out is None:
             out = np.empty((n_docs, feats.shape[1]), dtype=np.float32)
         out[idx] = feats

@@ -203,6 +203,20 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
     return tr, ca, basis
 
 
+def _new_adaptor(X_tr: np.ndarray, num_classes: int, config: TrainConfig, seed: int) -> ExemplarAdaptor:
+    """A freshly initialised exemplar adaptor for a round (with the scalar input normalisation if set)."""
+    model = ExemplarAdaptor(X_tr.shape[1], config.exemplar_dim, num_classes, seed=seed)
+    if config.normalize:
+        model.set_normalization(*scalar_normalization(X_tr))
+    return model
+
+
+def _epoch_record(epoch: int, loss: float, metric: float, cal_accuracy: float, moved: dict) -> dict:
+    """One entry of a round's per-epoch history."""
+    return {"epoch": epoch, "loss": loss, "balanced_median_q": metric, "cal_accuracy": cal_accuracy,
+            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"]}
+
+
 def train_round(
     X_tr: np.ndarray,
     y_tr: np.ndarray,
@@ -222,10 +236,8 @@ def train_round(
     better balanced median calibration q (convergence-aware stopping; the paper runs all epochs).
     ``callback.on_epoch_end(round_index, epoch, metrics)`` follows every epoch.
     """
-    n_tr, dim = X_tr.shape
-    model = ExemplarAdaptor(dim, config.exemplar_dim, num_classes, seed=seed)
-    if config.normalize:
-        model.set_normalization(*scalar_normalization(X_tr))
+    n_tr = X_tr.shape[0]
+    model = _new_adaptor(X_tr, num_classes, config, seed)
     initial = _weights(model)
     optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
     step = _make_step(model, optimizer)
@@ -243,11 +255,7 @@ def train_round(
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
         moved = adaptor_movement(model, initial)
-        history.append({
-            "epoch": epoch, "loss": loss, "balanced_median_q": metric,
-            "cal_accuracy": float((ca_state.y_hat == y_ca).mean()),
-            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"],
-        })
+        history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
         callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
         stale = 0 if best is None or metric > best[0] else stale + 1
         if best is None or metric >= best[0]:
