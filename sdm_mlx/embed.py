@@ -235,6 +235,15 @@ def prompt_tail(tokenizer) -> str | None:
     return text[k + len(mark):] or None
 
 
+def eos_token_ids(tokenizer) -> set:
+    """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer: its ``eos_token_ids`` and ``eos_token_id``."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    eid = getattr(tokenizer, "eos_token_id", None)
+    if eid is not None:
+        ids.add(int(eid))
+    return ids
+
+
 def _decode(tokenizer, ids) -> str:
     return tokenizer.decode(list(ids))
 

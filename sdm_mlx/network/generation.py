@@ -138,11 +138,7 @@ def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
 
 
 def _eos_ids(tokenizer) -> set:
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    eid = getattr(tokenizer, "eos_token_id", None)
-    if eid is not None:
-        ids.add(int(eid))
-    return ids
+    return _embed.eos_token_ids(tokenizer)
 
 
 def _batch_cache(model, left_padding: list[int]):
