@@ -119,7 +119,7 @@ def test_estimator_defaults_come_from_one_place_and_paper_is_exact():
 
 def test_cli_help_shows_the_real_defaults_and_paper_gives_the_paper_settings():
     from sdm_mlx.cli import build_parser
-    from sdm_mlx.commands.train import estimator_config, paper_base
+    from sdm_mlx.commands._common import estimator_config, paper_base
 
     out = _cli("train", "--help").stdout
     flat = " ".join(out.split())

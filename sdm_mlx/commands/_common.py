@@ -1,4 +1,5 @@
-"""CLI pieces shared by several verbs (no heavy imports: ``--help`` stays instant).
+"""CLI pieces shared by several verbs (no heavy imports: ``--help`` stays instant); verbs import these,
+never each other or the dispatcher.
 
 The options of ``generate``, ``chat``, ``serve`` and ``mcp`` that configure the verified generator are
 generated from :class:`sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there);
@@ -12,6 +13,7 @@ import argparse
 import os
 import sys
 
+from ..defaults import EstimatorConfig
 from ..errors import CLIError
 from ..generation_config import GenerationConfig
 
@@ -137,3 +139,116 @@ def say_to_stderr(prefix: str, quiet: bool):
         if not quiet:
             print(f"{prefix}: {message}", file=sys.stderr, flush=True)
     return say
+
+
+# --------------------------------------------------------------------------- the estimator verbs
+
+
+def mode_help(parser, modes: dict) -> None:
+    """Append each mode's value to the help of the options it changes: "(default: X; --paper Y)"."""
+    for action in parser._actions:
+        if action.help and any(action.dest in values for values in modes.values()):
+            extra = "".join(f"; --{m} {'off' if v.get(action.dest) is None else v[action.dest]}"
+                            for m, v in modes.items() if action.dest in v)
+            action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
+
+def add_estimator_arguments(p) -> None:
+    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
+    import argparse
+
+    from ..settings import add_arguments
+
+    g = add_arguments(p, EstimatorConfig, title="estimator")
+    g.add_argument("--unstratified", dest="stratified", action="store_false", default=argparse.SUPPRESS,
+                   help="same as --no-stratified")
+    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+def estimator_config(args, base: dict | None = None):
+    """The :class:`EstimatorConfig` of ``args`` (CLI and YAML) over ``base`` (a mode such as --paper) over
+    the defaults; ``--patience 0`` means off."""
+    import dataclasses
+
+    from ..settings import SettingsError, resolve
+
+    cfg = resolve(EstimatorConfig, args, base)
+    if cfg.patience is not None and cfg.patience < 0:
+        raise SettingsError(f"--patience: expected an integer >= 0 (0 = run every epoch), got {cfg.patience}")
+    return cfg if cfg.patience != 0 else dataclasses.replace(cfg, patience=None)
+
+def paper_base(args) -> dict:
+    """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
+    from ..defaults import PAPER_SETTINGS
+
+    return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
+
+def estimator_from_args(args, class_names=None, base: dict | None = None):
+    """An :class:`SDMEstimator` from the resolved settings (``base`` default: --paper's overrides)."""
+    from dataclasses import asdict
+
+    from ..estimator import SDMEstimator
+
+    cfg = estimator_config(args, paper_base(args) if base is None else base)
+    return SDMEstimator(**asdict(cfg), verbose=not args.quiet, class_names=class_names)
+
+def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
+    """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
+    from ..estimator import ROBUST_INF_REASON
+    from ..io import put_float
+
+    best = est.round_summaries_[est.best_round_]
+    report = {
+        "seconds": round(seconds, 3),
+        "num_classes": est.num_classes_,
+        "input_dim": est.input_dim_,
+        "support_size": len(est.support_ids_),
+        "calibration_size": len(est.calibration_ids_),
+        "k": est.k_,
+        "best_round": est.best_round_,
+        "resumed_rounds": resumed_rounds,
+        "selected": {
+            "round": est.best_round_, "epoch": best.get("best_epoch"), "epochs_run": best.get("epochs_run"),
+            "cal_accuracy": best.get("cal_accuracy"), "balanced_median_q": best.get("metric"),
+            "projection_movement": best.get("projection_movement"),
+            "classifier_movement": best.get("classifier_movement"),
+        },
+        "rounds": est.round_summaries_,
+        "best_round_history": est.history_,
+        "alpha": est.alpha,
+        "psi": est.calibration_.psi.tolist(),
+        "admission": est.admission_,
+        "params": est.get_params(),
+    }
+    # +inf thresholds are stored as null with the reason (strict JSON)
+    put_float(report, "min_valid_qbin", est.calibration_.min_valid,
+              "no valid threshold: Alg. 3 found no q~ where psi_c >= alpha for every class in the best round")
+    put_float(report, "robust_min_valid_qbin", est.robust_min_valid_, ROBUST_INF_REASON)
+    return report
+
+def add_conformal_argument(p) -> None:
+    p.add_argument("--conformal", choices=["randomized", "deterministic"], default="randomized",
+                   help="APS/RAPS variant: randomized over temperature-scaled softmax (the RAPS reference code "
+                        "the paper compared against) or deterministic over plain softmax")
+
+def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
+    """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
+    import sys
+
+    from ..evaluate import format_evaluation, label_error_records, write_plots
+    from ..callbacks import note
+    from ..io import write_json, write_jsonl
+
+    print(format_evaluation(report), file=sys.stdout, flush=True)
+    if getattr(args, "label_errors", None):
+        rows = label_error_records(datasets, predictions, class_names)
+        write_jsonl(args.label_errors, rows)
+        note(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}")
+    if getattr(args, "plots", None):
+        try:
+            paths = write_plots(report, args.plots)
+        except ImportError as e:
+            note(f"note: no plots written ({e}); the rest of the report is unaffected")
+        else:
+            note(f"plots: {', '.join(paths)}")
+    if getattr(args, "report", None):
+        write_json(args.report, report)
+        note(f"report: {args.report}")

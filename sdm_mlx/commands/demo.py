@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 
 from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
-from .evaluate import add_conformal_argument
-from .train import add_estimator_arguments, estimator_config, mode_help
+from ._common import add_conformal_argument, add_estimator_arguments, estimator_config, mode_help
 
 #: The settings classes whose fields are this verb's options and YAML keys.
 SETTINGS = (EstimatorConfig,)
@@ -139,8 +138,7 @@ def run(args) -> int:
     from ..callbacks import cli_callback
     from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
     from ..evaluate import baseline_options, evaluate, predict_datasets
-    from .evaluate import emit
-    from .train import estimator_from_args, training_report
+    from ._common import emit, estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:
         raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from ._common import add_conformal_argument, emit
+
 HELP = "Evaluate a trained SDM estimator and the baselines on labelled JSONL files (index-conditional tables)."
 
 FEATURE_CHOICES = ["auto", "embedding", "attributes", "embedding+attributes"]
@@ -50,12 +52,6 @@ def add_arguments(p) -> None:
     add_conformal_argument(p)
     p.add_argument("--features", choices=FEATURE_CHOICES, default="auto", help="which row fields form the features")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
-def add_conformal_argument(p) -> None:
-    p.add_argument("--conformal", choices=["randomized", "deterministic"], default="randomized",
-                   help="APS/RAPS variant: randomized over temperature-scaled softmax (the RAPS reference code "
-                        "the paper compared against) or deterministic over plain softmax")
 
 
 def dataset_names(paths) -> list[str]:
@@ -91,31 +87,6 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
     note("note: this model does not store its calibration logits; temperature, aps and raps are skipped "
          "(pass --calibration-data with the training JSONL to include them)")
     return None, None
-
-
-def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
-    """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
-    import sys
-
-    from ..evaluate import format_evaluation, label_error_records, write_plots
-    from ..callbacks import note
-    from ..io import write_json, write_jsonl
-
-    print(format_evaluation(report), file=sys.stdout, flush=True)
-    if getattr(args, "label_errors", None):
-        rows = label_error_records(datasets, predictions, class_names)
-        write_jsonl(args.label_errors, rows)
-        note(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}")
-    if getattr(args, "plots", None):
-        try:
-            paths = write_plots(report, args.plots)
-        except ImportError as e:
-            note(f"note: no plots written ({e}); the rest of the report is unaffected")
-        else:
-            note(f"plots: {', '.join(paths)}")
-    if getattr(args, "report", None):
-        write_json(args.report, report)
-        note(f"report: {args.report}")
 
 
 def run(args) -> int:
