@@ -1,8 +1,6 @@
 """tools/fetch_test_llm.py without the download: name mapping, shapes, dtypes, GGUF header, streamed safetensors."""
 
 import struct
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

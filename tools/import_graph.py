@@ -6,8 +6,8 @@ Usage::
     python tools/import_graph.py --check    # also fail (exit 1) if the graph has a cycle
 
 Only imports executed when the module is loaded count (top-level ``import``/``from``
-statements, including those under ``if``/``try`` at module level); imports inside functions
-are deferred and do not create a load-time edge. Names are relative to ``sdm_mlx`` and
+statements, including those under ``if``/``try`` at module level, except ``if TYPE_CHECKING:``);
+imports inside functions are deferred and do not create a load-time edge. Names are relative to ``sdm_mlx`` and
 packages print as ``pkg/``. Only edges inside ``sdm_mlx`` are shown. The source is parsed
 with :mod:`ast`, so nothing is imported.
 """
@@ -38,6 +38,8 @@ def _top_level_imports(tree: ast.Module):
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)  # type-only imports never run
         elif isinstance(node, (ast.If, ast.Try, ast.With)):
             for field in ("body", "orelse", "finalbody", "handlers"):
                 stack.extend(getattr(node, field, []) or [])
