@@ -317,6 +317,20 @@ def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx
     return ids, n, j, trunc, False
 
 
+def _check_feature_options(n_docs: int, completion_spans, position: str, on_missing: str, batch_size: int) -> list:
+    """The completion spans (one per document), after checking the options of :func:`document_features`."""
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
+    if on_missing not in ON_MISSING:
+        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    spans = list(completion_spans) if completion_spans is not None else [None] * n_docs
+    if len(spans) != n_docs:
+        raise ValueError("completion_spans must have one entry per document")
+    return spans
+
+
 def _pooled_batch(model, seqs: list, lens: list[int]) -> np.ndarray:
     """``concat(mean(h_0 .. h_{n-1}), h_{n-1})`` float32 [B, 2D] of one right-padded batch of kept tokens."""
     import mlx.core as mx
@@ -357,16 +371,8 @@ def document_features(
     Documents are sorted by kept length and processed ``batch_size`` at a time
     with right padding; ``progress(k)`` is called after each batch of ``k``.
     """
-    if position not in POSITIONS:
-        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
-    if on_missing not in ON_MISSING:
-        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
-    if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
     n_docs = len(documents)
-    spans = list(completion_spans) if completion_spans is not None else [None] * n_docs
-    if len(spans) != n_docs:
-        raise ValueError("completion_spans must have one entry per document")
+    spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
 
     plans = [
         _plan(tokenizer, d, s, position, delimiter, max_length, on_missing, i)
