@@ -120,9 +120,10 @@ def _env() -> dict:
     return env
 
 
-def _run(lang: str, code: str, cwd: pathlib.Path, where: str, env: dict) -> None:
+def _run(lang: str, code: str, cwd: pathlib.Path, where: str, env: dict, timeout: int = 600) -> None:
     cmd = [sys.executable, "-c", code] if lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"{where} failed (exit {r.returncode}):\n{code}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
 
 
@@ -239,6 +240,7 @@ def test_code_blocks_run(doc, tmp_path, request):
                 if lang != "python":
                     code = servers.start(code, tmp_path, env, where)
                 if code.strip():
-                    _run("python" if lang == "python" else "bash", code, tmp_path, where, env)
+                    _run("python" if lang == "python" else "bash", code, tmp_path, where, env,
+                         timeout=3600 if request.node.get_closest_marker("slow") else 600)
     finally:
         servers.stop()
