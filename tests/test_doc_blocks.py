@@ -60,7 +60,8 @@ def _docs() -> list:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     out = []
     for doc in docs:
-        slow = [m for m in MARKER.finditer(doc.read_text(encoding="utf-8")) if m.group(1) == "slow"]
+        slow = [m for line in doc.read_text(encoding="utf-8").splitlines()  # a marker on a line of its own
+                if (m := MARKER.fullmatch(line.strip())) and m.group(1) == "slow"]
         out.append(pytest.param(doc, id=doc.name, marks=[pytest.mark.slow] if slow else []))
     return out
 
