@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from .adaptor import ExemplarAdaptor
 from .artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
+from .callbacks import Callback
 from .rescaler import RescalerFit
 from .train import RoundResult, RoundsProgress, SplitState
 
@@ -151,6 +152,31 @@ def load_checkpoint(path, fp: str) -> tuple[tuple[RoundsProgress, list] | None, 
     if len(rounds) != progress.next_round:
         return None, "the checkpoint is inconsistent (round count)"
     return (progress, rounds), ""
+
+
+class Checkpointer(Callback):
+    """The callback that saves the finished rounds after each round (``on_rounds_state``), and the state
+    to resume from: ``Checkpointer(path, fp, rounds, callback).resume()`` → the saved
+    :class:`RoundsProgress` (its calibrations are appended to ``rounds``) or None to start over
+    (``callback.message`` says why)."""
+
+    def __init__(self, path, fp: str, rounds: list, callback: Callback):
+        self.path, self.fp, self.rounds, self.callback = path, fp, rounds, callback
+
+    def resume(self, iterations: int) -> RoundsProgress | None:
+        loaded, why = load_checkpoint(self.path, self.fp)
+        if loaded is not None:
+            progress, rounds = loaded
+            self.rounds.extend(rounds)
+            self.callback.message(f"resuming from {self.path}: {progress.next_round} of {iterations} rounds "
+                                  "already done")
+            return progress
+        if why:
+            self.callback.message(f"not resuming from {self.path}: {why}; starting over")
+        return None
+
+    def on_rounds_state(self, state: RoundsProgress) -> None:
+        save_checkpoint(self.path, self.fp, state, self.rounds)
 
 
 def remove_checkpoint(path) -> None:

@@ -19,7 +19,8 @@ import os
 import sys
 
 from . import __version__
-from .errors import SDMError
+from .errors import CLIError, SDMError
+from .errors import require_options as require
 
 #: verb -> module name under sdm_mlx.commands, in the order shown by --help.
 VERBS = {
@@ -41,16 +42,7 @@ VERBS = {
 }
 
 
-class CLIError(SDMError):
-    """A user-facing error: printed as ``sdm-mlx <verb>: error: ...`` with exit code 2."""
-
-
-def require(args: argparse.Namespace, *names: str) -> None:
-    """Fail with a clear message if any option (given on the CLI or in YAML) is missing."""
-    missing = [n for n in names if getattr(args, n, None) in (None, "", [])]
-    if missing:
-        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise CLIError(f"missing required option(s): {flags} (on the command line or in --config)")
+__all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "require", "user_message"]
 
 
 def user_message(e: BaseException) -> str:

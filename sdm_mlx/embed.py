@@ -54,10 +54,44 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .tokens import (  # re-exported: callers find the text/token helpers in sdm_mlx.embed
+    DEFAULT_DELIMITER,
+    chat_text,
+    delimiter_token_index,
+    delimiter_token_index_in_text,
+    encode,
+    eos_token_ids,
+    prompt_tail,
+)
+
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "POSITIONS",
+    "ON_MISSING",
+    "load_model",
+    "load_tokenizer",
+    "trunk",
+    "hidden_states",
+    "logits_from_hidden",
+    "lm_head_weight",
+    "kept_positions",
+    "generated_n_kept",
+    "pool_hidden",
+    "DocumentError",
+    "Features",
+    "document_features",
+    "prompt_completion_features",
+    "DEFAULT_DELIMITER",
+    "chat_text",
+    "delimiter_token_index",
+    "delimiter_token_index_in_text",
+    "encode",
+    "eos_token_ids",
+    "prompt_tail",
+]
+
 #: Default number of kept positions (the research code's 500-position cut).
 DEFAULT_MAX_LENGTH = 500
-#: Default closing delimiter: the final brace of a JSON answer.
-DEFAULT_DELIMITER = "}"
 POSITIONS = ("delimiter", "last")
 ON_MISSING = ("error", "last", "prompt")
 
@@ -161,138 +195,6 @@ def lm_head_weight(model):
     else:
         w = layer.weight
     return w.astype(mx.float32)
-
-
-# --------------------------------------------------------------------------- text and tokens
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as mlx-lm's ``generate`` encodes a string prompt.
-
-    Special tokens (e.g. BOS) are added unless the text already starts with the
-    tokenizer's BOS token (chat templates that emit BOS themselves).
-    """
-    bos = getattr(tokenizer, "bos_token", None)
-    add = bos is None or not text.startswith(bos)
-    return list(tokenizer.encode(text, add_special_tokens=add))
-
-
-def chat_text(
-    tokenizer,
-    document: str,
-    system: str | None = None,
-    prompt_template: str | None = None,
-    completion: str | None = None,
-    use_chat_template: bool = True,
-) -> str:
-    """The chat-templated text for ``document``.
-
-    The user turn is ``prompt_template`` with its ``{document}`` slot replaced by
-    the document (plain substring replacement, so JSON braces elsewhere in the
-    template are kept verbatim), or the document itself.  Without
-    ``completion`` the text ends with the generation prompt (e.g.
-    ``<|assistant|>\\n``); with it, the assistant turn holds the completion and
-    the template's closing tokens follow.  ``use_chat_template=False`` returns
-    ``[system + "\\n"] + user [+ completion]`` for base models.
-    """
-    if prompt_template is not None:
-        if "{document}" not in prompt_template:
-            raise ValueError("prompt template must contain a {document} slot")
-        user = prompt_template.replace("{document}", document)
-    else:
-        user = document
-    if not use_chat_template:
-        return (system + "\n" if system else "") + user + (completion or "")
-    if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
-        raise ValueError("the tokenizer has no chat template (use use_chat_template=False / --no-chat-template)")
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": user})
-    if completion is not None:
-        messages.append({"role": "assistant", "content": completion})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=completion is None)
-
-
-def prompt_tail(tokenizer) -> str | None:
-    """What the chat template writes after the user's message when prompting the assistant, or None.
-
-    The end of the user turn plus the generation prompt, e.g.
-    ``"<|im_end|>\\n<|im_start|>assistant\\n"`` (ChatML: Qwen) or
-    ``"<|end|>\\n<|assistant|>\\n"`` (Phi-3.5).  Every prompt built by
-    :func:`chat_text` ends with it.  None when the tokenizer has no chat
-    template or it cannot be rendered.
-    """
-    if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
-        return None
-    mark = "SDMMLXUSERTEXT"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception:  # noqa: BLE001  (a template that cannot render this is not ours to judge)
-        return None
-    k = text.rfind(mark)
-    if k < 0:
-        return None
-    return text[k + len(mark):] or None
-
-
-def _decode(tokenizer, ids) -> str:
-    return tokenizer.decode(list(ids))
-
-
-def _first_token_reaching(tokenizer, ids: Sequence[int], count: int, delimiter: str) -> int | None:
-    """Smallest ``i`` with ``decode(ids[:i+1]).count(delimiter) >= count`` (binary search; counts grow with i)."""
-    lo, hi = 0, len(ids) - 1
-    if hi < 0 or _decode(tokenizer, ids).count(delimiter) < count:
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _decode(tokenizer, ids[: mid + 1]).count(delimiter) >= count:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def delimiter_token_index(
-    tokenizer, token_ids: Sequence[int], start: int = 0, end: int | None = None, delimiter: str = DEFAULT_DELIMITER
-) -> int | None:
-    """Index (into ``token_ids``) of the token containing the last ``delimiter`` of ``decode(token_ids[start:end])``.
-
-    Used for generated / already-tokenised completions.  ``None`` if the span
-    holds no delimiter.  Works by incremental decoding of prefixes of the span
-    (robust to SentencePiece space handling and multi-character tokens such
-    as ``"}``).
-    """
-    span = list(token_ids[start:end])
-    n = _decode(tokenizer, span).count(delimiter)
-    if n == 0:
-        return None
-    i = _first_token_reaching(tokenizer, span, n, delimiter)
-    return None if i is None else start + i
-
-
-def delimiter_token_index_in_text(
-    tokenizer,
-    text: str,
-    token_ids: Sequence[int],
-    completion_span: tuple[int, int | None] | None = None,
-    delimiter: str = DEFAULT_DELIMITER,
-) -> int | None:
-    """Index of the token of ``token_ids = encode(text)`` containing the last ``delimiter`` of ``text[a:b]``.
-
-    ``completion_span = (a, b)`` are character offsets into ``text`` (``b=None``:
-    to the end; ``None``: the whole text).  If that delimiter is the k-th
-    occurrence in ``text``, the answer is the first token whose decoded prefix
-    contains k occurrences, so characters after ``b`` (template suffixes) and
-    before ``a`` (e.g. ``{"sentiment": str}`` in the instructions) are handled.
-    """
-    a, b = (0, None) if completion_span is None else completion_span
-    b = len(text) if b is None else b
-    rel = text[a:b].rfind(delimiter)
-    if rel < 0:
-        return None
-    k = text[: a + rel + len(delimiter)].count(delimiter)
-    return _first_token_reaching(tokenizer, list(token_ids), k, delimiter)
 
 
 # --------------------------------------------------------------------------- positions and pooling
@@ -415,6 +317,34 @@ def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx
     return ids, n, j, trunc, False
 
 
+def _check_feature_options(n_docs: int, completion_spans, position: str, on_missing: str, batch_size: int) -> list:
+    """The completion spans (one per document), after checking the options of :func:`document_features`."""
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
+    if on_missing not in ON_MISSING:
+        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    spans = list(completion_spans) if completion_spans is not None else [None] * n_docs
+    if len(spans) != n_docs:
+        raise ValueError("completion_spans must have one entry per document")
+    return spans
+
+
+def _pooled_batch(model, seqs: list, lens: list[int]) -> np.ndarray:
+    """``concat(mean(h_0 .. h_{n-1}), h_{n-1})`` float32 [B, 2D] of one right-padded batch of kept tokens."""
+    import mlx.core as mx
+
+    h = hidden_states(model, seqs)
+    lens_mx = mx.array(np.array(lens, dtype=np.int32))
+    mask = (mx.arange(h.shape[1])[None, :] < lens_mx[:, None])[..., None]
+    mean = mx.where(mask, h, 0.0).sum(axis=1) / lens_mx[:, None].astype(mx.float32)
+    last = mx.take_along_axis(h, (lens_mx - 1)[:, None, None], axis=1)[:, 0, :]
+    feats = mx.concatenate([mean, last], axis=1)
+    mx.eval(feats)
+    return np.array(feats, dtype=np.float32)
+
+
 def document_features(
     model,
     tokenizer,
@@ -441,18 +371,8 @@ def document_features(
     Documents are sorted by kept length and processed ``batch_size`` at a time
     with right padding; ``progress(k)`` is called after each batch of ``k``.
     """
-    import mlx.core as mx
-
-    if position not in POSITIONS:
-        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
-    if on_missing not in ON_MISSING:
-        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
-    if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
     n_docs = len(documents)
-    spans = list(completion_spans) if completion_spans is not None else [None] * n_docs
-    if len(spans) != n_docs:
-        raise ValueError("completion_spans must have one entry per document")
+    spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
 
     plans = [
         _plan(tokenizer, d, s, position, delimiter, max_length, on_missing, i)
@@ -464,15 +384,7 @@ def document_features(
     for b0 in range(0, n_docs, batch_size):
         idx = order[b0 : b0 + batch_size]
         lens = [int(n_kept[i]) for i in idx]
-        h = hidden_states(model, [plans[i][0][: lens[k]] for k, i in enumerate(idx)])
-        width = h.shape[1]
-        lens_mx = mx.array(np.array(lens, dtype=np.int32))
-        mask = (mx.arange(width)[None, :] < lens_mx[:, None])[..., None]
-        mean = mx.where(mask, h, 0.0).sum(axis=1) / lens_mx[:, None].astype(mx.float32)
-        last = mx.take_along_axis(h, (lens_mx - 1)[:, None, None], axis=1)[:, 0, :]
-        feats = mx.concatenate([mean, last], axis=1)
-        mx.eval(feats)
-        feats = np.array(feats, dtype=np.float32)
+        feats = _pooled_batch(model, [plans[i][0][: lens[k]] for k, i in enumerate(idx)], lens)
         if out is None:
             out = np.empty((n_docs, feats.shape[1]), dtype=np.float32)
         out[idx] = feats

@@ -37,5 +37,19 @@ class NotFittedError(SDMError, AttributeError):
     """An estimator used before ``fit`` / ``load`` (also an ``AttributeError``, as scikit-learn's is)."""
 
 
+class CLIError(SDMError):
+    """A command-line usage error (a missing or inconsistent option): printed as
+    ``sdm-mlx <verb>: error: ...`` with exit code 2."""
+
+
+def require_options(args, *names: str) -> None:
+    """Raise :class:`CLIError` naming every option in ``names`` that is missing from ``args`` (given
+    neither on the command line nor in ``--config``)."""
+    missing = [n for n in names if getattr(args, n, None) in (None, "", [])]
+    if missing:
+        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
+        raise CLIError(f"missing required option(s): {flags} (on the command line or in --config)")
+
+
 class DataConversionWarning(UserWarning):
     """Input that was converted to the expected form (e.g. a column-vector y flattened to 1-D)."""

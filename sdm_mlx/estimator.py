@@ -43,9 +43,9 @@ from .feedback import FeedbackState, dump_log, label_indices_for, log_entries, n
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
 from .io import put_float
-from .progress import log
+from .callbacks import CallbackList, as_callback
 from .results import Predictions
-from .train import TrainConfig, sdm_numpy, train_rounds
+from .train import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
 
@@ -237,7 +237,8 @@ class SDMEstimator:
             raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
         return alpha
 
-    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None, checkpoint=None):
+    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None, checkpoint=None,
+            callback=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
@@ -247,63 +248,43 @@ class SDMEstimator:
         (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same settings and data continues from it
         (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
         checkpoint is left in place: remove it with :func:`sdm_mlx.checkpoint.remove_checkpoint` once
-        the model is saved.
+        the model is saved.  ``callback``: a :class:`sdm_mlx.callbacks.Callback` receiving progress
+        (default: silent, or tqdm progress on stderr with ``verbose=True``).
         """
+        callback = as_callback(callback, self.verbose)
         X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train, ids_cal, num_classes)
         C = len(classes)
         alpha = self._check_classes(y, C)
         config = self._train_config()
         config.validate()
 
-        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint)
+        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint,
+                                                                    callback)
         self.classes_ = classes
         self.n_features_in_ = X.shape[1]
         self._store_fit(X, y, ids, C, best, best_j, rounds, summaries)
         self._apply_alpha(alpha)
-        if self.verbose:
-            log(
-                f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
-                f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}"
-            )
+        callback.message(f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
+                         f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}")
         return self
 
-    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint):
+    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint, callback):
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
-        from .checkpoint import check_checkpoint_path, fingerprint, load_checkpoint, save_checkpoint
-
-        rounds: list[RoundCalibration] = []
-        progress, on_progress = None, None
-        self.resumed_rounds_ = 0
+        rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
+                        learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
+        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback)
+        progress, saver = None, None
         if checkpoint is not None:
+            from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint
+
             check_checkpoint_path(checkpoint)
             fp = fingerprint({**self.get_params(), "alpha": alpha}, X, y, ids, C)
-            loaded, why = load_checkpoint(checkpoint, fp)
-            if loaded is not None:
-                progress, rounds = loaded
-                self.resumed_rounds_ = progress.next_round
-                log(f"resuming from {checkpoint}: {progress.next_round} of {config.iterations} rounds already done",
-                    True)
-            elif why:
-                log(f"not resuming from {checkpoint}: {why}; starting over", True)
-
-            def on_progress(p):
-                save_checkpoint(checkpoint, fp, p, rounds)
-
-        def on_round(j, result):
-            cal = calibrate_round(
-                result.calibration.sdm, result.calibration.q, y[result.cal_idx], result.calibration.y_hat,
-                alpha=alpha, seed=self.seed * 1000 + j, num_classes=C, max_epochs=self.rescaler_max_epochs,
-                patience=self.rescaler_patience, learning_rate=self.rescaler_learning_rate,
-                engine=self.rescaler_engine,
-            )
-            rounds.append(cal)
-            if self.verbose:
-                fit = cal.rescaler
-                extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
-                log(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi {np.round(cal.psi, 3).tolist()}{extra}")
-
-        best, best_j, summaries = train_rounds(X, y, C, config, on_round=on_round, verbose=self.verbose,
-                                               progress=progress, on_progress=on_progress)
+            saver = Checkpointer(checkpoint, fp, calibrator.rounds, callback)
+            progress = saver.resume(config.iterations)
+        self.resumed_rounds_ = 0 if progress is None else progress.next_round
+        best, best_j, summaries = train_rounds(X, y, C, config, CallbackList([calibrator, callback, saver]),
+                                               progress=progress)
+        rounds = calibrator.rounds
         for summary, cal in zip(summaries, rounds):
             summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
         return best, best_j, summaries, rounds

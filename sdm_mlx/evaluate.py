@@ -77,9 +77,10 @@ import numpy as np
 from .baselines import BASELINES, make_baseline
 from .calibration import check_alpha, estimate
 from .data import Dataset
-from .metrics import format_results_table, index_conditional_report, label_error_rows
+from .evaluate_output import format_evaluation, label_error_records, write_plots  # re-exported
+from .metrics import index_conditional_report
 from .io import finite_or_none, strict
-from .progress import log
+from .callbacks import SILENT, Callback
 from .validation import label_indices
 
 __all__ = [
@@ -283,14 +284,14 @@ def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat) -
 
 
 def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baselines, z_cal, y_cal, C, options,
-                verbose) -> dict:
+                callback: Callback) -> dict:
     """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
     y = np.asarray(ds.y, dtype=np.int64)
     y_hat = np.asarray(pred.prediction, dtype=np.int64)
     if y.shape[0] != y_hat.shape[0]:
         raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
     z = np.asarray(pred.logits, dtype=np.float64)
-    log(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...", verbose)
+    callback.message(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...")
     sweep: dict[str, list] = {e: [] for e in order}
     reports: dict[str, dict] = {}
     for a in sweep_alphas:
@@ -365,6 +366,29 @@ def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, ru
     }
 
 
+def _check_inputs(estimator, datasets: Mapping[str, Dataset]) -> tuple[int, float]:
+    """``(C, α')`` of a fitted estimator, after checking every evaluation set against it."""
+    if not getattr(estimator, "is_fitted", False):
+        raise ValueError("evaluate needs a fitted SDMEstimator (call fit() or SDMEstimator.load())")
+    C = int(estimator.num_classes_)
+    if not datasets:
+        raise ValueError("no evaluation sets")
+    for name, ds in datasets.items():
+        _check_dataset(name, ds, C, int(estimator.input_dim_))
+    return C, float(estimator.alpha)
+
+
+def _predictions(estimator, datasets, predictions, callback: Callback) -> Mapping[str, Any]:
+    """The given predictions (checked to cover every set), else the estimator's at its α'."""
+    if predictions is None:
+        callback.message("predicting the evaluation sets ...")
+        predictions = predict_datasets(estimator, datasets)
+    missing = [n for n in datasets if n not in predictions]
+    if missing:
+        raise ValueError(f"no predictions for evaluation set(s) {missing}")
+    return predictions
+
+
 def evaluate(
     estimator,
     datasets: Mapping[str, Dataset],
@@ -373,7 +397,7 @@ def evaluate(
     alphas: Sequence[float] | None = None,
     baselines: Sequence[str] = DEFAULT_BASELINES,
     predictions: Mapping[str, Any] | None = None,
-    verbose: bool = False,
+    callback: Callback = SILENT,
     options: Mapping[str, dict] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
@@ -394,30 +418,18 @@ def evaluate(
         baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
         predictions: optional precomputed ``{name: estimator.estimate(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
-        verbose: progress lines on stderr.
+        callback: a :class:`sdm_mlx.callbacks.Callback` receiving progress lines (default: silent).
         options: constructor keyword arguments per baseline name (default
             :func:`baseline_options` ``("randomized")``: APS/RAPS as in the paper's reference code).
             Baselines are refitted for every α' and every evaluation set, so the randomised draws
             of one set do not depend on the others.
     """
-    if not getattr(estimator, "is_fitted", False):
-        raise ValueError("evaluate needs a fitted SDMEstimator (call fit() or SDMEstimator.load())")
-    C = int(estimator.num_classes_)
-    alpha = float(estimator.alpha)
-    if not datasets:
-        raise ValueError("no evaluation sets")
-    for name, ds in datasets.items():
-        _check_dataset(name, ds, C, int(estimator.input_dim_))
+    C, alpha = _check_inputs(estimator, datasets)
     sweep_alphas = _alphas(alphas, alpha, C)
     baselines = list(baselines or ())
     notes: list[str] = []
     z_cal, y_cal = _check_calibration_logits(z_cal, y_cal, C)
-    if predictions is None:
-        log("predicting the evaluation sets ...", verbose)
-        predictions = predict_datasets(estimator, datasets)
-    missing = [n for n in datasets if n not in predictions]
-    if missing:
-        raise ValueError(f"no predictions for evaluation set(s) {missing}")
+    predictions = _predictions(estimator, datasets, predictions, callback)
 
     # step 1: baselines (fitted state at the estimator's α' for the report; refitted per α' in step 3)
     options = baseline_options() if options is None else {k: dict(v) for k, v in options.items()}
@@ -430,106 +442,7 @@ def evaluate(
     sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
     # step 3: reports
     out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
-                                  z_cal, y_cal, C, options, verbose) for name, ds in datasets.items()}
+                                  z_cal, y_cal, C, options, callback) for name, ds in datasets.items()}
     report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
                        out_sets, notes)
     return strict(report)
-
-
-# --------------------------------------------------------------------------- presentation
-
-
-def format_evaluation(report: Mapping[str, Any]) -> str:
-    """One table per evaluation set (all estimators, at the report's α') plus a one-line verdict each."""
-    blocks = []
-    names = report.get("class_names")
-    for name, ds in report["datasets"].items():
-        items = [(e, ds["reports"][e]) for e in report["estimators"]]
-        title = f"== {name}: {ds['n']} rows"
-        if ds.get("source") and ds["source"] != name:
-            title += f" ({ds['source']})"
-        title += " =="
-        lines = [format_results_table(items, title=title)]
-        if names:
-            lines.append("classes: " + ", ".join(f"{i}={n}" for i, n in enumerate(names)))
-        ok = [e + (" (nothing admitted)" if e in ds["all_rejected"] else "") for e in ds["calibrated"]]
-        lines.append(f"index-conditional calibration at alpha'={report['alpha']:g} holds for: "
-                     + (", ".join(ok) if ok else "none"))
-        lines.append("violated by: " + (", ".join(ds["violated"]) if ds["violated"] else "none"))
-        blocks.append("\n".join(lines))
-    skipped = report.get("baselines", {}).get("skipped") or {}
-    if skipped:
-        blocks.append("skipped baselines: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    return "\n\n".join(blocks)
-
-
-def label_error_records(datasets: Mapping[str, Dataset], predictions: Mapping[str, Any],
-                        class_names: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
-    """Admitted (p_lower) rows whose label differs from the prediction, sorted by p_lower descending
-    (paper: Data Quality Analysis, Table ``tab:mmlu-pro-annotation-errors-cs``).  ``n_hat`` is the
-    effective sample size of the predicted class n̂_ŷ; ``n_hat_per_class`` all of them."""
-    records = []
-    for name, ds in datasets.items():
-        pred = predictions[name]
-        adm = np.asarray(pred.admitted, dtype=bool)
-        y = np.asarray(ds.y, dtype=np.int64)
-        y_hat = np.asarray(pred.prediction, dtype=np.int64)
-        for i in np.flatnonzero(adm & (y != y_hat)):
-            yi, pi = int(y[i]), int(y_hat[i])
-            row = {
-                "id": ds.ids[i],
-                "dataset": name,
-                "document": ds.documents[i],
-                "label": yi,
-                "prediction": pi,
-                "p_lower": float(pred.p_lower[i]),
-                "p_centroid": float(pred.p_centroid[i]),
-                "p_upper": float(pred.p_upper[i]),
-                "n_hat": int(pred.n_hat[i][pi]),
-                "n_hat_per_class": [int(v) for v in pred.n_hat[i]],
-                "hard_bin": int(pred.hard_bin[i]),
-                "admitted": True,
-            }
-            if class_names:
-                row["label_name"] = str(class_names[yi])
-                row["prediction_name"] = str(class_names[pi])
-            records.append(row)
-    rows = label_error_rows(records, limit=limit)
-    for r in rows:
-        r.pop("admitted", None)
-    return rows
-
-
-def _safe_name(name: str) -> str:
-    keep = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name))
-    return keep.strip("._") or "dataset"
-
-
-def write_plots(report: Mapping[str, Any], directory) -> list[str]:
-    """PNG plots per evaluation set: admitted fraction vs min conditional accuracy across α' (every
-    estimator) and the hard q-bin histogram of admitted vs rejected rows (SDM p_lower).
-
-    Raises ImportError (with an install hint) when matplotlib is not installed.
-    """
-    import os
-
-    from . import plots
-
-    if not plots.plots_available():
-        raise ImportError("plotting needs matplotlib; install it with: pip install 'sdm_mlx[plots]'")
-    from .io import make_parent
-
-    make_parent(os.path.join(directory, "x"))  # the directory (0755) if missing; existing files are kept
-    paths = []
-    for name, ds in report["datasets"].items():
-        base = os.path.join(directory, _safe_name(name))
-        curves = {e: [(p["alpha"], p["admitted_fraction"], p["min_conditional_accuracy"]) for p in pts]
-                  for e, pts in ds["sweep"].items()}
-        paths.append(plots.plot_admitted_vs_accuracy(
-            curves, base + "_admitted_vs_accuracy.png", title=f"{name}: admitted fraction vs conditional accuracy"))
-        hb = ds["hard_bins"]
-        bins = np.asarray(hb["bins"], dtype=np.int64)
-        paths.append(plots.plot_qbin_histogram(
-            np.repeat(bins, hb["admitted"]), np.repeat(bins, hb["rejected"]), base + "_hard_bins.png",
-            title=f"{name}: sdm_p_lower at alpha'={report['alpha']:g}"))
-    return paths

@@ -236,6 +236,38 @@ def _as_items(results) -> list[tuple[str, Mapping[str, Any]]]:
     return [(str(k), v) for k, v in results]
 
 
+def _table_columns(C: int, show_alpha: bool, digits: int, fraction_digits: int) -> list[tuple[str, str, Any]]:
+    """The columns of :func:`format_results_table`: ``(group, header, cell function of a report)``."""
+    cols: list[tuple[str, str, Any]] = []
+    for kind, label in (("class_conditional", "y"), ("prediction_conditional", "yhat")):
+        for c in range(C):
+            cols.append((kind.replace("_", "-"), f"{label}={c} acc", lambda r, c=c, k=kind: _fmt_acc(r[k][c], digits)))
+            cols.append((kind.replace("_", "-"), "n/N",
+                         lambda r, c=c, k=kind: _fmt_frac(r[k][c]["admitted_fraction"], fraction_digits)))
+    cols.append(("marginal", "acc", lambda r: _fmt_acc(r["marginal"], digits)))
+    cols.append(("marginal", "n/N", lambda r: _fmt_frac(r["marginal"]["admitted_fraction"], fraction_digits)))
+    cols.append(("marginal", "n", lambda r: f"{r['marginal']['n_admitted']}/{r['marginal']['n']}"))
+    cols.append(("", "calibrated", lambda r: "yes" if r["index_conditional_calibrated"] else "no"))
+    if show_alpha:
+        cols.append(("", "alpha", lambda r: f"{float(r['alpha']):g}"))
+    return cols
+
+
+def _group_line(cols, widths, name_w: int, gap: str) -> str:
+    """The header line that labels each group of columns over the span of its columns."""
+    line = " " * name_w
+    j = 0
+    while j < len(cols):
+        g = cols[j][0]
+        k = j
+        while k < len(cols) and cols[k][0] == g:
+            k += 1
+        span = sum(widths[j:k]) + len(gap) * (k - j)
+        line += (gap + g.ljust(span - len(gap))) if g else " " * span
+        j = k
+    return line
+
+
 def format_results_table(results, *, digits: int = 3, fraction_digits: int = 2,
                          title: str | None = None) -> str:
     """Render several estimators' reports as a fixed-width text table, one row per estimator,
@@ -264,41 +296,13 @@ def format_results_table(results, *, digits: int = 3, fraction_digits: int = 2,
     C = num_classes.pop()
     alphas = sorted({float(r["alpha"]) for _, r in items})
 
-    # Column spec: (group, header, cell function)
-    cols: list[tuple[str, str, Any]] = []
-    for c in range(C):
-        cols.append(("class-conditional", f"y={c} acc",
-                     lambda r, c=c: _fmt_acc(r["class_conditional"][c], digits)))
-        cols.append(("class-conditional", "n/N",
-                     lambda r, c=c: _fmt_frac(r["class_conditional"][c]["admitted_fraction"], fraction_digits)))
-    for c in range(C):
-        cols.append(("prediction-conditional", f"yhat={c} acc",
-                     lambda r, c=c: _fmt_acc(r["prediction_conditional"][c], digits)))
-        cols.append(("prediction-conditional", "n/N",
-                     lambda r, c=c: _fmt_frac(r["prediction_conditional"][c]["admitted_fraction"], fraction_digits)))
-    cols.append(("marginal", "acc", lambda r: _fmt_acc(r["marginal"], digits)))
-    cols.append(("marginal", "n/N", lambda r: _fmt_frac(r["marginal"]["admitted_fraction"], fraction_digits)))
-    cols.append(("marginal", "n", lambda r: f"{r['marginal']['n_admitted']}/{r['marginal']['n']}"))
-    cols.append(("", "calibrated", lambda r: "yes" if r["index_conditional_calibrated"] else "no"))
-    if len(alphas) > 1:
-        cols.append(("", "alpha", lambda r: f"{float(r['alpha']):g}"))
-
+    cols = _table_columns(C, len(alphas) > 1, digits, fraction_digits)
     name_w = max(len("estimator"), *(len(n) for n, _ in items))
     cells = [[fn(r) for _, _, fn in cols] for _, r in items]
     widths = [max(len(h), *(len(row[j]) for row in cells)) for j, (_, h, _) in enumerate(cols)]
     gap = "  "
 
-    # group header line: label each group over the span of its columns
-    group_line = " " * name_w
-    j = 0
-    while j < len(cols):
-        g = cols[j][0]
-        k = j
-        while k < len(cols) and cols[k][0] == g:
-            k += 1
-        span = sum(widths[j:k]) + len(gap) * (k - j)
-        group_line += (gap + g.ljust(span - len(gap))) if g else " " * span
-        j = k
+    group_line = _group_line(cols, widths, name_w, gap)
     head_line = "estimator".ljust(name_w) + "".join(gap + h.rjust(w) for (_, h, _), w in zip(cols, widths))
     rule = "-" * len(head_line)
     lines = []

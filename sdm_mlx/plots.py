@@ -64,6 +64,24 @@ def _accuracy_value(v) -> float | None:
     return None if math.isnan(f) else f
 
 
+def _plot_curve(ax_frac, ax_alpha, name: str, pts: list, color: str, annotate_alpha: bool) -> None:
+    """One estimator's ``(alpha, admitted fraction, accuracy or None)`` points on both panels."""
+    ok = [(a, f, acc) for a, f, acc in pts if acc is not None]
+    na = [(a, f) for a, f, acc in pts if acc is None]
+    if ok:
+        ax_frac.plot([f for _, f, _ in ok], [acc for _, _, acc in ok], "o-", color=color, label=name, markersize=4)
+        ax_alpha.plot([a for a, _, _ in ok], [acc for _, _, acc in ok], "o-", color=color, label=name, markersize=4)
+        if annotate_alpha:
+            for a, f, acc in ok:
+                ax_frac.annotate(f"{a:g}", (f, acc), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                                 color=color)
+    if na:
+        ax_frac.plot([f for _, f in na], [1.0] * len(na), "o", mfc="none", color=color, markersize=5,
+                     label=None if ok else name)
+        ax_alpha.plot([a for a, _ in na], [1.0] * len(na), "o", mfc="none", color=color, markersize=5,
+                      label=None if ok else name)
+
+
 def plot_admitted_vs_accuracy(curves: Mapping[str, Sequence[tuple]], path, *,
                               title: str | None = None, annotate_alpha: bool = True) -> str:
     """Admitted fraction vs (minimum) conditional accuracy per estimator across α'.
@@ -94,24 +112,8 @@ def plot_admitted_vs_accuracy(curves: Mapping[str, Sequence[tuple]], path, *,
                      key=lambda t: t[0])
         if not pts:
             continue
-        color = f"C{i % 10}"
-        ok = [(a, f, acc) for a, f, acc in pts if acc is not None]
-        na = [(a, f) for a, f, acc in pts if acc is None]
         all_alphas += [a for a, _, _ in pts]
-        if ok:
-            ax_frac.plot([f for _, f, _ in ok], [acc for _, _, acc in ok], "o-", color=color,
-                         label=str(name), markersize=4)
-            ax_alpha.plot([a for a, _, _ in ok], [acc for _, _, acc in ok], "o-", color=color,
-                          label=str(name), markersize=4)
-            if annotate_alpha:
-                for a, f, acc in ok:
-                    ax_frac.annotate(f"{a:g}", (f, acc), textcoords="offset points", xytext=(3, 3),
-                                     fontsize=6, color=color)
-        if na:
-            ax_frac.plot([f for _, f in na], [1.0] * len(na), "o", mfc="none", color=color,
-                         markersize=5, label=None if ok else str(name))
-            ax_alpha.plot([a for a, _ in na], [1.0] * len(na), "o", mfc="none", color=color,
-                          markersize=5, label=None if ok else str(name))
+        _plot_curve(ax_frac, ax_alpha, str(name), pts, f"C{i % 10}", annotate_alpha)
     if all_alphas:
         lo, hi = min(all_alphas), max(all_alphas)
         ax_alpha.plot([lo, hi], [lo, hi], "k--", linewidth=0.8, label="target y = alpha'")

@@ -247,6 +247,18 @@ def _check_training_inputs(v, q_tilde, y):
     return v, q_tilde, y
 
 
+def _check_training_settings(max_epochs, patience, learning_rate, engine: str) -> None:
+    """ValueError naming the first invalid setting of :func:`train_rescaler`."""
+    if not isinstance(max_epochs, (int, np.integer)) or max_epochs < 1:
+        raise ValueError(f"max_epochs must be a positive integer, got {max_epochs!r}")
+    if not isinstance(patience, (int, np.integer)) or patience < 0:
+        raise ValueError(f"patience must be a non-negative integer, got {patience!r}")
+    if not learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+    if engine not in _ENGINES:
+        raise ValueError(f"engine must be one of {sorted(_ENGINES)}, got {engine!r}")
+
+
 def train_rescaler(
     v: np.ndarray,
     q_tilde: np.ndarray,
@@ -265,14 +277,7 @@ def train_rescaler(
     """Train W'' by ``alg:train-rescaler`` on cached calibration (v, q~, y): batch 1 Adam, best-epoch weights."""
     v, q_tilde, y = _check_training_inputs(v, q_tilde, y)
     n, C = v.shape
-    if not isinstance(max_epochs, (int, np.integer)) or max_epochs < 1:
-        raise ValueError(f"max_epochs must be a positive integer, got {max_epochs!r}")
-    if not isinstance(patience, (int, np.integer)) or patience < 0:
-        raise ValueError(f"patience must be a non-negative integer, got {patience!r}")
-    if not learning_rate > 0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
-    if engine not in _ENGINES:
-        raise ValueError(f"engine must be one of {sorted(_ENGINES)}, got {engine!r}")
+    _check_training_settings(max_epochs, patience, learning_rate, engine)
     W0 = init_rescaler_weights(C, seed) if W_init is None else np.array(W_init, dtype=_F32)
     if W0.shape != (C, C):
         raise ValueError(f"W_init must be [{C}, {C}], got {W0.shape}")

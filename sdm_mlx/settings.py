@@ -22,6 +22,8 @@ import types
 import typing
 from typing import Any
 
+from .errors import SDMError
+
 _META = "sdm_mlx"
 
 
@@ -125,7 +127,8 @@ def add_arguments(parser, cls, *, title: str | None = None, exclude=(), only=Non
         kw: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=_help_text(f, shown[f.name]))
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
-            kw["help"] += f" (default: {'on' if shown[f.name] else 'off'})"
+            if shown[f.name] is not None:  # None: _help_text shows none_means
+                kw["help"] += f" (default: {'on' if shown[f.name] else 'off'})"
         elif tp is list:
             kw.update(nargs="+", type=_scalar_parser(item or str))
         else:
@@ -144,7 +147,7 @@ def _scalar_parser(tp):
     return str
 
 
-class SettingsError(ValueError):
+class SettingsError(SDMError):
     """A setting of the wrong type or an unknown key (names the YAML file and key)."""
 
 

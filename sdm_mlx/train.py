@@ -36,10 +36,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
+from .callbacks import SILENT, Callback
 from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
-from .progress import log
 
 
 @dataclass
@@ -208,6 +208,20 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
     return tr, ca, basis
 
 
+def _new_adaptor(X_tr: np.ndarray, num_classes: int, config: TrainConfig, seed: int) -> ExemplarAdaptor:
+    """A freshly initialised exemplar adaptor for a round (with the scalar input normalisation if set)."""
+    model = ExemplarAdaptor(X_tr.shape[1], config.exemplar_dim, num_classes, seed=seed)
+    if config.normalize:
+        model.set_normalization(*scalar_normalization(X_tr))
+    return model
+
+
+def _epoch_record(epoch: int, loss: float, metric: float, cal_accuracy: float, moved: dict) -> dict:
+    """One entry of a round's per-epoch history."""
+    return {"epoch": epoch, "loss": loss, "balanced_median_q": metric, "cal_accuracy": cal_accuracy,
+            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"]}
+
+
 def train_round(
     X_tr: np.ndarray,
     y_tr: np.ndarray,
@@ -218,18 +232,17 @@ def train_round(
     seed: int,
     train_idx: np.ndarray | None = None,
     cal_idx: np.ndarray | None = None,
-    verbose: bool = True,
-    round_label: str = "",
+    callback: Callback = SILENT,
+    round_index: int = 0,
 ) -> RoundResult:
     """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch.
 
     With ``config.patience`` set, the round stops after that many epochs without a strictly
     better balanced median calibration q (convergence-aware stopping; the paper runs all epochs).
+    ``callback.on_epoch_end(round_index, epoch, metrics)`` follows every epoch.
     """
-    n_tr, dim = X_tr.shape
-    model = ExemplarAdaptor(dim, config.exemplar_dim, num_classes, seed=seed)
-    if config.normalize:
-        model.set_normalization(*scalar_normalization(X_tr))
+    n_tr = X_tr.shape[0]
+    model = _new_adaptor(X_tr, num_classes, config, seed)
     initial = _weights(model)
     optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
     step = _make_step(model, optimizer)
@@ -247,14 +260,8 @@ def train_round(
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
         moved = adaptor_movement(model, initial)
-        history.append({
-            "epoch": epoch, "loss": loss, "balanced_median_q": metric,
-            "cal_accuracy": float((ca_state.y_hat == y_ca).mean()),
-            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"],
-        })
-        if verbose:
-            log(f"{round_label}epoch {epoch}/{config.epochs} loss {loss:.4f} balanced median q {metric:.2f} "
-                f"cal acc {history[-1]['cal_accuracy']:.3f} W_g moved {moved['projection']:.1%}")
+        history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
+        callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
         stale = 0 if best is None or metric > best[0] else stale + 1
         if best is None or metric >= best[0]:
             best = (metric, epoch, dict(tree_flatten(model.parameters())), tr_state, ca_state, tr_ecdfs, ca_ecdfs,
@@ -327,20 +334,43 @@ def round_summary(j: int, result: RoundResult) -> dict:
     }
 
 
+class RoundCalibrator(Callback):
+    """Alg. 1's per-round calibration as a callback: after round j, Alg. 2 + Alg. 3 on the round's
+    calibration split with ``calibrate`` (:func:`sdm_mlx.calibration.calibrate_round`, passed in so that
+    training does not depend on the calibration math); the results collect in ``rounds``."""
+
+    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
+                 rescaler: dict, callback: Callback = SILENT, rounds: list | None = None):
+        self.calibrate = calibrate
+        self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
+        self.rescaler, self.callback = rescaler, callback
+        self.rounds = [] if rounds is None else rounds
+
+    def on_round_end(self, j: int, result: RoundResult) -> None:
+        cal = self.calibrate(
+            result.calibration.sdm, result.calibration.q, self.y[result.cal_idx], result.calibration.y_hat,
+            alpha=self.alpha, seed=self.seed * 1000 + j, num_classes=self.num_classes, **self.rescaler,
+        )
+        self.rounds.append(cal)
+        fit = cal.rescaler
+        extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
+        self.callback.message(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi "
+                              f"{np.round(cal.psi, 3).tolist()}{extra}")
+
+
 def train_rounds(
     X: np.ndarray,
     y: np.ndarray,
     num_classes: int,
     config: TrainConfig,
-    on_round: Callable[[int, RoundResult], None] | None = None,
-    verbose: bool = True,
+    callback: Callback = SILENT,
     progress: RoundsProgress | None = None,
-    on_progress: Callable[[RoundsProgress], None] | None = None,
 ) -> tuple[RoundResult, int, list]:
     """J rounds of Alg. 1 (``alg:sdm-estimator-training``) over stratified re-splits of the pooled data.
 
-    ``on_round(j, result)`` is called after every round (calibration statistics are gathered
-    there), then ``on_progress(progress)`` (checkpointing).  Pass a saved ``progress`` to continue
+    ``callback.on_round_end(j, result)`` follows every round (the per-round calibration,
+    :class:`RoundCalibrator`, is such a callback), then ``callback.on_rounds_state(progress)``
+    (checkpointing).  Pass a saved ``progress`` to continue
     after its finished rounds: the result equals an uninterrupted run.  Returns (best round, its
     index j, per-round summaries).  Only the best round's arrays are kept in memory.
     """
@@ -354,18 +384,12 @@ def train_rounds(
         train_idx, cal_idx = split_pool(y, num_classes, rng, config.stratified)
         result = train_round(
             X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], num_classes, config,
-            seed=config.seed * 1000 + j, train_idx=train_idx, cal_idx=cal_idx, verbose=verbose,
-            round_label=f"round {j + 1}/{config.iterations} ",
+            seed=config.seed * 1000 + j, train_idx=train_idx, cal_idx=cal_idx, callback=callback, round_index=j,
         )
-        if on_round is not None:
-            on_round(j, result)
+        callback.on_round_end(j, result)
         progress.summaries.append(round_summary(j, result))
-        if verbose:
-            log(f"round {j + 1}/{config.iterations}: best epoch {result.best_epoch}/{result.epochs_run}, "
-                f"balanced median q {result.metric:.2f}, W_g moved {result.movement['projection']:.1%}")
         if progress.best is None or result.metric >= progress.best.metric:
             progress.best, progress.best_j = result, j
         progress.next_round, progress.rng_state = j + 1, rng.bit_generator.state
-        if on_progress is not None:
-            on_progress(progress)
+        callback.on_rounds_state(progress)
     return progress.best, progress.best_j, progress.summaries

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: tiny random mlx-lm models built locally (see tests/tiny_models.py)."""
+"""Shared pytest fixtures: tiny random mlx-lm models built locally (see tools/tiny_models.py)."""
 
 import sdm_mlx  # noqa: F401  (first: loads OpenBLAS for MLX on Linux, see sdm_mlx/blas.py)
 import os

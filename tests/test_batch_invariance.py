@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from sdm_mlx import calibration as cal
+from sdm_mlx.calibration.threshold import _quantile_index
 from sdm_mlx.data import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.index import ExactIndex, HnswIndex, good_neighbours_by_class, similarity_from_neighbours
@@ -263,12 +264,12 @@ def test_hnsw_rows_are_batch_invariant(tie_heavy):
 
 
 def test_quantile_index_exact_rational():
-    assert int(cal._quantile_index(np.array([100]), 0.71)[0]) == 29
+    assert int(_quantile_index(np.array([100]), 0.71)[0]) == 29
     ns = np.arange(1, 301)
     for hundredths in range(51, 100):
         alpha = round(hundredths / 100, 2)
         want = np.minimum((100 - hundredths) * ns // 100, ns - 1)
-        assert np.array_equal(cal._quantile_index(ns, alpha), want), alpha
+        assert np.array_equal(_quantile_index(ns, alpha), want), alpha
         frac = 1 - Fraction(str(alpha))
         assert np.array_equal(want, np.minimum(frac.numerator * ns // frac.denominator, ns - 1))
 

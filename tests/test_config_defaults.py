@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from sdm_mlx.cli import build_parser, load_yaml_config
-from sdm_mlx.commands.train import SETTINGS, estimator_config, paper_base
+from sdm_mlx.commands._common import estimator_config, paper_base
+from sdm_mlx.commands.train import SETTINGS
 from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, EstimatorConfig
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.settings import resolve
@@ -140,3 +141,96 @@ def test_yaml_keeps_the_old_negative_spellings(tmp_path):
     cfg.write_text("unstratified: 1\n")
     with pytest.raises(ValueError, match="key 'unstratified': expected true or false"):
         load_yaml_config(str(cfg), train_parser, SETTINGS)
+
+
+# --------------------------------------------------------------------------- generation settings
+
+GEN_VERBS = ("generate", "chat", "serve", "mcp")
+
+
+@pytest.mark.parametrize("verb", GEN_VERBS)
+def test_generation_defaults_cli_yaml_and_dataclass_agree(verb, tmp_path):
+    from sdm_mlx.commands._common import SETTINGS as GEN_SETTINGS
+    from sdm_mlx.commands._common import generation_config
+    from sdm_mlx.generation_config import GenerationConfig
+
+    want = GenerationConfig(model="M", verifier="V")
+    parser, subparsers = build_parser()
+    assert generation_config(parser.parse_args([verb, "-m", "M", "--verifier", "V"])) == want
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("model: M\nverifier: V\n")
+    sub = subparsers[verb][0]
+    sub.set_defaults(**load_yaml_config(str(cfg), sub, GEN_SETTINGS))
+    assert generation_config(parser.parse_args([verb])) == want
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    if verb != "mcp":
+        assert f"(default: {GenerationConfig().max_attempts})" in text
+
+
+def test_generation_old_spellings_and_yaml_reach_the_config(tmp_path):
+    from sdm_mlx.commands._common import SETTINGS as GEN_SETTINGS
+    from sdm_mlx.commands._common import generation_config
+
+    parser, subparsers = build_parser()
+    for flags in (["--ignore-chat-template"], ["--no-chat-template"]):
+        got = generation_config(parser.parse_args(["generate", "-m", "M", "--verifier", "V", *flags]))
+        assert got.use_chat_template is False
+    got = generation_config(parser.parse_args(["serve", "--head", "H", "--allow-non-json", "--system-prompt", "S",
+                                               "--on-reject", "reask", "--max-attempts", "2", "--max-tokens", "9"]))
+    assert (got.require_json, got.system, got.on_reject, got.max_attempts, got.max_tokens) == \
+        (False, "S", "reask", 2, 9)
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("head: H\nallow-non-json: true\nignore-chat-template: true\nmax-attempts: 4\n")
+    sub = subparsers["chat"][0]
+    sub.set_defaults(**load_yaml_config(str(cfg), sub, GEN_SETTINGS))
+    got = generation_config(parser.parse_args(["chat", "--max-attempts", "5"]))
+    assert (got.head, got.require_json, got.use_chat_template, got.max_attempts) == ("H", False, False, 5)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-attempts", "0"], "--max-attempts must be >= 1"),
+    (["--prompt-template", "no slot"], "--prompt-template must contain a {document} slot"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_generation_bad_settings_name_the_option(argv, needle, tmp_path):
+    res = _cli("generate", "-m", "M", "--verifier", "V", "-p", "hi", *argv, cwd=tmp_path)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.filterwarnings("ignore")  # the random verifier admits nothing: not what is tested here
+def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path):
+    """The Python API object: no setting has a default of its own in VerifiedGenerator; built with no
+    settings it resolves to GenerationConfig's defaults and the built-in templating defaults."""
+    import inspect
+
+    import numpy as np
+
+    from sdm_mlx import embed as E
+    from sdm_mlx.generation_config import BUILTIN, GenerationConfig
+    from sdm_mlx.network.heads import model_dims
+    from sdm_mlx.verified import REASK_TEMPLATE, VerifiedGenerator
+
+    params = inspect.signature(VerifiedGenerator).parameters
+    shared = set(params) & set(GenerationConfig.__dataclass_fields__)
+    assert shared == {"model", "verifier"}  # there: already loaded objects (the paths are model_path, verifier_path)
+    assert all(params[n].default is None for n in shared)  # every setting comes via **settings / config
+    model, tok = E.load_model(tiny_phi3_path)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 2 * model_dims(model)[1])).astype(np.float32)
+    y = np.arange(60) % 2
+    verifier = SDMEstimator(iterations=1, epochs=1, exemplar_dim=4, rescaler_max_epochs=2, seed=0).fit(X, y)
+    gen = VerifiedGenerator(model=model, tokenizer=tok, verifier=verifier)
+    cfg = GenerationConfig()
+    assert gen.config == cfg
+    assert (gen.on_reject, gen.max_attempts, gen.reask_fallback, gen.reask_template) == \
+        (cfg.on_reject, cfg.max_attempts, cfg.reask_fallback, REASK_TEMPLATE)
+    assert (gen.max_tokens, gen.delimiter, gen.max_length, gen.use_chat_template, gen.system) == \
+        (BUILTIN["max_new_tokens"], BUILTIN["delimiter"], BUILTIN["max_length"], BUILTIN["use_chat_template"],
+         BUILTIN["system"])
+    assert gen.verifier.n_exemplars == cfg.n_exemplars and gen.verifier.require_json == cfg.require_json
+    again = VerifiedGenerator.from_config(GenerationConfig(on_reject="reask", max_tokens=7), model=model,
+                                          tokenizer=tok, verifier=verifier)
+    assert (again.on_reject, again.max_tokens) == ("reask", 7)
+    with pytest.raises(TypeError):
+        VerifiedGenerator(model=model, tokenizer=tok, verifier=verifier, max_token=7)  # a misspelt setting

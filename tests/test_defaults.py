@@ -16,7 +16,7 @@ import pytest
 from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
 from sdm_mlx.diagnosis import admission_diagnosis, diagnosis_message
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.gaussians import gaussian_classes
+from gaussians import gaussian_classes  # tools/gaussians.py (tools/ is on pytest's pythonpath)
 
 #: A tiny, fast problem: 3 classes, 8 well separated features, few epochs.
 TINY = dict(iterations=3, epochs=3, rescaler_max_epochs=200, patience=None, verbose=False)
@@ -119,7 +119,7 @@ def test_estimator_defaults_come_from_one_place_and_paper_is_exact():
 
 def test_cli_help_shows_the_real_defaults_and_paper_gives_the_paper_settings():
     from sdm_mlx.cli import build_parser
-    from sdm_mlx.commands.train import estimator_config, paper_base
+    from sdm_mlx.commands._common import estimator_config, paper_base
 
     out = _cli("train", "--help").stdout
     flat = " ".join(out.split())

@@ -1,15 +1,12 @@
 """tools/fetch_test_llm.py without the download: name mapping, shapes, dtypes, GGUF header, streamed safetensors."""
 
 import struct
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import fetch_test_llm as F  # noqa: E402
+import fetch_test_llm as F  # tools/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_gguf_names_map_to_mlx_lm_qwen2():

@@ -400,7 +400,7 @@ class FakeVerifier:
 def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path, tmp_path, monkeypatch, phi3):
     from sdm_mlx.network import NetworkConfig, SDMNetworkTrainer
     from sdm_mlx.network.artifact import load_head_weight, read_network_config
-    from sdm_mlx.network.synthetic import write_synthetic_sentiment
+    from tiny_tasks import write_synthetic_sentiment
 
     model, tok = load_model(tiny_phi3_path)
     data = write_synthetic_sentiment(tmp_path / "task.jsonl", n=24, seed=0)
@@ -438,7 +438,7 @@ def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path
 def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
     import sdm_mlx.network.trainer as tr
     from sdm_mlx.network.generation import GeneratedOutput
-    from sdm_mlx.network.synthetic import write_synthetic_sentiment
+    from tiny_tasks import write_synthetic_sentiment
 
     model, tok = phi3
     a = write_synthetic_sentiment(tmp_path / "a.jsonl", n=6, seed=0)

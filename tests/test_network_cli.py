@@ -10,7 +10,7 @@ from sdm_mlx.cli import main
 
 
 def _recipe(tmp_path, model, **extra):
-    from sdm_mlx.network.synthetic import write_synthetic_sentiment
+    from tiny_tasks import write_synthetic_sentiment
 
     cfg = {
         "model": model,

@@ -3,6 +3,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from sdm_mlx.data import factcheck_splits
+from sdm_mlx.callbacks import Callback
 from sdm_mlx.train import TrainConfig, balanced_median, flip_rule, split_pool, train_rounds
 
 
@@ -18,11 +19,11 @@ def _weights(model):
 
 def test_alg1_improves_balanced_median_q_and_is_reproducible(pool):
     cfg = TrainConfig(epochs=6, iterations=1, exemplar_dim=128, seed=3, learning_rate=1e-4)
-    best, j, _ = train_rounds(pool.X, pool.y, 2, cfg, verbose=False)
+    best, j, _ = train_rounds(pool.X, pool.y, 2, cfg)
     first = best.history[0]["balanced_median_q"]
     assert best.metric > first, (best.metric, first)
     assert best.history[best.best_epoch - 1]["balanced_median_q"] == best.metric
-    again, _, _ = train_rounds(pool.X, pool.y, 2, cfg, verbose=False)
+    again, _, _ = train_rounds(pool.X, pool.y, 2, cfg)
     w1, w2 = _weights(best.model), _weights(again.model)
     assert w1.keys() == w2.keys()
     for k in w1:
@@ -36,7 +37,12 @@ def test_alg1_improves_balanced_median_q_and_is_reproducible(pool):
 def test_rounds_use_stratified_disjoint_splits(pool):
     cfg = TrainConfig(epochs=1, iterations=2, exemplar_dim=16)
     seen = []
-    train_rounds(pool.X[:400], pool.y[:400], 2, cfg, on_round=lambda j, r: seen.append(r), verbose=False)
+
+    class Seen(Callback):
+        def on_round_end(self, j, result):
+            seen.append(result)
+
+    train_rounds(pool.X[:400], pool.y[:400], 2, cfg, Seen())
     for r in seen:
         assert not set(r.train_idx) & set(r.cal_idx)
         assert len(r.train_idx) + len(r.cal_idx) == 400

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 #: Random phi3 sizes for benchmarks when no --model is given (None = the tiny test model).
 SIZES = {

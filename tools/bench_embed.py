@@ -5,7 +5,7 @@
     python tools/bench_embed.py --model ~/.cache/sdm_mlx/test_llm/qwen2.5-coder-1.5b-instruct-float32 \
         --factcheck --docs 64 --batch-size 8 --cold          # the real model (tools/fetch_test_llm.py)
 
-Without ``--model`` a random model is built locally with ``tests/tiny_models.py``
+Without ``--model`` a random model is built locally with ``tools/tiny_models.py``
 (``--size tiny``: hidden 64, 2 layers; ``small``: hidden 512, 4 layers, |V| 32064;
 ``medium``: hidden 1024, 8 layers, |V| 32064).  For each batch size it reports
 documents/s and tokens/s of ``prompt_completion_features`` (tokenisation +

@@ -3,7 +3,7 @@
     python tools/bench_serve.py [--size small] [--requests 8] [--tokens 32] [--support 1000] [--json out.json]
 
 Without ``--model`` a random Phi-3-architecture model is built with
-``tests/tiny_models.py`` (``--size``: ``tiny`` hidden 64 / 2 layers, ``small``
+``tools/tiny_models.py`` (``--size``: ``tiny`` hidden 64 / 2 layers, ``small``
 hidden 512 / 4 layers, ``medium`` hidden 1024 / 8 layers; the vocabulary is
 the tokenizer's own, a few hundred tokens); the
 verification layer is an ``SDMEstimator`` fitted (tiny settings) on
@@ -44,7 +44,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 from bench_common import SIZES, write_report  # noqa: E402
 from bench_generate import make_verifier  # noqa: E402

@@ -3,7 +3,7 @@
     python tools/make_tiny_model.py runs/tiny                 # -> runs/tiny/model, runs/tiny/task.jsonl
 
 Steps: (1) a tiny random Phi-3-architecture mlx-lm model with a locally trained
-tokenizer (``tests/tiny_models.py``, imported, not copied; hidden 64, 2 layers,
+tokenizer (``tools/tiny_models.py``; hidden 64, 2 layers,
 |V| = 616); (2) unless ``--no-instruct``, its ``lm_head`` is fitted with plain
 cross-entropy on force-decoded answers of a *separate* synthetic task sample
 with half of the answers wrong, so the base model answers in the task's JSON
@@ -20,20 +20,14 @@ import shutil
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 MARKER = ".sdm_mlx_tiny_model"  #: marks a model directory this tool built (and may replace)
 
 
 def build(out_dir: str, arch: str = "phi3", instruct: bool = True, rows: int = 1000, seed: int = 0,
           tune_steps: int = 200, quiet: bool = False) -> dict:
     """Write ``out_dir/model`` and ``out_dir/task.jsonl``; returns their paths."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from tiny_models import make_tiny_model  # noqa: E402  (tests/tiny_models.py: the shared tiny-model builder)
-
-    from sdm_mlx.network.synthetic import (
-        instruction_tune_head, save_model_copy, synthetic_sentiment_rows, write_synthetic_sentiment,
-    )
+    from tiny_models import make_tiny_model  # tools/ is this script's directory (and on pytest's pythonpath)
+    from tiny_tasks import instruction_tune_head, save_model_copy, synthetic_sentiment_rows, write_synthetic_sentiment
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from sdm_mlx.api_features import feature_row  # noqa: E402
 from sdm_mlx.data import factcheck_splits  # noqa: E402
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
-from sdm_mlx.gaussians import gaussian_classes  # noqa: E402
+from gaussians import gaussian_classes  # noqa: E402  (tools/gaussians.py, next to this script)
 
 ALPHA = 0.95
 

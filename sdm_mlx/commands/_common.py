@@ -1,44 +1,254 @@
-"""CLI pieces shared by several verbs (no heavy imports: ``--help`` stays instant)."""
+"""CLI pieces shared by several verbs (no heavy imports: ``--help`` stays instant); verbs import these,
+never each other or the dispatcher.
+
+The options of ``generate``, ``chat``, ``serve`` and ``mcp`` that configure the verified generator are
+generated from :class:`sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there);
+:func:`generation_config` resolves them (CLI > YAML > defaults) and :func:`build_generator` builds the
+generator from the result.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 
-def add_model_arguments(p) -> None:
-    """The model, verifier, positive head and prompt/verification options of ``generate``, ``chat``, ``serve``
-    and ``mcp`` (mlx-lm's spellings next to ours)."""
-    p.add_argument("-m", "--model",
-                   help="mlx-lm model directory or hub id (default with --head: the head's base model)")
-    p.add_argument("--verifier", help="verification layer: a saved SDMEstimator directory trained on features of "
-                                      "force-decoded prompt + completion (default with --head: HEAD/verifier)")
-    p.add_argument("--head", "--adapter-path", dest="head", default=None,
-                   help="SDM-network directory with the positive head W_pos (joint neg+pos decoding; its stored "
-                        "settings become the defaults); --adapter-path is mlx-lm's name: like an adapter it holds "
-                        "trained weights applied on top of the frozen --model")
-    p.add_argument("--system", "--system-prompt", dest="system", default=None,
-                   help="system message, added to chats that have none (default: the head's, else none)")
-    p.add_argument("--prompt-template", default=None,
-                   help="user message (in a chat: the last one) with a {document} slot (default: the head's, else "
-                        "the prompt itself; '{document}' sends it unchanged)")
-    p.add_argument("--no-chat-template", "--ignore-chat-template", dest="no_chat_template", action="store_true",
-                   help="raw text prompts, chat messages joined as raw text (base models)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="max generated tokens per attempt (default: the head's max_new_tokens, else 256)")
-    p.add_argument("--delimiter", default=None, help="closing delimiter of the verification unit (default '}')")
-    p.add_argument("--max-length", type=int, default=None, help="kept positions of the verifier features (500)")
-    p.add_argument("--n-exemplars", type=int, default=5, help="nearest training exemplars reported per answer")
-    p.add_argument("--allow-non-json", action="store_true",
-                   help="do not require a parseable JSON object (only the closing delimiter) for verification")
+from ..defaults import EstimatorConfig
+from ..errors import CLIError
+from ..generation_config import GenerationConfig
+
+#: The settings classes whose fields are the generation verbs' options and YAML keys.
+SETTINGS = (GenerationConfig,)
+
+MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_chat_template", "max_tokens",
+                "delimiter", "max_length", "n_exemplars", "require_json")
+POLICY_FIELDS = ("on_reject", "max_attempts", "reask_fallback", "reask_template")
 
 
-def add_policy_arguments(p, per_request: bool = False) -> None:
-    """What happens to a rejected answer (``per_request``: the server's default, which a request overrides)."""
-    note = " (the default; a request overrides it with sdm.on_reject / sdm.max_attempts)" if per_request else ""
-    p.add_argument("--on-reject", choices=["abstain", "reask", "return"], default="abstain",
-                   help="rejected answer: abstain with a not-verified text, re-ask for a re-check, or return it "
-                        "flagged unverified" + note)
-    p.add_argument("--max-attempts", type=int, default=3, help="attempts in total with --on-reject reask")
-    p.add_argument("--reask-fallback", choices=["abstain", "return"], default="abstain",
-                   help="result when no re-asked attempt is verified")
-    p.add_argument("--reask-template", default=None,
-                   help="re-ask user message with {previous} (and optional {reason}, {attempt}) slots "
-                        "(default: sdm_mlx.verified.REASK_TEMPLATE)")
+def add_generation_arguments(p, *, policy: bool = True, per_request: bool = False) -> None:
+    """The generator's options (model, verifier, head, prompts; with ``policy`` the reject policy —
+    ``per_request``: the server's default, which a request overrides) and mlx-lm's/older spellings."""
+    from ..settings import add_arguments as add_settings
+
+    add_settings(p, GenerationConfig, title="model, verifier and prompts", only=MODEL_FIELDS)
+    if policy:
+        note = " (a request overrides --on-reject / --max-attempts with sdm.on_reject / sdm.max_attempts)"
+        add_settings(p, GenerationConfig, title="rejected answers" + (note if per_request else ""),
+                     only=POLICY_FIELDS)
+    g = p.add_argument_group("other spellings")
+    g.add_argument("--ignore-chat-template", dest="use_chat_template", action="store_false",
+                   default=argparse.SUPPRESS, help="mlx-lm's name of --no-chat-template")
+    g.add_argument("--allow-non-json", dest="require_json", action="store_false", default=argparse.SUPPRESS,
+                   help="same as --no-require-json")
+
+
+def generation_config(args) -> GenerationConfig:
+    """The :class:`GenerationConfig` of parsed options (CLIError naming the option on a bad one)."""
+    from ..settings import field_flags, resolve
+
+    cfg = resolve(GenerationConfig, args)
+    if not cfg.model and not cfg.head:
+        raise CLIError("missing required option(s): --model (or --head naming its base model)")
+    if not cfg.verifier and not cfg.head:
+        raise CLIError("missing required option(s): --verifier (or --head holding one)")
+    try:
+        cfg.validate()
+    except ValueError as e:
+        message = str(e)
+        for f in GenerationConfig.__dataclass_fields__.values():
+            if message.startswith(f.name + " "):
+                message = field_flags(f)[0] + message[len(f.name):]
+        raise CLIError(message) from None
+    return cfg
+
+
+def build_generator(args):
+    """A :class:`~sdm_mlx.verified.VerifiedGenerator` from parsed options."""
+    cfg = generation_config(args)
+    from ..verified import VerifiedGenerator
+
+    return VerifiedGenerator.from_config(cfg)
+
+
+def add_stream_arguments(p) -> None:
+    """``--stream`` and ``--quiet`` of ``generate`` and ``chat``."""
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="stream tokens (default: on for a single prompt / chat, off for --input batches)")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+
+
+def verdict_line(att) -> str:
+    """A short human-readable verdict for one attempt."""
+    p = "n/a" if att.p_lower is None else f"{att.p_lower:.3f}"
+    if att.verified:
+        return f"[verified: p_lower={p}, {att.tokens} tokens, {att.seconds:.2f}s]"
+    return f"[rejected: {att.reason}, p_lower={p}, {att.tokens} tokens, {att.seconds:.2f}s]"
+
+
+def add_server_arguments(p) -> None:
+    """The verdict store and feedback options shared by ``serve`` and ``mcp``."""
+    p.add_argument("--max-verdicts", type=int, default=1000, help="verdicts kept in memory by id (oldest dropped)")
+    p.add_argument("--persist-feedback", action="store_true",
+                   help="write every feedback label into the verifier directory too (atomically, with its update "
+                        "log); default: feedback lives in memory until the server stops")
+
+
+def model_names(cfg: GenerationConfig, served_model_name: str | None = None) -> tuple[str, list]:
+    """``(served model id, other accepted names)`` of the generator's model."""
+    path = cfg.model
+    if path is None and cfg.head:
+        from ..network.artifact import read_network_config
+
+        path = read_network_config(cfg.head)["base_model"]
+    name = served_model_name or os.path.basename(os.path.normpath(str(path))) or str(path)
+    return name, [str(path)] if path else []
+
+
+def verifier_directory(cfg: GenerationConfig) -> str:
+    """The verifier directory in use: ``--verifier``, else the head's ``verifier`` entry."""
+    if cfg.verifier:
+        return os.path.abspath(cfg.verifier)
+    if not cfg.head:
+        raise CLIError("--persist-feedback needs --verifier or --head (the directory to write feedback into)")
+    from ..network.artifact import read_network_config
+
+    return os.path.join(os.path.abspath(cfg.head), read_network_config(cfg.head)["verifier"])
+
+
+def load_engine(args):
+    """Validate the options and load the :class:`~sdm_mlx.serve.engine.Engine` of ``serve`` / ``mcp``."""
+    cfg = generation_config(args)
+    if args.max_verdicts < 1:
+        raise CLIError("--max-verdicts must be >= 1")
+    for name in ("verifier", "head"):
+        path = getattr(cfg, name)
+        if path and not os.path.isdir(path):
+            raise CLIError(f"--{name} {path}: no such directory")
+    from ..serve.engine import Engine
+    from ..verified import VerifiedGenerator
+
+    name, aliases = model_names(cfg, getattr(args, "served_model_name", None))
+    persist = verifier_directory(cfg) if getattr(args, "persist_feedback", False) else None
+    return Engine(lambda: VerifiedGenerator.from_config(cfg), name, aliases=aliases, max_verdicts=args.max_verdicts,
+                  persist_feedback=persist)
+
+
+def say_to_stderr(prefix: str, quiet: bool):
+    """A ``say(message)`` printing ``<prefix>: message`` on stderr (nothing when ``quiet``)."""
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    return say
+
+
+# --------------------------------------------------------------------------- the estimator verbs
+
+
+def mode_help(parser, modes: dict) -> None:
+    """Append each mode's value to the help of the options it changes: "(default: X; --paper Y)"."""
+    for action in parser._actions:
+        if action.help and any(action.dest in values for values in modes.values()):
+            extra = "".join(f"; --{m} {'off' if v.get(action.dest) is None else v[action.dest]}"
+                            for m, v in modes.items() if action.dest in v)
+            action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
+
+def add_estimator_arguments(p) -> None:
+    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
+    import argparse
+
+    from ..settings import add_arguments
+
+    g = add_arguments(p, EstimatorConfig, title="estimator")
+    g.add_argument("--unstratified", dest="stratified", action="store_false", default=argparse.SUPPRESS,
+                   help="same as --no-stratified")
+    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+def estimator_config(args, base: dict | None = None):
+    """The :class:`EstimatorConfig` of ``args`` (CLI and YAML) over ``base`` (a mode such as --paper) over
+    the defaults; ``--patience 0`` means off."""
+    import dataclasses
+
+    from ..settings import SettingsError, resolve
+
+    cfg = resolve(EstimatorConfig, args, base)
+    if cfg.patience is not None and cfg.patience < 0:
+        raise SettingsError(f"--patience: expected an integer >= 0 (0 = run every epoch), got {cfg.patience}")
+    return cfg if cfg.patience != 0 else dataclasses.replace(cfg, patience=None)
+
+def paper_base(args) -> dict:
+    """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
+    from ..defaults import PAPER_SETTINGS
+
+    return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
+
+def estimator_from_args(args, class_names=None, base: dict | None = None):
+    """An :class:`SDMEstimator` from the resolved settings (``base`` default: --paper's overrides)."""
+    from dataclasses import asdict
+
+    from ..estimator import SDMEstimator
+
+    cfg = estimator_config(args, paper_base(args) if base is None else base)
+    return SDMEstimator(**asdict(cfg), verbose=not args.quiet, class_names=class_names)
+
+def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
+    """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
+    from ..estimator import ROBUST_INF_REASON
+    from ..io import put_float
+
+    best = est.round_summaries_[est.best_round_]
+    report = {
+        "seconds": round(seconds, 3),
+        "num_classes": est.num_classes_,
+        "input_dim": est.input_dim_,
+        "support_size": len(est.support_ids_),
+        "calibration_size": len(est.calibration_ids_),
+        "k": est.k_,
+        "best_round": est.best_round_,
+        "resumed_rounds": resumed_rounds,
+        "selected": {
+            "round": est.best_round_, "epoch": best.get("best_epoch"), "epochs_run": best.get("epochs_run"),
+            "cal_accuracy": best.get("cal_accuracy"), "balanced_median_q": best.get("metric"),
+            "projection_movement": best.get("projection_movement"),
+            "classifier_movement": best.get("classifier_movement"),
+        },
+        "rounds": est.round_summaries_,
+        "best_round_history": est.history_,
+        "alpha": est.alpha,
+        "psi": est.calibration_.psi.tolist(),
+        "admission": est.admission_,
+        "params": est.get_params(),
+    }
+    # +inf thresholds are stored as null with the reason (strict JSON)
+    put_float(report, "min_valid_qbin", est.calibration_.min_valid,
+              "no valid threshold: Alg. 3 found no q~ where psi_c >= alpha for every class in the best round")
+    put_float(report, "robust_min_valid_qbin", est.robust_min_valid_, ROBUST_INF_REASON)
+    return report
+
+def add_conformal_argument(p) -> None:
+    p.add_argument("--conformal", choices=["randomized", "deterministic"], default="randomized",
+                   help="APS/RAPS variant: randomized over temperature-scaled softmax (the RAPS reference code "
+                        "the paper compared against) or deterministic over plain softmax")
+
+def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
+    """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
+    import sys
+
+    from ..evaluate import format_evaluation, label_error_records, write_plots
+    from ..callbacks import note
+    from ..io import write_json, write_jsonl
+
+    print(format_evaluation(report), file=sys.stdout, flush=True)
+    if getattr(args, "label_errors", None):
+        rows = label_error_records(datasets, predictions, class_names)
+        write_jsonl(args.label_errors, rows)
+        note(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}")
+    if getattr(args, "plots", None):
+        try:
+            paths = write_plots(report, args.plots)
+        except ImportError as e:
+            note(f"note: no plots written ({e}); the rest of the report is unaffected")
+        else:
+            note(f"plots: {', '.join(paths)}")
+    if getattr(args, "report", None):
+        write_json(args.report, report)
+        note(f"report: {args.report}")

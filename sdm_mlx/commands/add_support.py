@@ -6,6 +6,10 @@ HELP = ("Add labelled rows to a trained model's support set (or --undo them) wit
         "directory is updated in place, atomically, with an update log.")
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model",)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train` (updated in place, atomically)")
     p.add_argument("--input", default=None,
@@ -41,12 +45,11 @@ def _undo_ids(est, tokens: list) -> list:
 def run(args) -> int:
     import sys
 
-    from ..cli import CLIError, require
     from ..data import check_model_width, read_jsonl
+    from ..errors import CLIError
     from ..feedback import summary, update_model
     from ..io import refuse_inputs_inside
 
-    require(args, "model")
     if (args.input is None) == (args.undo is None):
         raise CLIError("give exactly one of --input rows.jsonl (add rows) or --undo ID [ID ...] (remove rows)")
     if args.input is not None and args.input != "-":

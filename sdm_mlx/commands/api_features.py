@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 
 HELP = ("7-dim features (mean top-1 token probability per JSON value ⊕ confidence-weighted answer one-hot) "
         "from LLM API answers")

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_common_arguments, build_generator, verdict_line
+from ._common import SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, verdict_line
 
 HELP = "interactive verified generation: prompts from stdin, streamed answers with their verdicts"
 
 
+__all__ = ["HELP", "SETTINGS", "add_arguments", "run"]
+
+
 def add_arguments(p) -> None:
-    add_common_arguments(p)
+    add_generation_arguments(p)
+    add_stream_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON result per prompt instead of text")
     p.add_argument("--output", default=None, help="also append the JSON results to this JSONL file")
 
@@ -85,9 +89,3 @@ def run(args) -> int:
     if interactive:
         sys.stderr.write("\n")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["chat", *sys.argv[1:]]))

@@ -11,8 +11,8 @@ printing one table per set.  Everything lands in ``--output`` (default ``runs/de
 ``report.json``, ``label_errors.jsonl``, plots (with matplotlib) and the three splits as JSONL
 so the same evaluation can be re-run with ``sdm-mlx train`` / ``sdm-mlx evaluate``.
 
-Settings: the defaults are reduced so the demo finishes in about 3 minutes on 2 CPU cores with
-OpenBLAS (J = 5 rounds of 20 epochs, M = 1000; measured 168 s); ``--paper`` uses the paper's
+Settings: the defaults are reduced so the demo finishes in minutes on 2 CPU cores (J = 5 rounds of
+20 epochs, M = 1000; measured times: docs/demo.md); ``--paper`` uses the paper's
 J = 10, 50 epochs, M = 1000 (``--iterations 10 --epochs 50 --exemplar-dim 1000``); ``--quick`` is a
 smoke run of ~15 s (J = 2, 4 epochs, M = 256, rescaler <= 40 epochs) whose numbers mean little.
 """
@@ -22,13 +22,15 @@ from __future__ import annotations
 import os
 
 from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
-from .evaluate import add_conformal_argument
-from .train import add_estimator_arguments, estimator_config, mode_help
+from ._common import add_conformal_argument, add_estimator_arguments, estimator_config, mode_help
 
 #: The settings classes whose fields are this verb's options and YAML keys.
 SETTINGS = (EstimatorConfig,)
 
 HELP = "Train and evaluate on the embedded factcheck data (in-distribution and shifted): the paper's point in minutes."
+
+#: How to ask for the paper's settings (printed and recorded in the report).
+PAPER_FLAGS = "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)"
 
 #: Settings per mode for the options whose default depends on the mode (the learning rate and
 #: convergence-aware stopping follow the estimator defaults, sdm_mlx/defaults.py; --paper is the paper's).
@@ -87,83 +89,90 @@ def _rows(ds) -> list[dict]:
     ]
 
 
+def _write_splits(splits: dict, out: str) -> dict:
+    """The three splits as JSONL under ``out/data`` (to re-run the evaluation with the CLI); their paths."""
+    from ..io import make_parent, write_jsonl
+
+    paths = {}
+    for name, ds in splits.items():
+        paths[name] = os.path.join(out, "data", f"{name}.jsonl")
+        make_parent(paths[name])
+        write_jsonl(paths[name], _rows(ds))
+    return paths
+
+
+def _fit(est, pool, out: str, cfg: dict, callback) -> tuple[str, float]:
+    """Train on the pool and save the model under ``out/model``; ``(model directory, seconds)``."""
+    import time
+
+    callback.message(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
+                     f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...")
+    t0 = time.perf_counter()
+    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback)
+    seconds = time.perf_counter() - t0
+    model_dir = os.path.join(out, "model")
+    est.feature_field_ = "attributes"
+    est.save(model_dir, overwrite=True)  # inside our own run directory (checked by the caller)
+    est.verbose = False
+    return model_dir, seconds
+
+
+def _plots_dir(args, out: str) -> str | None:
+    from ..callbacks import note
+    from ..plots import plots_available
+
+    if args.no_plots:
+        return None
+    if not plots_available():
+        note("note: matplotlib is not installed, so no plots (pip install 'sdm_mlx[plots]')")
+        return None
+    return os.path.join(out, "plots")
+
+
 def run(args) -> int:
     import sys
     import time
     from types import SimpleNamespace
 
     from ..artifact import prepare_run_directory
+    from ..callbacks import cli_callback
     from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
-    from ..io import make_parent, write_jsonl
     from ..evaluate import baseline_options, evaluate, predict_datasets
-    from ..plots import plots_available
-    from ..progress import log
-    from .evaluate import emit
-    from .train import estimator_from_args, training_report
+    from ._common import emit, estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:
         raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
-    t_start = time.perf_counter()
-    verbose = not args.quiet
-    cfg = settings(args)
+    t_start, callback, cfg = time.perf_counter(), cli_callback(args.quiet), settings(args)
     est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES), base=MODES[cfg["mode"]])
     out = args.output
     prepare_run_directory(out, "demo", args.overwrite)
-
     pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=est.seed)
-    log(f"factcheck data ({FACTCHECK_CITATION})", verbose)
-    log(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "
-        f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral attributes",
-        verbose)
-    data_dir = os.path.join(out, "data")
-    paths = {}
-    for name, ds in (("pool", pool), ("heldout_topics", heldout), ("generated", generated)):
-        paths[name] = os.path.join(data_dir, f"{name}.jsonl")
-        make_parent(paths[name])
-        write_jsonl(paths[name], _rows(ds))
-
-    log(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
-        f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...", verbose)
-    t0 = time.perf_counter()
-    est.fit(pool.X, pool.y, ids_train=pool.ids)
-    fit_seconds = time.perf_counter() - t0
-    model_dir = os.path.join(out, "model")
-    est.feature_field_ = "attributes"
-    est.save(model_dir, overwrite=True)  # inside our own run directory (checked above)
-    est.verbose = False
-
+    callback.message(f"factcheck data ({FACTCHECK_CITATION})")
+    callback.message(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "
+                     f"{len(heldout)}; generated (shifted): {len(generated)}; features: {pool.X.shape[1]} Mixtral "
+                     "attributes")
+    paths = _write_splits({"pool": pool, "heldout_topics": heldout, "generated": generated}, out)
+    model_dir, fit_seconds = _fit(est, pool, out, cfg, callback)
     t1 = time.perf_counter()
     datasets = {"heldout_topics": heldout, "generated": generated}
     predictions = predict_datasets(est, datasets)
     report = evaluate(est, datasets, est.calibration_logits_, est.calibration_labels_, alphas=args.alphas,
-                      predictions=predictions, verbose=verbose, options=baseline_options(args.conformal))
-    eval_seconds = time.perf_counter() - t1
+                      predictions=predictions, callback=callback, options=baseline_options(args.conformal))
     report["demo"] = {
         "settings": {**cfg, "alpha": est.alpha, "seed": est.seed, "heldout_fraction": args.heldout_fraction,
                      "conformal": args.conformal},
-        "paper_settings": "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)",
+        "paper_settings": PAPER_FLAGS,
         "data": {"citation": FACTCHECK_CITATION, "pool": len(pool), "heldout_topics": len(heldout),
                  "generated": len(generated), "files": paths},
         "training": training_report(est, fit_seconds),
-        "seconds": {"fit": round(fit_seconds, 2), "evaluate": round(eval_seconds, 2)},
+        "seconds": {"fit": round(fit_seconds, 2), "evaluate": round(time.perf_counter() - t1, 2)},
     }
-    plots_dir = None
-    if not args.no_plots:
-        plots_dir = os.path.join(out, "plots")
-        if not plots_available():
-            log("note: matplotlib is not installed, so no plots (pip install 'sdm_mlx[plots]')", True)
-            plots_dir = None
     files = SimpleNamespace(report=os.path.join(out, "report.json"),
-                            label_errors=os.path.join(out, "label_errors.jsonl"), plots=plots_dir)
+                            label_errors=os.path.join(out, "label_errors.jsonl"), plots=_plots_dir(args, out))
     report["demo"]["seconds"]["total"] = round(time.perf_counter() - t_start, 2)
     emit(report, files, datasets, predictions, est.class_names)
-    total = time.perf_counter() - t_start
-    print(
-        f"\nfactcheck demo ({cfg['mode']} settings) in {total:.0f}s (training {fit_seconds:.0f}s). "
-        f"Paper settings: --paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0).\n"
-        f"model: {model_dir}\nreport: {files.report}\nlabel errors: {files.label_errors}\n"
-        f"re-run the evaluation: sdm-mlx evaluate --model {model_dir} --input {paths['heldout_topics']} "
-        f"--input {paths['generated']}",
-        file=sys.stdout,
-    )
+    print(f"\nfactcheck demo ({cfg['mode']} settings) in {time.perf_counter() - t_start:.0f}s (training "
+          f"{fit_seconds:.0f}s). Paper settings: {PAPER_FLAGS}.\nmodel: {model_dir}\nreport: {files.report}\n"
+          f"label errors: {files.label_errors}\nre-run the evaluation: sdm-mlx evaluate --model {model_dir} "
+          f"--input {paths['heldout_topics']} --input {paths['generated']}", file=sys.stdout)
     return 0

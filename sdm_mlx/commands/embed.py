@@ -12,9 +12,8 @@ present, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
-import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
@@ -102,7 +101,8 @@ def _texts(args, rows, tokenizer, path, foreign=None):
     return docs, spans
 
 
-def run(args) -> int:
+def _position(args) -> str:
+    """The pooled position, after checking the options that go with it."""
     if args.max_length < 1 or args.batch_size < 1:
         raise CLIError("--max-length and --batch-size must be >= 1")
     position = args.position or ("delimiter" if args.completion_field else "last")
@@ -110,66 +110,79 @@ def run(args) -> int:
         raise CLIError("--position delimiter needs --completion-field (the delimiter is searched in the completion)")
     if args.prompt_template is not None and "{document}" not in args.prompt_template:
         raise CLIError("--prompt-template must contain a {document} slot")
+    return position
+
+
+def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> dict:
+    """Append the embedded rows of ``todo`` to ``out``, chunk by chunk; counts of truncated / missing rows."""
+    from ..embed import DocumentError, document_features
+
+    chunk = args.batch_size * 32
+    stats = {"truncated": 0, "missing": 0, "width": None, "truncated_ids": [], "foreign": []}
+    for c0 in range(0, len(todo), chunk):
+        part = todo[c0 : c0 + chunk]
+        docs, spans = _texts(args, part, tokenizer, args.input, stats["foreign"])
+        try:
+            feats = document_features(
+                model, tokenizer, docs, spans, position=position, delimiter=args.delimiter,
+                max_length=args.max_length, batch_size=args.batch_size,
+                on_missing=args.on_missing_delimiter, progress=bar.update,
+            )
+        except DocumentError as e:
+            lineno, row = part[e.index]
+            raise ValueError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
+        stats["width"] = feats.embeddings.shape[1]
+        out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
+        out.flush()
+        stats["truncated"] += int(feats.truncated.sum())
+        stats["missing"] += int(feats.missing_delimiter.sum())
+        stats["truncated_ids"] += [part[k][1]["id"]
+                                   for k in feats.truncated.nonzero()[0][: 5 - len(stats["truncated_ids"])]]
+    return stats
+
+
+def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
+    """What was written, and the rows that were truncated, built for another template or lack the delimiter."""
+    from ..callbacks import note
+
+    say(f"wrote {n} rows with {stats['width']}-dim embeddings to {args.output}")
+    if stats["truncated"]:
+        shown = ", ".join(map(repr, stats["truncated_ids"]))
+        say(f"{stats['truncated']} document(s) longer than --max-length {args.max_length}: their state at the last "
+            f"kept position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
+    if stats["foreign"]:
+        from ..embed import prompt_tail
+
+        foreign = stats["foreign"]
+        note(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
+             f"model's chat template tail {prompt_tail(tokenizer)!r} (e.g. ids "
+             f"{', '.join(map(repr, foreign[:5]))}): they were built for another chat template; rebuild them with "
+             f"`make-verification-data --model {args.model}`")
+    if stats["missing"]:
+        say(f"{stats['missing']} completion(s) without the delimiter {args.delimiter!r} "
+            f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")
+
+
+def run(args) -> int:
+    from ..callbacks import cli_callback
     from ..io import open_append, refuse_same_files
-    from ..progress import Progress, log
 
+    position = _position(args)
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
-
-    quiet = args.quiet
+    callback = cli_callback(args.quiet)
 
     def say(msg):
-        log(f"sdm-mlx embed: {msg}", enabled=not quiet)
+        callback.message(f"sdm-mlx embed: {msg}")
 
     rows = read_jsonl(args.input, unique_ids=True)
     todo = pending_rows(rows, args.output, lambda row: "embedding" in row, say)
     if not todo:
         say("nothing to do")
         return 0
-
-    from ..embed import DocumentError, document_features, load_model
+    from ..embed import load_model
 
     model, tokenizer = load_model(args.model)
-    chunk = args.batch_size * 32
-    n_trunc, n_missing, width, trunc_ids, foreign = 0, 0, None, [], []
-    bar = Progress(len(todo), "embed", unit="doc", enabled=not quiet)
-    with open_append(args.output) as out, bar:
-        for c0 in range(0, len(todo), chunk):
-            part = todo[c0 : c0 + chunk]
-            docs, spans = _texts(args, part, tokenizer, args.input, foreign)
-            try:
-                feats = document_features(
-                    model, tokenizer, docs, spans, position=position, delimiter=args.delimiter,
-                    max_length=args.max_length, batch_size=args.batch_size,
-                    on_missing=args.on_missing_delimiter, progress=bar.update,
-                )
-            except DocumentError as e:
-                lineno, row = part[e.index]
-                raise ValueError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
-            width = feats.embeddings.shape[1]
-            out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
-            out.flush()
-            n_trunc += int(feats.truncated.sum())
-            n_missing += int(feats.missing_delimiter.sum())
-            trunc_ids += [part[k][1]["id"] for k in feats.truncated.nonzero()[0][: 5 - len(trunc_ids)]]
-    say(f"wrote {len(todo)} rows with {width}-dim embeddings to {args.output}")
-    if n_trunc:
-        shown = ", ".join(map(repr, trunc_ids))
-        say(f"{n_trunc} document(s) longer than --max-length {args.max_length}: their state at the last kept "
-            f"position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
-    if foreign:
-        from ..embed import prompt_tail
-
-        log(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
-            f"model's chat template tail {prompt_tail(tokenizer)!r} (e.g. ids "
-            f"{', '.join(map(repr, foreign[:5]))}): they were built for another chat template; rebuild them with "
-            f"`make-verification-data --model {args.model}`")
-    if n_missing:
-        say(f"{n_missing} completion(s) without the delimiter {args.delimiter!r} "
-            f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")
+    with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:
+        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out)
+    _report(args, stats, len(todo), position, tokenizer, say)
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["embed", *sys.argv[1:]]))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from ._common import add_conformal_argument, emit
+
 HELP = "Evaluate a trained SDM estimator and the baselines on labelled JSONL files (index-conditional tables)."
 
 FEATURE_CHOICES = ["auto", "embedding", "attributes", "embedding+attributes"]
@@ -52,12 +54,6 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def add_conformal_argument(p) -> None:
-    p.add_argument("--conformal", choices=["randomized", "deterministic"], default="randomized",
-                   help="APS/RAPS variant: randomized over temperature-scaled softmax (the RAPS reference code "
-                        "the paper compared against) or deterministic over plain softmax")
-
-
 def dataset_names(paths) -> list[str]:
     """Unique display names from file names (``test.jsonl`` -> ``test``; duplicates get ``_2``, ``_3``)."""
     names, seen = [], {}
@@ -73,62 +69,37 @@ def dataset_names(paths) -> list[str]:
     return names
 
 
-def calibration_logits(est, calibration_data: str | None, features: str, verbose: bool):
+def calibration_logits(est, calibration_data: str | None, features: str, callback):
     """(z_cal, y_cal) for the baselines, or (None, None) with a note on stderr."""
-    from ..progress import log
+    from ..callbacks import note
 
     if calibration_data:
         from ..data import read_jsonl
         from ..evaluate import calibration_from_data
 
-        log(f"recomputing the calibration logits from {calibration_data} ...", verbose)
+        callback.message(f"recomputing the calibration logits from {calibration_data} ...")
         return calibration_from_data(est, read_jsonl(calibration_data, features,
                                                      prefer=getattr(est, "feature_field_", None)))
     z = getattr(est, "calibration_logits_", None)
     y = getattr(est, "calibration_labels_", None)
     if z is not None and y is not None:
         return z, y
-    log("note: this model does not store its calibration logits; temperature, aps and raps are skipped "
-        "(pass --calibration-data with the training JSONL to include them)", True)
+    note("note: this model does not store its calibration logits; temperature, aps and raps are skipped "
+         "(pass --calibration-data with the training JSONL to include them)")
     return None, None
-
-
-def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> None:
-    """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
-    import sys
-
-    from ..evaluate import format_evaluation, label_error_records, write_plots
-    from ..io import write_json, write_jsonl
-    from ..progress import log
-
-    print(format_evaluation(report), file=sys.stdout, flush=True)
-    if getattr(args, "label_errors", None):
-        rows = label_error_records(datasets, predictions, class_names)
-        write_jsonl(args.label_errors, rows)
-        log(f"label errors: {len(rows)} admitted rows with label != prediction -> {args.label_errors}", True)
-    if getattr(args, "plots", None):
-        try:
-            paths = write_plots(report, args.plots)
-        except ImportError as e:
-            log(f"note: no plots written ({e}); the rest of the report is unaffected", True)
-        else:
-            log(f"plots: {', '.join(paths)}", True)
-    if getattr(args, "report", None):
-        write_json(args.report, report)
-        log(f"report: {args.report}", True)
 
 
 def run(args) -> int:
     from ..data import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files
+    from ..callbacks import cli_callback
     from ..evaluate import baseline_options, evaluate, predict_datasets
-    from ..progress import log
 
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
     refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)
-    verbose = not args.quiet
+    callback = cli_callback(args.quiet)
     est = SDMEstimator.load(args.model)
     est.verbose = False
     if args.alpha is not None:
@@ -138,11 +109,11 @@ def run(args) -> int:
         ds = read_jsonl(path, args.features, require_labels=True, prefer=getattr(est, "feature_field_", None))
         check_model_width(ds, est.input_dim_, getattr(est, "feature_field_", None), path)
         datasets[name] = ds
-        log(f"{name}: {len(ds)} rows from {path}", verbose)
-    z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, verbose)
+        callback.message(f"{name}: {len(ds)} rows from {path}")
+    z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, callback)
     predictions = predict_datasets(est, datasets)
     report = evaluate(est, datasets, z_cal, y_cal, alphas=args.alphas, baselines=args.baselines,
-                      predictions=predictions, verbose=verbose, options=baseline_options(args.conformal))
+                      predictions=predictions, callback=callback, options=baseline_options(args.conformal))
     report["model_path"] = os.fspath(args.model)
     report["inputs"] = dict(zip(datasets, inputs))
     emit(report, args, datasets, predictions, est.class_names)

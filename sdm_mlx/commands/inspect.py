@@ -5,6 +5,10 @@ from __future__ import annotations
 HELP = "Show a trained model's sizes, rows added since training (by source), last update and retraining advice."
 
 
+#: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
+REQUIRED = ("model",)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -31,12 +35,10 @@ def _text(s: dict) -> str:
 def run(args) -> int:
     import sys
 
-    from ..cli import require
     from ..estimator import SDMEstimator
     from ..feedback import summary
     from ..io import dumps
 
-    require(args, "model")
     est = SDMEstimator.load(args.model)
     s = summary(est)
     print(dumps(s, indent=1) if args.json else _text(s), file=sys.stdout)

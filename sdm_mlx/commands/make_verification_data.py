@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 
 HELP = ("build verification rows (prompt, completion, label 1 = correct / 0 = constructed negative) "
         "from a task JSONL")

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import sys
 
+from ._common import SETTINGS, add_generation_arguments, add_server_arguments, load_engine
+
 HELP = ("MCP server (stdio) exposing SDM verification to assistants: verify(question, answer), "
         "add_feedback(verdict_id, label), explain(verdict_id)")
 
+__all__ = ["HELP", "SETTINGS", "add_arguments", "run"]
+
 
 def add_arguments(p) -> None:
-    from .serve import add_generator_arguments
-
-    add_generator_arguments(p)
+    """The generator's model/verifier/prompt options (MCP's verify tool does not generate: no reject policy)."""
+    add_generation_arguments(p, policy=False)
+    add_server_arguments(p)
 
 
 def run(args) -> int:
     from ..mcp_server import create_server
-    from .serve import load_engine
 
     engine = load_engine(args)
     try:
@@ -32,9 +35,3 @@ def run(args) -> int:
     finally:
         engine.close()
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["mcp", *sys.argv[1:]]))

@@ -14,9 +14,8 @@ stderr; a one-line JSON summary goes to stdout.
 from __future__ import annotations
 
 import json
-import sys
 
-from ..cli import CLIError
+from ..errors import CLIError
 from ..network_config import NetworkConfig
 
 HELP = "train an SDM network (duplicated LM head, verification layer, Alg. 4) on an mlx-lm model"
@@ -114,9 +113,3 @@ def run(args) -> int:
     }
     print(dumps(summary), flush=True)
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
-
-    sys.exit(main(["network-train", *sys.argv[1:]]))

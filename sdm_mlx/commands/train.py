@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..defaults import EstimatorConfig
+from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
 
 HELP = "Train and calibrate an SDM estimator (Alg. 1-3) on JSONL rows; save a model directory."
 
@@ -13,57 +14,6 @@ SETTINGS = (EstimatorConfig,)
 
 #: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
 REQUIRED = ("train", "output")
-
-
-def mode_help(parser, modes: dict) -> None:
-    """Append each mode's value to the help of the options it changes: "(default: X; --paper Y)"."""
-    for action in parser._actions:
-        if action.help and any(action.dest in values for values in modes.values()):
-            extra = "".join(f"; --{m} {'off' if v.get(action.dest) is None else v[action.dest]}"
-                            for m, v in modes.items() if action.dest in v)
-            action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
-
-
-def add_estimator_arguments(p) -> None:
-    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
-    import argparse
-
-    from ..settings import add_arguments
-
-    g = add_arguments(p, EstimatorConfig, title="estimator")
-    g.add_argument("--unstratified", dest="stratified", action="store_false", default=argparse.SUPPRESS,
-                   help="same as --no-stratified")
-    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
-def estimator_config(args, base: dict | None = None):
-    """The :class:`EstimatorConfig` of ``args`` (CLI and YAML) over ``base`` (a mode such as --paper) over
-    the defaults; ``--patience 0`` means off."""
-    import dataclasses
-
-    from ..settings import SettingsError, resolve
-
-    cfg = resolve(EstimatorConfig, args, base)
-    if cfg.patience is not None and cfg.patience < 0:
-        raise SettingsError(f"--patience: expected an integer >= 0 (0 = run every epoch), got {cfg.patience}")
-    return cfg if cfg.patience != 0 else dataclasses.replace(cfg, patience=None)
-
-
-def paper_base(args) -> dict:
-    """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
-    from ..defaults import PAPER_SETTINGS
-
-    return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
-
-
-def estimator_from_args(args, class_names=None, base: dict | None = None):
-    """An :class:`SDMEstimator` from the resolved settings (``base`` default: --paper's overrides)."""
-    from dataclasses import asdict
-
-    from ..estimator import SDMEstimator
-
-    cfg = estimator_config(args, paper_base(args) if base is None else base)
-    return SDMEstimator(**asdict(cfg), verbose=not args.quiet, class_names=class_names)
 
 
 def jsonl_num_classes(args, train, cal) -> int:
@@ -104,41 +54,6 @@ def add_arguments(p) -> None:
     mode_help(p, {"paper": PAPER_SETTINGS})
 
 
-def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
-    """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
-    from ..estimator import ROBUST_INF_REASON
-    from ..io import put_float
-
-    best = est.round_summaries_[est.best_round_]
-    report = {
-        "seconds": round(seconds, 3),
-        "num_classes": est.num_classes_,
-        "input_dim": est.input_dim_,
-        "support_size": len(est.support_ids_),
-        "calibration_size": len(est.calibration_ids_),
-        "k": est.k_,
-        "best_round": est.best_round_,
-        "resumed_rounds": resumed_rounds,
-        "selected": {
-            "round": est.best_round_, "epoch": best.get("best_epoch"), "epochs_run": best.get("epochs_run"),
-            "cal_accuracy": best.get("cal_accuracy"), "balanced_median_q": best.get("metric"),
-            "projection_movement": best.get("projection_movement"),
-            "classifier_movement": best.get("classifier_movement"),
-        },
-        "rounds": est.round_summaries_,
-        "best_round_history": est.history_,
-        "alpha": est.alpha,
-        "psi": est.calibration_.psi.tolist(),
-        "admission": est.admission_,
-        "params": est.get_params(),
-    }
-    # +inf thresholds are stored as null with the reason (strict JSON)
-    put_float(report, "min_valid_qbin", est.calibration_.min_valid,
-              "no valid threshold: Alg. 3 found no q~ where psi_c >= alpha for every class in the best round")
-    put_float(report, "robust_min_valid_qbin", est.robust_min_valid_, ROBUST_INF_REASON)
-    return report
-
-
 def summary_line(report: dict) -> str:
     """One line: what was learned and whether the model can admit anything."""
     sel, adm = report["selected"], report["admission"]
@@ -164,7 +79,7 @@ def run(args) -> int:
     from ..distributed import is_distributed, is_primary, launched_rank
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
-    from ..progress import log
+    from ..callbacks import log
 
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)

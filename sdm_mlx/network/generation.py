@@ -148,11 +148,7 @@ def decode_batch_size(heads, batch_size: int) -> int:
 
 
 def _eos_ids(tokenizer) -> set:
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    eid = getattr(tokenizer, "eos_token_id", None)
-    if eid is not None:
-        ids.add(int(eid))
-    return ids
+    return _embed.eos_token_ids(tokenizer)
 
 
 def _batch_cache(model, left_padding: list[int]):

@@ -57,7 +57,7 @@ from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key, read_objects
 from ..io import strict, write_json, write_jsonl
-from ..progress import Progress, log
+from ..callbacks import log, progress_bar as Progress
 from ..network_config import NetworkConfig
 from ..verification_data import PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network

@@ -118,6 +118,29 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
         cancel.set()  # the client went away (or we are done): stop the generation at its next token
 
 
+def _explained(engine: Engine, vid: str) -> dict:
+    """``/v1/verdicts/{id}``: the stored verdict's full quantities, or a 404 naming the id."""
+    out = engine.explain(vid)
+    if out is None:
+        raise APIError(404, f"no verdict {vid!r} (unknown, or evicted from the last "
+                            f"{engine.verdicts.capacity} verdicts)", param="verdict_id", code="verdict_not_found")
+    return out
+
+
+def _feedback_request(body: dict) -> tuple[str, object]:
+    """``(verdict_id, label)`` of a ``/v1/feedback`` body (400 naming the field at fault)."""
+    unknown = sorted(set(body) - {"verdict_id", "label"})
+    if unknown:
+        raise APIError(400, f"unknown field(s) {unknown}; /v1/feedback takes verdict_id and label", param=unknown[0])
+    vid = body.get("verdict_id")
+    if not isinstance(vid, str) or not vid:
+        raise APIError(400, "'verdict_id' must be the verdict_id of an earlier verification", param="verdict_id")
+    if "label" not in body:
+        raise APIError(400, "'label' is required: true (the answer was right), false (wrong) or a class index",
+                       param="label")
+    return vid, body["label"]
+
+
 def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """The Starlette app serving ``engine`` (``max_body_bytes``: request body limit, 413 beyond)."""
 
@@ -147,27 +170,12 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
     async def verdict(request: Request):
-        vid = request.path_params["verdict_id"]
-        out = engine.explain(vid)
-        if out is None:
-            raise APIError(404, f"no verdict {vid!r} (unknown, or evicted from the last "
-                                f"{engine.verdicts.capacity} verdicts)", param="verdict_id", code="verdict_not_found")
-        return JSONResponse(out)
+        return JSONResponse(_explained(engine, request.path_params["verdict_id"]))
 
     async def feedback(request: Request):
-        body = await read_json(request, max_body_bytes)
-        unknown = sorted(set(body) - {"verdict_id", "label"})
-        if unknown:
-            raise APIError(400, f"unknown field(s) {unknown}; /v1/feedback takes verdict_id and label",
-                           param=unknown[0])
-        vid = body.get("verdict_id")
-        if not isinstance(vid, str) or not vid:
-            raise APIError(400, "'verdict_id' must be the verdict_id of an earlier verification", param="verdict_id")
-        if "label" not in body:
-            raise APIError(400, "'label' is required: true (the answer was right), false (wrong) or a class index",
-                           param="label")
+        vid, label = _feedback_request(await read_json(request, max_body_bytes))
         try:
-            out = await run_on_model(engine, engine.add_feedback, vid, body["label"], "server")
+            out = await run_on_model(engine, engine.add_feedback, vid, label, "server")
         except UnknownVerdict as e:
             raise APIError(404, str(e), param="verdict_id", code="verdict_not_found") from None
         return JSONResponse({"object": "feedback", **out})

@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..generation_config import ON_REJECT
+
 ROLES = ("system", "user", "assistant")
-ON_REJECT = ("abstain", "reask", "return")
 MAX_STOP = 4
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
            "user", "seed", "sdm"}

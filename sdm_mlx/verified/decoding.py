@@ -83,11 +83,9 @@ class Decoded:
 
 def eos_ids(tokenizer) -> set:
     """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer."""
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    eid = getattr(tokenizer, "eos_token_id", None)
-    if eid is not None:
-        ids.add(int(eid))
-    return ids
+    from ..embed import eos_token_ids
+
+    return eos_token_ids(tokenizer)
 
 
 class _StreamingHeads:

@@ -25,6 +25,7 @@ that is the distribution the verification layer was trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -32,11 +33,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import embed as _embed
+from ..generation_config import ON_REJECT, GenerationConfig
 from .decoding import GreedyDecoder
 from .verification import AnswerVerifier, Verdict
 
-ON_REJECT = ("abstain", "reask", "return")
-REASK_FALLBACK = ("abstain", "return")
 STATUSES = ("verified", "unverified", "abstained")
 STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
 
@@ -123,10 +123,50 @@ class VerificationResult:
         }
 
 
+def _load_model(config: GenerationConfig, head_config: dict | None, model, tokenizer):
+    """``(model, tokenizer)``: the ones given, else loaded from ``config.model`` or the head's base model."""
+    if model is not None:
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        return model, tokenizer
+    path = config.model if config.model is not None else (head_config or {}).get("base_model")
+    if path is None:
+        raise ValueError("give model_path (or a head whose config names its base model)")
+    return _embed.load_model(path)
+
+
+def _load_heads(config: GenerationConfig, head_config: dict, model, tokenizer):
+    """The head directory's :class:`~sdm_mlx.network.heads.SDMHeads` on ``model`` (warns on another base model)."""
+    from ..network.artifact import load_network
+
+    if config.model is not None and os.path.exists(os.path.expanduser(str(config.model))):
+        base = head_config["base_model"]
+        if os.path.abspath(os.path.expanduser(str(config.model))) != base:
+            warnings.warn(f"the head {config.head} was trained on {base}; using the model {config.model}",
+                          stacklevel=3)
+    return load_network(config.head, model=model, tokenizer=tokenizer, load_verifier=False).heads
+
+
+def _load_verifier(config: GenerationConfig, head_config: dict | None):
+    """The saved ``SDMEstimator`` of ``config.verifier``, else of the head directory's ``verifier`` entry."""
+    path = config.verifier
+    if path is None and head_config is not None:
+        path = os.path.join(os.path.abspath(os.fspath(config.head)), head_config["verifier"])
+    if path is None:
+        raise ValueError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
+    from ..estimator import SDMEstimator
+
+    verifier = SDMEstimator.load(path)
+    verifier.verbose = False
+    return verifier
+
+
 class VerifiedGenerator:
     """Generate an answer, verify it with the SDM verification layer, branch on the verdict.
 
     ``VerifiedGenerator(model_path, verifier_path, head_path=None, on_reject="abstain", max_attempts=3, ...)``
+    or ``VerifiedGenerator.from_config(GenerationConfig(...))``; every keyword setting is a field of
+    :class:`~sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there):
 
     * ``model_path``: mlx-lm model directory or hub id (default with a head: its base model);
     * ``verifier_path``: a saved ``SDMEstimator`` trained on features of force-decoded prompt +
@@ -144,72 +184,47 @@ class VerifiedGenerator:
       (an ``SDMEstimator``), ``heads`` (an ``SDMHeads``).
     """
 
-    def __init__(self, model_path=None, verifier_path=None, head_path=None, *, on_reject: str = "abstain",
-                 max_attempts: int = 3, reask_fallback: str = "abstain", system: str | None = None,
-                 prompt_template: str | None = None, use_chat_template: bool | None = None,
-                 max_tokens: int | None = None, delimiter: str | None = None, max_length: int | None = None,
-                 n_exemplars: int = 5, require_json: bool = True, reask_template: str = REASK_TEMPLATE,
-                 abstain_text: str = ABSTAIN_TEXT, model=None, tokenizer=None, verifier=None, heads=None):
-        if on_reject not in ON_REJECT:
-            raise ValueError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
-        if reask_fallback not in REASK_FALLBACK:
-            raise ValueError(f"reask_fallback must be one of {REASK_FALLBACK}, got {reask_fallback!r}")
-        if int(max_attempts) < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if prompt_template is not None and "{document}" not in prompt_template:
-            raise ValueError("prompt_template must contain a {document} slot")
-        settings, head_config = {}, None
-        if head_path is not None:
+    def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
+                 model=None, tokenizer=None, verifier=None, heads=None, **settings):
+        paths = {k: v for k, v in (("model", model_path), ("verifier", verifier_path), ("head", head_path))
+                 if v is not None}
+        self.config = config = dataclasses.replace(config or GenerationConfig(), **paths, **settings)
+        config.validate()
+        head_config = None
+        if config.head is not None:
             from ..network.artifact import read_network_config
 
-            head_config = read_network_config(head_path)
-            settings = dict(head_config.get("settings") or {})
-            if model is None and model_path is None:
-                model_path = head_config["base_model"]
-            if verifier is None and verifier_path is None:
-                verifier_path = os.path.join(os.path.abspath(os.fspath(head_path)), head_config["verifier"])
-        if model is None:
-            if model_path is None:
-                raise ValueError("give model_path (or a head whose config names its base model)")
-            model, tokenizer = _embed.load_model(model_path)
-        elif tokenizer is None:
-            raise ValueError("pass the tokenizer together with the model")
-        if head_path is not None and heads is None:
-            from ..network.artifact import load_network
-
-            if model_path is not None and os.path.exists(os.path.expanduser(str(model_path))):
-                base = head_config["base_model"]
-                if os.path.abspath(os.path.expanduser(str(model_path))) != base:
-                    warnings.warn(f"the head {head_path} was trained on {base}; using the model {model_path}",
-                                  stacklevel=2)
-            heads = load_network(head_path, model=model, tokenizer=tokenizer, load_verifier=False).heads
+            head_config = read_network_config(config.head)
+        model, tokenizer = _load_model(config, head_config, model, tokenizer)
+        if config.head is not None and heads is None:
+            heads = _load_heads(config, head_config, model, tokenizer)
         if verifier is None:
-            if verifier_path is None:
-                raise ValueError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
-            from ..estimator import SDMEstimator
+            verifier = _load_verifier(config, head_config)
+        self._settle(config, (head_config or {}).get("settings"), model, tokenizer, heads, verifier)
 
-            verifier = SDMEstimator.load(verifier_path)
-            verifier.verbose = False
+    @classmethod
+    def from_config(cls, config: GenerationConfig, **loaded) -> "VerifiedGenerator":
+        """A generator built from ``config`` (``loaded``: already loaded model/tokenizer/verifier/heads)."""
+        return cls(config=config, **loaded)
 
-        def pick(value, key, default):
-            return value if value is not None else settings.get(key, default)
-
-        self.system = pick(system, "system", None)
-        self.prompt_template = pick(prompt_template, "prompt_template", None)
-        self.use_chat_template = bool(pick(use_chat_template, "use_chat_template", True))
-        self.max_tokens = int(pick(max_tokens, "max_new_tokens", 256))
-        self.delimiter = pick(delimiter, "delimiter", _embed.DEFAULT_DELIMITER)
-        self.max_length = int(pick(max_length, "max_length", _embed.DEFAULT_MAX_LENGTH))
+    def _settle(self, config: GenerationConfig, head_settings: dict | None, model, tokenizer, heads, verifier):
+        """Resolve the head-dependent settings and build the decoder and the verifier."""
+        t = config.templating(head_settings)
+        self.system, self.prompt_template, self.use_chat_template = (t["system"], t["prompt_template"],
+                                                                     t["use_chat_template"])
+        self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]
         if self.max_tokens < 1 or self.max_length < 1:
             raise ValueError("max_tokens and max_length must be >= 1")
-        self.on_reject, self.max_attempts, self.reask_fallback = on_reject, int(max_attempts), reask_fallback
-        self.reask_template, self.abstain_text = reask_template, abstain_text
+        self.on_reject, self.max_attempts = config.on_reject, int(config.max_attempts)
+        self.reask_fallback = config.reask_fallback
+        self.reask_template = REASK_TEMPLATE if config.reask_template is None else config.reask_template
+        self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
         self.decoder = GreedyDecoder(model, tokenizer, heads=heads, delimiter=self.delimiter)
         self.decoding = self.decoder.mode  # "plain" | "joint"
         self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
-                                       max_length=self.max_length, n_exemplars=n_exemplars,
-                                       require_json=require_json)
+                                       max_length=self.max_length, n_exemplars=config.n_exemplars,
+                                       require_json=config.require_json)
 
     # -- prompts ----------------------------------------------------------------------------------
     def user_message(self, prompt: str) -> str:

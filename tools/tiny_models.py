@@ -1,5 +1,10 @@
 """Tiny, random, locally built LLMs that ``mlx_lm.load(path)`` accepts (no network).
 
+Test and benchmark scaffolding, not part of the shipped package: the tests import it through
+pytest's ``pythonpath = ["tools"]`` (pyproject.toml), the scripts in ``tools/`` as a sibling module;
+:mod:`tiny_tasks` holds the synthetic task data and ``tools/make_tiny_model.py`` combines both for
+``recipes/tiny_sentiment.yaml``.
+
 ``make_tiny_model(tmp_dir, arch)`` trains a small BPE tokenizer with the
 ``tokenizers`` library on a built-in corpus (movie-review / fact-check
 sentences and their JSON answers such as ``{"sentiment": "positive"}`` and

@@ -1,4 +1,5 @@
-"""A small synthetic sentiment task for smoke tests, the tiny recipe and the benchmark.
+"""A small synthetic sentiment task for smoke tests, the tiny recipe and the benchmark (test scaffolding,
+not part of the shipped package; its partner is :mod:`tiny_models`, the tiny random mlx-lm models).
 
 Rows ``{"id", "label", "document"}`` (label 1 = positive, 0 = negative): short
 "reviews" made of seeded random picks from a positive or a negative word list
@@ -36,7 +37,7 @@ def synthetic_sentiment_rows(n: int = 1000, seed: int = 0, min_words: int = 3, m
 
 def write_synthetic_sentiment(path, n: int = 1000, seed: int = 0) -> str:
     """Write :func:`synthetic_sentiment_rows` as JSONL; returns the path."""
-    from ..io import write_jsonl
+    from sdm_mlx.io import write_jsonl
 
     path = os.fspath(path)
     write_jsonl(path, synthetic_sentiment_rows(n, seed))
@@ -56,8 +57,8 @@ def instruction_tune_head(model, tokenizer, prompts, completions, *, steps: int 
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from .heads import token_hidden_states
-    from .trainer import completion_token_positions
+    from sdm_mlx.network.heads import token_hidden_states
+    from sdm_mlx.network.trainer import completion_token_positions
 
     if getattr(model, "lm_head", None) is None or hasattr(model.lm_head, "scales"):
         raise ValueError("instruction_tune_head needs an untied, non-quantised lm_head")

@@ -1,0 +1,55 @@
+"""Effective sample size and the DKW band: ``equation:effective-sample-size``, ``equation:dkw``,
+``equation:sdm-output-cdfs-lower``."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .. import validation
+from ._checks import _check_lists, _labels, _vector
+
+
+def sample_size_arrays(q_tilde_cal: np.ndarray, y_cal: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    """Per true class, sorted processed q~ of ALL calibration rows (OOD included) for ``equation:effective-sample-size``."""
+    q_tilde_cal = _vector("q_tilde_cal", q_tilde_cal).astype(np.float64)
+    y_cal = _labels("y_cal", y_cal, num_classes, q_tilde_cal.shape[0])
+    return [np.sort(q_tilde_cal[y_cal == c]) for c in range(num_classes)]
+
+
+def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """n̂_c = min(#{x ∈ arrays_c : x < q~}, n_c − 1) in integers (``equation:effective-sample-size``, DESIGN #12).
+
+    A class with no calibration rows gives n̂_c = min(0, −1) = −1 (reported as
+    −1, as in R; :func:`dkw_epsilon` then gives ε_c = 1).
+    """
+    q_tilde = _vector("q_tilde", q_tilde).astype(np.float64)
+    return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
+
+
+def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+    """:func:`effective_sample_size` of validated inputs."""
+    n_hat = np.empty((q_tilde.shape[0], len(arrays)), dtype=np.int64)
+    for c, arr in enumerate(arrays):
+        below = np.searchsorted(arr, q_tilde, side="left").astype(np.int64)
+        n_hat[:, c] = np.minimum(below, arr.size - 1)
+    return n_hat
+
+
+def dkw_epsilon(n_hat: np.ndarray, alpha: float) -> np.ndarray:
+    """ε = sqrt(ln(2/(1−α)) / (2 n̂)) where n̂ > 0, else 1 (``equation:dkw``), float64."""
+    a = validation.level(alpha)
+    n_hat = np.asarray(n_hat)
+    safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
+    return np.where(n_hat > 0, np.sqrt(math.log(2.0 / (1.0 - a)) / (2.0 * safe)), 1.0)
+
+
+def dkw_bounds(v: np.ndarray, epsilon: np.ndarray, y_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(v_lower, v_upper): v ∓ ε at ŷ, v ± ε elsewhere, clipped to [0, 1] (``equation:sdm-output-cdfs-lower``/``-upper``)."""
+    v = np.asarray(v, dtype=np.float64)
+    epsilon = np.asarray(epsilon, dtype=np.float64)
+    sign = np.ones_like(v)
+    sign[np.arange(v.shape[0]), np.asarray(y_hat, dtype=np.int64)] = -1.0
+    return np.clip(v + sign * epsilon, 0.0, 1.0), np.clip(v - sign * epsilon, 0.0, 1.0)

@@ -1,0 +1,151 @@
+"""The index-conditional estimator at test time (``eq:index-conditional-sdm-estimator``): centroid, lower
+and upper variants, admission and the rejection reasons (precedence: :data:`REJECTION_REASONS`)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..results import Estimate, Variant
+from ..rescaler import rescaled_output
+from ._checks import _check_lists, _finite, _matrix, _vector, check_alpha
+from .bins import _v_of, apply_ood, unique_argmax_is
+from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
+from .cauchy import lookup_offsets
+
+if TYPE_CHECKING:  # a type only: rounds imports this module
+    from .rounds import Calibration
+
+
+#: Rejection reasons in precedence order (see the module docstring); "" means admitted.
+REJECTION_REASONS = (
+    "no_valid_threshold",
+    "no_robust_threshold",
+    "ood_distance",
+    "argmax_flip",
+    "ood_similarity",
+    "below_model_min_qbin",
+    "below_robust_min_qbin",
+    "below_threshold_psi",
+)
+
+
+def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, robust_min):
+    """Process one of centroid / lower / upper: q~, o, flip rule, offset, validity.
+
+    Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ):
+    the last two feed the rejection reasons."""
+    rows = np.arange(v_var.shape[0])
+    q_raw = np.where(sdm_flip, 0.0, v_var[rows, y_hat] * log_base)
+    o = rescaled_output(W, v_var, q_raw)
+    floor_ok = np.floor(q_raw) > 0
+    o_flip = ~unique_argmax_is(o, y_hat)
+    ood = sdm_flip | ~floor_ok | o_flip
+    q_proc, bins = apply_ood(q_raw, ood)
+    offset = lookup_offsets(offsets, y_hat, bins)
+    p = np.clip(o[rows, y_hat] - offset, 0.0, 1.0)
+    o_adj = o.copy()
+    o_adj[rows, y_hat] = p
+    above = o_adj >= psi[None, :]
+    singleton = (above.sum(axis=1) == 1) & above[rows, y_hat]
+    valid = ~ood & (q_proc >= min_valid_own) & (q_proc >= robust_min) & singleton
+    variant = Variant(v=v_var, q_tilde=q_proc, hard_bin=bins, ood=ood, o=o, offset=offset, p=p, valid=valid)
+    return variant, floor_ok, o_flip, singleton
+
+
+def _check_calibration(cal: "Calibration") -> tuple:
+    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated.
+
+    Validated once per :class:`Calibration` (frozen) and kept on it: prediction calls it per batch,
+    and re-checking the sorted eCDFs cost more than scoring a single row."""
+    cached = cal.__dict__.get("_checked")
+    if cached is not None:
+        return cached
+    checked = _validate_calibration(cal)
+    object.__setattr__(cal, "_checked", checked)
+    return checked
+
+
+def _validate_calibration(cal: "Calibration") -> tuple:
+    W = _finite("W", cal.W)
+    if W.ndim != 2 or W.shape[0] != W.shape[1]:
+        raise ValueError(f"W must be [C, C], got shape {W.shape}")
+    C = W.shape[0]
+    check_alpha(cal.alpha, C)
+    psi = _vector("psi", cal.psi).astype(np.float64)
+    if psi.shape[0] != C:
+        raise ValueError(f"psi must have {C} entries, got {psi.shape[0]}")
+    min_valid_own, robust_min = float(cal.min_valid), float(cal.robust_min_valid)
+    if math.isnan(min_valid_own) or math.isnan(robust_min):
+        raise ValueError("min valid q~ thresholds must not be NaN (+inf means 'none')")
+    offsets = np.zeros((C, 0)) if cal.offsets is None else np.asarray(cal.offsets, dtype=np.float64)
+    if offsets.size and (offsets.ndim != 2 or offsets.shape[0] != C or not np.all(np.isfinite(offsets))):
+        raise ValueError(f"offsets must be a finite [C, B] array with C = {C}")
+    ecdfs = _check_lists("output_ecdfs", cal.output_ecdfs, C)
+    arrays = _check_lists("sample_size_arrays", cal.sample_size_arrays, C)
+    return W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays
+
+
+def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low) -> np.ndarray:
+    """First failing condition per row, in the order of :data:`REJECTION_REASONS` ("" = admitted)."""
+    (_, cen_floor_ok, cen_o_flip, _), (low_v, low_floor_ok, low_o_flip, low_singleton) = cen, low
+    conditions = [
+        np.full(n, math.isinf(min_valid_own) and min_valid_own > 0),
+        np.full(n, robust_min == math.inf),
+        sdm_flip & (d <= 0),
+        sdm_flip | (cen_floor_ok & cen_o_flip),
+        ~low_floor_ok,
+        low_o_flip,
+        low_v.q_tilde < min_valid_own,
+        low_v.q_tilde < robust_min,
+        ~low_singleton,
+    ]
+    choices = ["no_valid_threshold", "no_robust_threshold", "ood_distance", "argmax_flip", "ood_similarity",
+               "argmax_flip", "below_model_min_qbin", "below_robust_min_qbin", "below_threshold_psi"]
+    return np.select(conditions, choices, default="").astype(object)
+
+
+def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray) -> Estimate:
+    """Index-conditional SDM estimator p̂_lower with ⊥ (``eq:index-conditional-sdm-estimator``), vectorised over rows.
+
+    Inputs per row: logits z' [N, C] (ŷ = argmax z'), Similarity q [N] (≥ 0), Distance quantile d [N]
+    (validated only: d = 0 makes the SDM output uniform, which the flip rule catches), SDM output
+    [N, C].  The model is a :class:`Calibration` (W'', ψ, min valid q~ at α', robust min valid q~,
+    offsets, output eCDFs for v, sample-size arrays for n̂).
+
+    Returns an :class:`~sdm_mlx.results.Estimate`: ŷ, the SDM flip, n̂ [N, C] (−1 for a class without
+    calibration rows), DKW ε, admission and the rejection reason (order :data:`REJECTION_REASONS`), and
+    for each variant (centroid / lower / upper) v, processed q~ (0 when OOD), hard bin, OOD, o (before
+    the offset), offset m[ŷ][bin], p = clip(o_ŷ − offset, 0, 1) and validity (lower: ``admitted``).
+    """
+    W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays = _check_calibration(calibration)
+    C = W.shape[0]
+    z = _matrix("z", z, c=C)
+    n = z.shape[0]
+    sdm = _matrix("sdm", sdm, n, C)
+    q = _vector("q", q, n).astype(np.float64)
+    d = _vector("d", d, n)
+    if np.any(q < 0):
+        raise ValueError("q must be ≥ 0")
+    if np.any(d < 0):
+        raise ValueError("d must be ≥ 0")
+    v = _v_of(sdm, ecdfs).astype(np.float64)
+
+    y_hat = z.argmax(axis=1).astype(np.int64)
+    sdm_flip = ~unique_argmax_is(sdm, y_hat)
+    common = dict(W=W, log_base=np.log(2.0 + q), y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
+                  min_valid_own=min_valid_own, robust_min=robust_min)
+    cen = _variant(v_var=v, **common)
+    n_hat = _n_hat_of(cen[0].q_tilde, arrays)
+    eps = dkw_epsilon(n_hat, calibration.alpha)
+    v_lower, v_upper = dkw_bounds(v, eps, y_hat)
+    low = _variant(v_var=v_lower, **common)
+    up = _variant(v_var=v_upper, **common)
+    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low)
+    admitted = low[0].valid
+    # the reasons are exhaustive for the conditions of `valid`
+    assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"
+    return Estimate(prediction=y_hat, admitted=admitted, rejection_reason=reason, sdm_flip=sdm_flip, n_hat=n_hat,
+                    epsilon=eps, centroid=cen[0], lower=low[0], upper=up[0])
