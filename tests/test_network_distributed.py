@@ -180,7 +180,6 @@ class _Group:
 def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
     """Features and greedy generations of each rank's whole-batch part equal the one-process rows bit for bit
     (the key functions reproduce the batching of the real ones); uneven lengths, a last partial batch."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny_models import make_tiny_model
 
     from sdm_mlx import embed as E

@@ -3,7 +3,7 @@
     python tools/bench_network_dp.py --hidden 64                        # 1 rank
     mlx.launch -n 2 --backend ring --python $(which python) -- tools/bench_network_dp.py --hidden 64
 
-A random tiny Phi-3 (``tests/tiny_models.py``) with the given hidden size / layers / vocabulary
+A random tiny Phi-3 (``tools/tiny_models.py``) with the given hidden size / layers / vocabulary
 gives the heads (W_pos is ``vocab × hidden``); random cached states stand in for the token cache.
 Measured, as medians over ``--steps`` steps after 3 warm-up steps, each ended by ``mx.eval``:
 
@@ -30,7 +30,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 
 def _median_ms(fn, steps: int, warmup: int = 3) -> float:
