@@ -49,7 +49,10 @@ _BACKEND_ERROR = re.compile(r"\[(ring|mpi|jaccl|nccl)\]")
 
 
 class DistributedError(SDMError):
-    """A collective that failed or timed out: another rank died, hangs, or holds different data."""
+    """A collective that failed (another rank died or was stopped) or ranks that hold different replicated data.
+
+    (A collective that times out cannot raise: the watchdog ends the process, see :class:`Watchdog`.)
+    """
 
 
 _GROUP = None

@@ -32,8 +32,9 @@ class ShardedExactIndex:
 
     Build it on every rank with :meth:`from_full` (each rank keeps its slice) or with the local shard:
     ``ShardedExactIndex(shard, offset, total)``.  Every call must be made by every rank with the same
-    arguments (the collectives run in lockstep); a rank that dies or hangs ends the others' call with
-    :class:`~sdm_mlx.distributed.DistributedError` within ``timeout`` seconds.
+    arguments (the collectives run in lockstep); a rank that dies ends the others' call with
+    :class:`~sdm_mlx.distributed.DistributedError`, one that hangs stops them after ``timeout`` seconds
+    (:func:`sdm_mlx.distributed.wait`).
     """
 
     backend = "exact"
