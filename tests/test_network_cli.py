@@ -89,7 +89,7 @@ def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
 
 
 def test_network_train_distributed_timeout_reaches_the_collectives(tiny_phi3_path, tmp_path, monkeypatch):
-    """--distributed-timeout (YAML distributed_timeout) bounds every collective wait of the run (docs/distributed.md)."""
+    """--distributed-timeout (YAML distributed_timeout) bounds every collective wait (docs/distributed.md)."""
     from sdm_mlx import distributed
     from sdm_mlx.network import trainer
     from sdm_mlx.network_config import NetworkConfig
