@@ -145,8 +145,7 @@ class Watchdog:
     """
 
     def __init__(self):
-        self._deadline: float | None = None
-        self._what, self._timeout, self._label = "", 0.0, ""
+        self._state: tuple[float, str, float, str] | None = None  # (deadline, what, timeout, label), set at once
         self._wake_r, self.wake_fd = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self.wake_fd, False)
@@ -155,13 +154,12 @@ class Watchdog:
     @contextlib.contextmanager
     def guard(self, what: str, timeout: float, label: str):
         """Within the block, stop the process after ``timeout`` seconds (``label``: "rank r of n")."""
-        saved = (self._deadline, self._what, self._timeout, self._label)
-        self._what, self._timeout, self._label = what, float(timeout), label
-        self._deadline = time.monotonic() + float(timeout)
+        saved = self._state
+        self._state = (time.monotonic() + float(timeout), what, float(timeout), label)
         try:
             yield
         finally:
-            self._deadline, self._what, self._timeout, self._label = saved
+            self._state = saved
 
     def _watch(self) -> None:
         while True:
@@ -170,18 +168,21 @@ class Watchdog:
             if readable:
                 with contextlib.suppress(BlockingIOError):
                     signals = os.read(self._wake_r, 256)
-            if self._deadline is None:
+            state = self._state
+            if state is None:
                 continue
+            deadline, what, timeout, label = state
             if signal.SIGTERM in signals:
-                self._stop(f"stopped by SIGTERM during {self._what}: mlx.launch stops every rank once one fails or "
-                           "is killed (the cause is the other rank's message)")
-            if time.monotonic() > self._deadline:
-                self._stop(f"no answer from the other ranks within {self._timeout:g} s during {self._what}: "
-                           "another rank died, hangs or is far behind; stopping (a longer wait: the shard_timeout / "
-                           "distributed_timeout setting, docs/distributed.md)")
+                self._stop(label, f"stopped by SIGTERM during {what}: mlx.launch stops every rank once one fails "
+                                  "or is killed (the cause is the other rank's message)")
+            if time.monotonic() > deadline:
+                self._stop(label, f"no answer from the other ranks within {timeout:g} s during {what}: another rank "
+                                  "died, hangs or is far behind; stopping (a longer wait: the shard_timeout / "
+                                  "distributed_timeout setting, docs/distributed.md)")
 
-    def _stop(self, message: str) -> None:
-        os.write(2, f"sdm-mlx: error: {self._label}: {message}\n".encode())
+    @staticmethod
+    def _stop(label: str, message: str) -> None:
+        os.write(2, f"sdm-mlx: error: {label}: {message}\n".encode())
         os._exit(WATCHDOG_EXIT)
 
 
