@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from .settings import defaults, option
 
+#: Seconds a rank waits in one collective for the other ranks under ``mlx.launch`` before it stops (a dead or
+#: hung rank; :mod:`sdm_mlx.distributed`).  The one default of ``shard_timeout`` and ``distributed_timeout``.
+DISTRIBUTED_TIMEOUT = 900.0
+
 
 @dataclass(frozen=True)
 class EstimatorConfig:
@@ -41,8 +45,9 @@ class EstimatorConfig:
     shard_index: bool = option(False, "under mlx.launch with more than one rank, split the exact support index over "
                                       "the ranks (identical results; off: every rank holds all of it; "
                                       "docs/distributed.md)")
-    shard_timeout: float = option(300.0, "seconds a sharded-index collective waits for the other ranks before "
-                                         "failing (a dead or hung rank)")
+    shard_timeout: float = option(DISTRIBUTED_TIMEOUT, "seconds a sharded-index collective waits for the other "
+                                                       "ranks before the rank stops (a dead or hung rank; "
+                                                       "docs/distributed.md)")
 
 
 #: The paper's Alg. 1 settings: J = 10 rounds of 50 epochs, Adam lr 1e-5, batch 50, M = 1000, no early stop.

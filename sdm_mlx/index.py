@@ -320,15 +320,7 @@ class ExactIndex:
 
     def _check_similarity_args(self, queries, y_hat, good_by_class):
         queries = self._check_queries(queries)
-        y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
-        if y_hat.shape[0] != queries.shape[0]:
-            raise ValueError("y_hat must hold one prediction per query")
-        good_np = np.asarray(good_by_class, dtype=bool)
-        if good_np.ndim != 2 or good_np.shape[1] != self.size:
-            raise ValueError(f"good_by_class must be [C, {self.size}], got {good_np.shape}")
-        if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
-            raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
-        return queries, y_hat, good_np
+        return (queries, *check_predictions(queries, y_hat, good_by_class, self.size))
 
     def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
         """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
@@ -514,6 +506,19 @@ class HnswIndex:
         m = min(n, dist.shape[1])
         top_d[:, :m], top_i[:, :m] = dist[:, :m], idx[:, :m]
         return q, dist[:, 0].astype(np.float32), top_d, top_i
+
+
+def check_predictions(queries: np.ndarray, y_hat, good_by_class, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ŷ [N] int64, good_by_class [C, size] bool) checked against the N checked ``queries``."""
+    y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
+    if y_hat.shape[0] != queries.shape[0]:
+        raise ValueError("y_hat must hold one prediction per query")
+    good_np = np.asarray(good_by_class, dtype=bool)
+    if good_np.ndim != 2 or good_np.shape[1] != size:
+        raise ValueError(f"good_by_class must be [C, {size}], got {good_np.shape}")
+    if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
+        raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
+    return y_hat, good_np
 
 
 def make_index(support, backend: str = "exact", shard: bool = False, shard_timeout: float | None = None, **kwargs):

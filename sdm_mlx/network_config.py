@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import embed as _embed
-from .defaults import EstimatorConfig
+from .defaults import DISTRIBUTED_TIMEOUT, EstimatorConfig
 from .settings import option
 from .verification_data import PAPER_SYSTEM, PRESETS
 
@@ -70,6 +70,9 @@ class NetworkConfig:
     verifier_options: dict = option({}, "any other SDMEstimator keyword for the verification layer (YAML only)",
                                     cli=False)
     seed: int = option(0, "random seed")
+    distributed_timeout: float = option(DISTRIBUTED_TIMEOUT, "under mlx.launch: seconds a rank waits in one collective "
+                                                             "for the other ranks before it stops (a dead or hung "
+                                                             "rank; docs/distributed.md)")
     verbose: bool = option(False, "progress on stderr (the CLI turns it on; --quiet off)", cli=False)
     overwrite: bool = option(False, "replace the outputs of an earlier network-train run in --output (a directory "
                                     "that sdm-mlx did not create is never written into)")
@@ -109,6 +112,9 @@ class NetworkConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if isinstance(self.distributed_timeout, bool) or not (isinstance(self.distributed_timeout, (int, float))
+                                                                and self.distributed_timeout > 0):
+            raise ValueError(f"distributed_timeout must be a number of seconds > 0, got {self.distributed_timeout!r}")
         if self.beta_min < 0 or self.beta_max < 0:
             raise ValueError("beta_min and beta_max must be >= 0")
         if self.preset is not None and self.preset not in PRESETS:

@@ -23,7 +23,8 @@ import numpy as np
 
 from . import distributed as dist
 from .errors import SDMError
-from .index import DISTANCE_BLOCK_BYTES, ExactIndex, _as_float32_matrix, _exclusion, _squared_distances
+from .index import (DISTANCE_BLOCK_BYTES, ExactIndex, _as_float32_matrix, _exclusion, _squared_distances,
+                    check_predictions)
 
 
 class ShardedExactIndex:
@@ -31,8 +32,9 @@ class ShardedExactIndex:
 
     Build it on every rank with :meth:`from_full` (each rank keeps its slice) or with the local shard:
     ``ShardedExactIndex(shard, offset, total)``.  Every call must be made by every rank with the same
-    arguments (the collectives run in lockstep); a rank that dies or hangs ends the others' call with
-    :class:`~sdm_mlx.distributed.DistributedError` within ``timeout`` seconds.
+    arguments (the collectives run in lockstep); a rank that dies ends the others' call with
+    :class:`~sdm_mlx.distributed.DistributedError`, one that hangs stops them after ``timeout`` seconds
+    (:func:`sdm_mlx.distributed.wait`).
     """
 
     backend = "exact"
@@ -136,14 +138,7 @@ class ShardedExactIndex:
 
     def _check_similarity_args(self, queries, y_hat, good_by_class, exclude):
         queries = self.local._check_queries(queries)
-        y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
-        if y_hat.shape[0] != queries.shape[0]:
-            raise ValueError("y_hat must hold one prediction per query")
-        good_np = np.asarray(good_by_class, dtype=bool)
-        if good_np.ndim != 2 or good_np.shape[1] != self.size:
-            raise ValueError(f"good_by_class must be [C, {self.size}], got {good_np.shape}")
-        if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
-            raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
+        y_hat, good_np = check_predictions(queries, y_hat, good_by_class, self.size)
         return queries, y_hat, good_np, _exclusion(exclude, queries.shape[0])
 
     def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
@@ -172,7 +167,7 @@ class ShardedExactIndex:
                 top_d[rows], top_i[rows] = packed_d[:, 1:], packed_i[:, 1:]
                 count[rows] = self._count_before(queries, rows, dist_b, q_sq, grouping, c,
                                                  packed_d[:, 0], packed_i[:, 0])
-        q = dist.all_sum_int(count, "summing q over the shards", self.timeout, self.group)
+        q = dist.all_sum(count, "summing q over the shards", self.timeout, self.group)
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         np.minimum(q, k_eff, out=q)
         top_i[~np.isfinite(top_d)] = -1

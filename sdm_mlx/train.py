@@ -38,6 +38,7 @@ from mlx.utils import tree_flatten
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
 from .callbacks import SILENT, Callback
 from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
+from .defaults import DISTRIBUTED_TIMEOUT
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
 
@@ -59,7 +60,7 @@ class TrainConfig:
     index_backend: str = "exact"
     patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
     shard_index: bool = False  #: under mlx.launch, split the exact index over the ranks (sdm_mlx.sharded_index)
-    shard_timeout: float = 300.0  #: seconds a sharded-index collective waits for the other ranks
+    shard_timeout: float = DISTRIBUTED_TIMEOUT  #: seconds a sharded-index collective waits for the other ranks
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):

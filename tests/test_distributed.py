@@ -95,6 +95,8 @@ def test_single_process_helpers_are_the_identity_and_the_index_stays_local():
     a = np.array([[1.5, -np.inf], [np.nan, 2.0]])
     assert np.array_equal(dist.all_gather_rows(a)[0], a, equal_nan=True)
     assert dist.all_sum_int(np.array([3, 4])).tolist() == [3, 4]
+    assert dist.all_sum(np.array([1.5], np.float32)).dtype == np.float32 and dist.all_max(np.array([2])) == 2
+    assert np.array_equal(dist.gather_rows(a), a, equal_nan=True)
     dist.check_same("anything", a)
     support = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32)
     assert type(make_index(support, "exact", shard=True)) is ExactIndex
@@ -247,8 +249,26 @@ def test_a_hung_rank_ends_the_other_at_the_timeout(tmp_path):
         for p in ranks:
             p.kill()
             p.communicate()
-    assert code == 3 and 4 <= seconds < BOUND
-    assert "no answer from the other ranks within 4 s" in err, err
+    # MLX cannot cancel a blocked collective: the watchdog ends the rank (exit 75) with the message
+    assert code == dist.WATCHDOG_EXIT and 4 <= seconds < BOUND
+    assert "sdm-mlx: error: rank 0 of 2: no answer from the other ranks within 4 s during " in err, err
+
+
+@needs_launch
+def test_sigterm_during_a_blocked_collective_ends_the_rank_at_once(tmp_path):
+    """What mlx.launch sends once a rank fails: the blocked rank cannot run Python's handler, the watchdog can."""
+    ranks = start_by_hand("loop", tmp_path, {"SDM_TEST_TIMEOUT": "120"})
+    try:
+        os.kill(ranks[1].pid, signal.SIGSTOP)  # rank 0 is soon blocked in a collective
+        time.sleep(2.0)
+        os.kill(ranks[0].pid, signal.SIGTERM)
+        code, err, seconds = _wait_for_error(ranks[0], BOUND)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    assert code == dist.WATCHDOG_EXIT and seconds < 10, (code, seconds, err)
+    assert "sdm-mlx: error: rank 0 of 2: stopped by SIGTERM during " in err, err
 
 
 @needs_launch

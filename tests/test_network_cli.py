@@ -81,9 +81,29 @@ def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
     bad.write_text("model: m\nlearning_rat: 1\n")
     assert main(["network-train", "--config", str(bad)]) == 2
     assert "unknown key" in capsys.readouterr().err
+    assert main(["network-train", "--config", _recipe(tmp_path, tiny_phi3_path), "--distributed-timeout", "0"]) == 2
+    assert "distributed_timeout must be a number of seconds > 0, got 0" in capsys.readouterr().err
     recipe = _recipe(tmp_path, str(tmp_path / "no_such_model"))
     assert main(["network-train", "--config", recipe]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_network_train_distributed_timeout_reaches_the_collectives(tiny_phi3_path, tmp_path, monkeypatch):
+    """--distributed-timeout (YAML distributed_timeout) bounds every collective wait (docs/distributed.md)."""
+    from sdm_mlx import distributed
+    from sdm_mlx.network import trainer
+    from sdm_mlx.network_config import NetworkConfig
+
+    seen = {}
+
+    def fake_train(config, dp=None):
+        seen["dp"], seen["config"] = dp.timeout, config.distributed_timeout
+        raise distributed.DistributedError("rank 0 of 2: all_sum failed: [ring] connection to a peer was lost")
+
+    monkeypatch.setattr(trainer, "train_network", fake_train)
+    assert main(["network-train", "--config", _recipe(tmp_path, tiny_phi3_path), "--distributed-timeout", "7.5"]) == 2
+    assert seen == {"dp": 7.5, "config": 7.5}
+    assert NetworkConfig().distributed_timeout == distributed.DEFAULT_TIMEOUT == 900.0
 
 
 @pytest.mark.parametrize("name", ["tiny_sentiment", "phi35_sentiment", "phi35_factcheck", "phi35_universal"])

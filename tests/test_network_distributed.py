@@ -123,7 +123,8 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
     verifier = str(runs["tmp"] / "one" / "verifier")  # skip the verifier fit: reach epoch 1 fast
     args = [PY, os.path.join(ROOT, "tests", "dp_die.py"),
             *recipe_args(runs["built"], tmp_path / "out", "--verifier", verifier)[2:]]
-    env = {**ENV, "MLX_HOSTFILE": str(hostfile), "SDM_MLX_DP_TIMEOUT": "20"}
+    args += ["--distributed-timeout", "20"]
+    env = {**ENV, "MLX_HOSTFILE": str(hostfile)}
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env={**env, "MLX_RANK": str(r)}) for r in (0, 1)]
     try:
@@ -135,12 +136,13 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
     assert procs[1].returncode == 3
     err = outs[0][1]
     # MLX's ring backend either raises on the pending collective (exit 2, the CLI's error) or leaves the
-    # next collective blocked, which the watchdog ends after SDM_MLX_DP_TIMEOUT seconds (exit 75)
+    # next collective blocked, which the watchdog ends after --distributed-timeout seconds (exit 75)
     if procs[0].returncode == 2:
-        assert "sdm-mlx network-train: error: rank 0 of 2 lost the connection to another rank" in err, err
+        assert "sdm-mlx network-train: error: rank 0 of 2: " in err and "another rank died or was stopped" in err, err
+        assert "not marked finished" in err, err
     else:
         assert procs[0].returncode == 75, (procs[0].returncode, err)
-        assert "sdm-mlx: error: rank 0 of 2 had no answer from the other ranks for 20 s" in err, err
+        assert "sdm-mlx: error: rank 0 of 2: no answer from the other ranks within 20 s" in err, err
     assert "Traceback" not in err
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics.get("finished") is not True and metrics["epochs"] == []
@@ -158,13 +160,14 @@ def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
 
 def test_the_watchdog_ends_a_wait_that_outlives_its_deadline():
     """The bounded wait used around every collective: a blocked wait ends the process with a message."""
-    code = ("import time\nfrom sdm_mlx.network.data_parallel import _Watchdog\n"
-            "w = _Watchdog(0.5, 'rank 1 of 2')\nwith w.guard('all_gather'):\n    time.sleep(0.1)\n"
-            "print('short wait ok', flush=True)\nwith w.guard('all_gather'):\n    time.sleep(30)\nprint('not reached')")
+    code = ("import time\nfrom sdm_mlx.distributed import watchdog\n"
+            "w = watchdog()\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n    time.sleep(0.1)\n"
+            "print('short wait ok', flush=True)\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n"
+            "    time.sleep(30)\nprint('not reached')")
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=25, env=ENV)
     assert res.returncode == 75 and res.stdout == "short wait ok\n", (res.returncode, res.stdout)
-    assert ("sdm-mlx: error: rank 1 of 2 had no answer from the other ranks for 0.5 s during all_gather: a rank "
-            "died or stalled, stopping (set SDM_MLX_DP_TIMEOUT to wait longer)") in res.stderr
+    assert ("sdm-mlx: error: rank 1 of 2: no answer from the other ranks within 0.5 s during all_gather: another "
+            "rank died, hangs or is far behind; stopping") in res.stderr
 
 
 class _Group:

@@ -39,10 +39,10 @@ def support_rows(start: int, stop: int, dim: int, seed: int) -> np.ndarray:
 
 
 class _CollectiveClock:
-    """Wall time spent in the collective helpers (wrapping distributed._watched)."""
+    """Wall time spent in the collective helpers (wrapping distributed._collective)."""
 
     def __init__(self):
-        self.seconds, self.calls, self._inner = 0.0, 0, dist._watched
+        self.seconds, self.calls, self._inner = 0.0, 0, dist._collective
 
     def __enter__(self):
         def timed(*a, **k):
@@ -53,11 +53,11 @@ class _CollectiveClock:
                 self.seconds += time.perf_counter() - t
                 self.calls += 1
 
-        dist._watched = timed
+        dist._collective = timed
         return self
 
     def __exit__(self, *exc):
-        dist._watched = self._inner
+        dist._collective = self._inner
 
 
 def bench_index(args) -> dict:

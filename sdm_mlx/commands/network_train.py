@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
                            "overwrite"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
-                                         "compile_step", "reference_head", "seed"),
+                                         "compile_step", "reference_head", "seed", "distributed_timeout"),
         "verification layer (SDM estimator)": tuple(f for f in NetworkConfig.__dataclass_fields__
                                                     if f == "verifier" or f == "alpha" or f.startswith("verifier_")),
     }
@@ -87,20 +87,17 @@ def network_config(args) -> NetworkConfig:
 
 
 def run(args) -> int:
+    from ..distributed import DistributedError
     from ..io import dumps
+    from ..network.data_parallel import DataParallel
     from ..network.trainer import train_network
 
-    from ..network.data_parallel import DataParallel
-
     config = network_config(args)
-    dp = DataParallel()  # under mlx.launch: this rank; otherwise a group of one
+    dp = DataParallel(timeout=config.distributed_timeout)  # under mlx.launch: this rank; else a group of one
     try:
         result = train_network(config, dp=dp)
-    except RuntimeError as e:  # a collective failed: another rank died or was stopped
-        lost = dp.lost_peer_message(e)
-        if lost is None:
-            raise
-        raise CLIError(lost) from None
+    except DistributedError as e:  # a collective failed: another rank died or was stopped
+        raise CLIError(f"{e}. The run directory keeps what rank 0 wrote last (not marked finished)") from None
     if not dp.writer:
         return 0  # rank 0 alone reports
     summary = {

@@ -28,16 +28,13 @@ Its gradient is ``(Σ ∇nll_n + β c Σ ∇‖·‖_n) / B`` with ``c = ∂R'/�
 R, so a step first ``all_sum``-s the two local sums (two floats), then differentiates the
 local part ``(S_L + β c S_R) / B`` and ``all_sum``-s the W_pos gradient: the sum over ranks
 is the single-process gradient up to float summation order.
+
+The group, the generic collectives, and what happens when a rank dies or hangs (one bounded wait for
+every collective, the ``distributed_timeout`` setting) are :mod:`sdm_mlx.distributed`'s.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import sys
-import threading
-import time
-from contextlib import contextmanager
 from functools import partial
 from typing import Callable
 
@@ -46,75 +43,21 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
+from .. import distributed as dist
 from .loss import network_loss_terms, rescaled_regularizer
 
 
-#: Seconds a rank waits inside one collective before it gives up (a peer died or stalled).
-TIMEOUT_ENV = "SDM_MLX_DP_TIMEOUT"
-DEFAULT_TIMEOUT = 900.0
-#: Exit status of a rank stopped by the watchdog.
-WATCHDOG_EXIT = 75
-
-
-class _Watchdog:
-    """Ends the process with a clear message when a guarded wait outlives its deadline.
-
-    MLX's ring backend raises "connection to a peer was lost" when a peer dies during a
-    collective, but a collective *started after* the failure was noticed can block forever;
-    a bounded wait turns that into an error.  One daemon thread polls five times a second.
-    """
-
-    def __init__(self, timeout: float, label: str):
-        self.timeout, self.label = timeout, label
-        self.deadline: float | None = None
-        self.what = ""
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def guard(self, what: str):
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="sdm-mlx-dp-watchdog", daemon=True)
-            self._thread.start()
-        self.what, self.deadline = what, time.monotonic() + self.timeout
-        try:
-            yield
-        finally:
-            self.deadline = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(0.2)
-            deadline = self.deadline
-            if deadline is not None and time.monotonic() > deadline:
-                sys.stderr.write(
-                    f"sdm-mlx: error: {self.label} had no answer from the other ranks for {self.timeout:g} s "
-                    f"during {self.what}: a rank died or stalled, stopping (set {TIMEOUT_ENV} to wait longer)\n")
-                sys.stderr.flush()
-                os._exit(WATCHDOG_EXIT)
-
-
 class DataParallel:
-    """The rank/size of the ``mx.distributed`` group and the few collectives Alg. 4 needs.
-
-    Every blocking collective runs under a watchdog (``timeout`` seconds; default
-    ``$SDM_MLX_DP_TIMEOUT`` or 900): a rank that waits longer for its peers stops with a message.
+    """This rank of the ``mx.distributed`` group, with the group and the timeout bound to the few collectives
+    Alg. 4 needs (:mod:`sdm_mlx.distributed` does the work and bounds every wait: ``timeout`` seconds,
+    default the ``distributed_timeout`` setting's), and the whole-batch splits of the network trainer.
     """
 
     def __init__(self, group=None, timeout: float | None = None):
-        self.group = group if group is not None else mx.distributed.init()
+        self.group = group if group is not None else dist.group()
         self.rank = int(self.group.rank())
         self.size = int(self.group.size())
-        if timeout is None:
-            timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
-        self.watchdog = _Watchdog(timeout, f"rank {self.rank} of {self.size}")
-
-    def wait(self, *arrays, what: str = "a collective") -> None:
-        """``mx.eval(*arrays)`` (which runs the pending collectives) with a bounded wait."""
-        if not self.active:
-            mx.eval(*arrays)
-            return
-        with self.watchdog.guard(what):
-            mx.eval(*arrays)
+        self.timeout = dist.DEFAULT_TIMEOUT if timeout is None else float(timeout)
 
     @property
     def active(self) -> bool:
@@ -125,66 +68,29 @@ class DataParallel:
         """Rank 0 alone writes the run directory, prints and shows progress."""
         return self.rank == 0
 
-    def lost_peer_message(self, error: BaseException) -> str | None:
-        """A user-facing message if ``error`` is a failed collective (a peer rank died), else None."""
-        if not self.active or not re.search(r"\[(ring|mpi|jaccl|nccl)\]", str(error)):
-            return None
-        return (f"rank {self.rank} of {self.size} lost the connection to another rank ({error}): that rank "
-                "stopped or died (see its own error); this rank stops too.  The run directory keeps what rank 0 "
-                "wrote last (not marked finished)")
-
-    def shard(self, n: int, rank: int | None = None) -> tuple[int, int]:
-        """``[lo, hi)`` of rank ``rank`` (default: this one) in a contiguous split of ``n`` rows."""
-        r = self.rank if rank is None else rank
-        return r * n // self.size, (r + 1) * n // self.size
+    def wait(self, *arrays, what: str = "a collective") -> None:
+        """``mx.eval(*arrays)`` (which runs the pending collectives) with a bounded wait (:func:`distributed.wait`)."""
+        dist.wait(*arrays, what=what, timeout=self.timeout, grp=self.group)
 
     def all_sum(self, values) -> np.ndarray:
         """Element-wise sum over ranks of a small NumPy array (int64 or float32 kept as given)."""
-        a = np.asarray(values)
-        if not self.active:
-            return a
-        out = mx.distributed.all_sum(mx.array(a), group=self.group)
-        self.wait(out, what="all_sum")
-        return np.array(out)
+        return dist.all_sum(values, "all_sum", self.timeout, self.group)
 
     def all_max(self, values) -> np.ndarray:
-        a = np.asarray(values)
-        if not self.active:
-            return a
-        out = mx.distributed.all_max(mx.array(a), group=self.group)
-        self.wait(out, what="all_max")
-        return np.array(out)
+        return dist.all_max(values, "all_max", self.timeout, self.group)
 
     def gather_rows(self, local: np.ndarray) -> np.ndarray:
         """Concatenate every rank's rows (axis 0) in rank order; ranks may hold different row counts."""
-        local = np.asarray(local)
-        if not self.active:
-            return local
-        counts = np.zeros(self.size, dtype=np.int64)
-        counts[self.rank] = local.shape[0]
-        counts = self.all_sum(counts)
-        width = local.shape[1:]
-        # a rank with no rows may not know the width (e.g. an empty (0, 0) array): take the widest
-        dims = self.all_max(np.array(width if local.shape[0] else (0,) * len(width), dtype=np.int64))
-        width = tuple(int(x) for x in dims)
-        padded = np.zeros((int(counts.max()),) + width, dtype=local.dtype)
-        if local.shape[0]:
-            padded[: local.shape[0]] = local
-        every = mx.distributed.all_gather(mx.array(padded), group=self.group)
-        self.wait(every, what="all_gather")
-        every = np.array(every)
-        every = every.reshape((self.size, padded.shape[0]) + width)
-        return np.concatenate([every[r, : counts[r]] for r in range(self.size)], axis=0)
+        return dist.gather_rows(local, "all_gather", self.timeout, self.group)
 
     def check_same(self, value: float, what: str) -> None:
-        """Raise if a scalar differs between ranks (the replicated state has diverged)."""
-        if not self.active:
-            return
-        v = np.array([value, -value], dtype=np.float64)
-        hi = self.all_max(v)
-        if hi[0] != -hi[1]:
-            raise RuntimeError(f"data-parallel ranks disagree on {what} (from {-hi[1]!r} to {hi[0]!r}); the "
-                               "replicated state must be identical on every rank (same inputs, same versions)")
+        """Raise :class:`~sdm_mlx.distributed.DistributedError` if a scalar differs between ranks (the
+        replicated state has diverged)."""
+        dist.check_same(what, np.array([value], dtype=np.float64), timeout=self.timeout, grp=self.group)
+
+    def shard(self, n: int, rank: int | None = None) -> tuple[int, int]:
+        """``[lo, hi)`` of rank ``rank`` (default: this one) in a contiguous split of ``n`` rows."""
+        return dist.shard_bounds(n, self.rank if rank is None else rank, self.size)
 
     def minibatch_slice(self, n_batch: int) -> tuple[int, int]:
         """``[lo, hi)`` of this rank inside a global mini-batch of ``n_batch`` tokens."""

@@ -337,7 +337,7 @@ class SDMNetworkTrainer:
     def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
                  dp: DataParallel | None = None):
         config.validate()
-        self.dp = dp if dp is not None else DataParallel()
+        self.dp = dp if dp is not None else DataParallel(timeout=config.distributed_timeout)
         if not self.dp.writer:
             config = dataclasses.replace(config, verbose=False)  # rank 0 alone shows progress
         self.config = config
