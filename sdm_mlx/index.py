@@ -465,7 +465,7 @@ class ExactIndex:
         q = np.array(count).astype(np.int64)
         for r in np.flatnonzero(np.array(ambiguous)):
             q[r] = self._resolve_near_ties(
-                queries[rows[r]], np.array(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
+                queries[rows[r]], np.asarray(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
                 float(q_sq[int(r)].item()), grouping,
             )
         return q

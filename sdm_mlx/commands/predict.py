@@ -19,11 +19,14 @@ def add_arguments(p) -> None:
                    help="row field(s) to use; auto = the field the model was trained on when the row has it")
     p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
     p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
 def run(args) -> int:
     import sys
     from collections import Counter
+
+    import numpy as np
 
     from ..data import check_labels, check_model_width, read_jsonl
     from ..estimator import SDMEstimator
@@ -38,23 +41,36 @@ def run(args) -> int:
     check_model_width(data, est.input_dim_, trained_on, args.input)
     if data.y is not None:
         check_labels(data.y, est.num_classes_, args.input)
-    pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
-    rows = pred.to_dicts()
-    if data.y is not None:
-        for row, label in zip(rows, data.y.tolist()):
-            row["label"] = label
-    write_jsonl(args.output, rows)
+    # chunk by chunk (bounded memory, sdm_mlx.chunked), rows streamed to the output as they are scored
+    chunks = est.iter_estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars, progress=not args.quiet)
+    kept = {"admitted": [], "prediction": [], "reasons": Counter()}
+
+    def rows():
+        start = 0
+        for pred in chunks:
+            kept["admitted"].append(pred.admitted)
+            kept["prediction"].append(pred.prediction)
+            kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+            labels = data.y[start : start + len(pred)].tolist() if data.y is not None else None
+            start += len(pred)
+            for i, row in enumerate(pred.to_dicts()):
+                if labels is not None:
+                    row["label"] = labels[i]
+                yield row
+
+    n_rows = write_jsonl(args.output, rows())
+    admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
     summary = {
-        "rows": len(rows),
-        "admitted": int(pred.admitted.sum()),
-        "admitted_fraction": float(pred.admitted.mean()),
-        "rejection_reasons": dict(Counter(r for r in pred.rejection_reason.tolist() if r)),
+        "rows": n_rows,
+        "admitted": int(admitted.sum()),
+        "admitted_fraction": float(admitted.mean()),
+        "rejection_reasons": dict(kept["reasons"]),
         "alpha": est.alpha,
     }
     if data.y is not None:
-        adm = pred.admitted
-        summary["accuracy"] = float((pred.prediction == data.y).mean())
-        summary["admitted_accuracy"] = float((pred.prediction[adm] == data.y[adm]).mean()) if adm.any() else None
+        adm = admitted
+        summary["accuracy"] = float((prediction == data.y).mean())
+        summary["admitted_accuracy"] = float((prediction[adm] == data.y[adm]).mean()) if adm.any() else None
     if args.summary:
         write_json(args.summary, summary)
     print(
