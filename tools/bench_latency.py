@@ -142,6 +142,7 @@ def main(argv=None) -> int:
         repeat = max(3, min(args.repeat, int(args.repeat * 64 / max(b, 64))))
         results.append(bench_batch(est, rows_for(X, b), repeat))
     report = {
+        "smoke": bool(args.smoke),
         "support_rows": int(est.support_vectors_.shape[0]),
         "support_dim": int(est.support_vectors_.shape[1]),
         "n_exemplars": int(est.n_exemplars),

@@ -20,6 +20,8 @@ def add_arguments(p) -> None:
     p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
     p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--chunk-rows", type=int, default=8192,
+                   help="rows scored and written per chunk (bounds the working memory; answers do not depend on it)")
 
 
 def run(args) -> int:
@@ -29,6 +31,7 @@ def run(args) -> int:
     import numpy as np
 
     from ..data import check_labels, check_model_width, read_jsonl
+    from ..errors import InputError
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
 
@@ -42,7 +45,10 @@ def run(args) -> int:
     if data.y is not None:
         check_labels(data.y, est.num_classes_, args.input)
     # chunk by chunk (bounded memory, sdm_mlx.chunked), rows streamed to the output as they are scored
-    chunks = est.iter_estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars, progress=not args.quiet)
+    if args.chunk_rows < 1:
+        raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
+    chunks = est.iter_estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars, progress=not args.quiet,
+                               chunk_rows=args.chunk_rows)
     kept = {"admitted": [], "prediction": [], "reasons": Counter()}
 
     def rows():
