@@ -183,7 +183,11 @@ def v_vector(sdm: np.ndarray, ecdfs: Sequence[np.ndarray]) -> np.ndarray:
     """v_c = eCDF_c(s_c), strict-left count / n, s_c ≥ max ⇒ 1, empty ⇒ 0 (``equation:sdm-output-cdfs``, DESIGN #11)."""
     num_classes = len(ecdfs)
     sdm = _matrix("sdm", sdm, c=num_classes)
-    ecdfs = _check_lists("output_ecdfs", ecdfs, num_classes)
+    return _v_of(sdm, _check_lists("output_ecdfs", ecdfs, num_classes))
+
+
+def _v_of(sdm: np.ndarray, ecdfs: list[np.ndarray]) -> np.ndarray:
+    """:func:`v_vector` of validated inputs."""
     v = np.zeros(sdm.shape, dtype=np.float64)
     for c, sorted_c in enumerate(ecdfs):
         if sorted_c.size == 0:
@@ -255,7 +259,11 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
     −1, as in R; :func:`dkw_epsilon` then gives ε_c = 1).
     """
     q_tilde = _vector("q_tilde", q_tilde).astype(np.float64)
-    arrays = _check_lists("sample_size_arrays", arrays, len(arrays))
+    return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
+
+
+def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+    """:func:`effective_sample_size` of validated inputs."""
     n_hat = np.empty((q_tilde.shape[0], len(arrays)), dtype=np.int64)
     for c, arr in enumerate(arrays):
         below = np.searchsorted(arr, q_tilde, side="left").astype(np.int64)
@@ -489,7 +497,19 @@ def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, r
 
 
 def _check_calibration(cal: "Calibration") -> tuple:
-    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated."""
+    """(W, ψ, min valid q~, robust min valid q~, offsets, output eCDFs, sample-size arrays) validated.
+
+    Validated once per :class:`Calibration` (frozen) and kept on it: prediction calls it per batch,
+    and re-checking the sorted eCDFs cost more than scoring a single row."""
+    cached = cal.__dict__.get("_checked")
+    if cached is not None:
+        return cached
+    checked = _validate_calibration(cal)
+    object.__setattr__(cal, "_checked", checked)
+    return checked
+
+
+def _validate_calibration(cal: "Calibration") -> tuple:
     W = _finite("W", cal.W)
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
         raise ValueError(f"W must be [C, C], got shape {W.shape}")
@@ -552,14 +572,14 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
         raise ValueError("q must be ≥ 0")
     if np.any(d < 0):
         raise ValueError("d must be ≥ 0")
-    v = v_vector(sdm, ecdfs).astype(np.float64)
+    v = _v_of(sdm, ecdfs).astype(np.float64)
 
     y_hat = z.argmax(axis=1).astype(np.int64)
     sdm_flip = ~unique_argmax_is(sdm, y_hat)
     common = dict(W=W, log_base=np.log(2.0 + q), y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
                   min_valid_own=min_valid_own, robust_min=robust_min)
     cen = _variant(v_var=v, **common)
-    n_hat = effective_sample_size(cen[0].q_tilde, arrays)
+    n_hat = _n_hat_of(cen[0].q_tilde, arrays)
     eps = dkw_epsilon(n_hat, calibration.alpha)
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
     low = _variant(v_var=v_lower, **common)
