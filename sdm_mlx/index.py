@@ -437,7 +437,8 @@ class ExactIndex:
                            else (grouping.support, grouping.support_sq, None))
                 dist, q_sq = _squared_distances(qc[rows] if host else mx.array(qc[rows]), *support)
                 if ex is not None:
-                    dist = _excluded_inf(dist, np.where(ex[rows] >= 0, grouping.inverse[ex[rows]], -1), cols)
+                    ex_cols = np.where(ex[rows] >= 0, grouping.inverse[ex[rows]], -1)  # −1: nothing excluded
+                    dist = _excluded_inf(dist, ex_cols, cols)
                 _evaluate(dist, q_sq)  # once: the q count and the top-n screening both read it
                 q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
                 self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex, top_d, top_i)
