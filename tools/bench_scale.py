@@ -176,6 +176,7 @@ def run_one(cfg: dict) -> dict:
             "rows_per_s": queries.shape[0] / query, "q_median": float(np.median(q)),
             "q_reaches_n_rows": int((q_merged >= n).sum()),
             "peak_rss_mb": _peak_rss_mb(), "mlx_peak_mb": mx.get_peak_memory() / 2**20,
+            "q": q.tolist(), "d0": d0.tolist(),
         },
     }
     if shards == 1:
@@ -223,12 +224,13 @@ def run_sharded(cfg: dict) -> dict:
     index = ShardedExactIndex.from_full(support, group=group)
     build = time.perf_counter() - t
     t = time.perf_counter()
-    for s in range(0, queries.shape[0], cfg["query_batch"]):
-        index.similarity_and_neighbours(queries[s : s + cfg["query_batch"]], y_hat[s : s + cfg["query_batch"]],
-                                        good, k, cfg["neighbours"])
+    parts = [index.similarity_and_neighbours(queries[s : s + cfg["query_batch"]], y_hat[s : s + cfg["query_batch"]],
+                                             good, k, cfg["neighbours"])
+             for s in range(0, queries.shape[0], cfg["query_batch"])]
     query = time.perf_counter() - t
     report = {"ranks": group.size(), "build_s": build, "query_s": query, "rows_per_s": queries.shape[0] / query,
-              "peak_rss_mb_rank": _peak_rss_mb()}
+              "peak_rss_mb_rank": _peak_rss_mb(), "q": np.concatenate([p[0] for p in parts]).tolist(),
+              "d0": np.concatenate([p[1] for p in parts]).tolist()}
     return report if group.rank() == 0 else {}
 
 
@@ -285,7 +287,8 @@ def markdown(results: list[dict], header: dict) -> str:
             f"{h['build_s']:.1f}", f"{h['rows_per_s']:.1f}",
             f"{h['small_k_rows_per_s']:.0f} (k={h['small_k']}, same capped q {h['small_k_same_q_capped']:.3f})",
             f"{h['recall_at_n']:.3f}", f"{h['same_q']:.3f}", f"{h['same_d0']:.3f}")
-        sh = f"{s['rows_per_s']:.0f}" if "rows_per_s" in s else (s.get("skipped") or "failed" if s else "not run")
+        sh = (f"{s['rows_per_s']:.0f} (same q {s['same_q_as_exact']:.3f}, d0 {s['same_d0_as_exact']:.3f})"
+              if "same_q_as_exact" in s else f"{s['rows_per_s']:.0f}") if "rows_per_s" in s else (s.get("skipped") or "failed" if s else "not run")
         lines.append(f"| {r['rows']:,} | {r['dim']} | {e['build_s']:.1f} | {e['rows_per_s']:.1f} | "
                      f"{max(e['peak_rss_mb'], h.get('peak_rss_mb', 0)):.0f} | {e['mlx_peak_mb']:.0f} | {e['shards']} | "
                      + " | ".join(hn) + f" | {sh} |")
@@ -354,6 +357,10 @@ def drive(args) -> int:
                 r = child(cfg, args.lock)
                 if args.sharded:
                     r["sharded"] = sharded_column(cfg, args.sharded)
+                    if "q" in r["sharded"]:
+                        sq, sd = r["sharded"].pop("q"), r["sharded"].pop("d0")
+                        r["sharded"]["same_q_as_exact"] = sum(a == b for a, b in zip(sq, r["exact"]["q"])) / len(sq)
+                        r["sharded"]["same_d0_as_exact"] = sum(a == b for a, b in zip(sd, r["exact"]["d0"])) / len(sd)
                 results.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 if not args.keep_data:
