@@ -20,6 +20,9 @@ arrays — which :func:`iter_estimates` lets a caller stream to disk instead (``
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import os
 
 import numpy as np
 
@@ -89,3 +92,56 @@ def concat_predictions(parts: list[Predictions]) -> Predictions:
         "support_labels": lambda ps: ps[0].support_labels,  # the model's, not per row
         "support_predictions": lambda ps: ps[0].support_predictions,
     })
+
+
+def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
+                      chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False):
+    """Yield :class:`~sdm_mlx.data.Dataset` s of consecutive chunks of ``chunk_rows`` rows of a JSONL file.
+
+    Streaming :func:`~sdm_mlx.data.read_jsonl`: every chunk is validated as ``read_jsonl`` validates a
+    file (errors name the file and line), and across chunks the ids must stay unique (the error names
+    the line an id was first seen on), the feature field and width and the presence of labels the
+    same.  Memory: one chunk of rows plus the set of ids seen.
+    """
+    from .data import parse_rows
+    from .io import iter_jsonl
+
+    source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
+    rows, seen, first = iter_jsonl(path), {}, None
+    for start in itertools.count():
+        batch = list(itertools.islice(rows, chunk_rows))
+        if not batch:
+            break
+        for line_no, row in batch:
+            if isinstance(row, dict) and "id" in row:
+                key = json.dumps(row["id"], sort_keys=True)
+                if key in seen:
+                    raise InputError(f"{source}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
+                seen[key] = line_no
+        ds = parse_rows(batch, source, features, require_labels, prefer)
+        first = first or ds
+        where = f"{source}:{batch[0][0]}"
+        if ds.features != first.features:
+            raise InputError(f"{where}: these rows' features come from {ds.features!r}, earlier rows' from "
+                             f"{first.features!r}; give every row the same fields or pass --features")
+        if ds.X.shape[1] != first.X.shape[1]:
+            raise InputError(f"{where}: feature vectors have {ds.X.shape[1]} values, earlier rows have "
+                             f"{first.X.shape[1]}")
+        if (ds.y is None) != (first.y is None):
+            raise InputError(f"{source}: some rows have a 'label' and others do not (line {batch[0][0]} on)")
+        yield ds
+    if first is None:
+        raise InputError(f"{source}: no rows")
+
+
+def count_lines(path) -> int | None:
+    """Lines of a regular file (the progress bar's total), None for stdin, devices and FIFOs."""
+    path = os.fspath(path)
+    if path == "-" or not os.path.isfile(path):
+        return None
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")

@@ -184,3 +184,33 @@ def test_bench_tools_help_and_smoke(tool, tmp_path):
     assert smoke.returncode == 0, smoke.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] is True and report["results"]
+
+
+def test_cli_predict_streamed_input_errors_name_the_line(small_model, tmp_path):
+    """Checks that span chunks: a duplicate id names the line it was first seen on; output is not replaced."""
+    est, centres = small_model
+    est.save(tmp_path / "model")
+    X = _queries(centres, 100, 5)
+    lines = [json.dumps({"id": f"q{i}", "embedding": x.tolist(), "label": int(i % 2)}) for i, x in enumerate(X)]
+    lines[90] = json.dumps({"id": "q3", "embedding": X[90].tolist(), "label": 0})
+    inp = tmp_path / "dup.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous\n")
+    run = subprocess.run([sys.executable, "-m", "sdm_mlx", "predict", "--model", str(tmp_path / "model"),
+                          "--input", str(inp), "--output", str(out), "--chunk-rows", "30"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert f"{inp}:91: duplicate id 'q3' (first seen on line 4)" in run.stderr
+    assert out.read_text() == "previous\n"
+    lines[90] = json.dumps({"id": "q90", "embedding": X[90].tolist(), "label": 0})
+    inp.write_text("\n".join(lines) + "\n")
+    summary = tmp_path / "summary.json"
+    ok = subprocess.run([sys.executable, "-m", "sdm_mlx", "predict", "--model", str(tmp_path / "model"),
+                         "--input", str(inp), "--output", str(out), "--chunk-rows", "30", "--summary", str(summary)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    pred = est.estimate(X, ids=[f"q{i}" for i in range(100)])
+    got = json.loads(summary.read_text())
+    assert got["rows"] == 100 and got["admitted"] == int(pred.admitted.sum())
+    assert got["accuracy"] == float((pred.prediction == np.arange(100) % 2).mean())

@@ -30,39 +30,42 @@ def run(args) -> int:
 
     import numpy as np
 
-    from ..data import check_labels, check_model_width, read_jsonl
+    from ..chunked import count_lines, read_jsonl_chunks
+    from ..data import check_labels, check_model_width
     from ..errors import InputError
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
+    from ..progress import Progress
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
     est = SDMEstimator.load(args.model)
     est.verbose = False
     trained_on = getattr(est, "feature_field_", None)
-    data = read_jsonl(args.input, args.features, require_labels=False, prefer=trained_on)
-    check_model_width(data, est.input_dim_, trained_on, args.input)
-    if data.y is not None:
-        check_labels(data.y, est.num_classes_, args.input)
-    # chunk by chunk (bounded memory, sdm_mlx.chunked), rows streamed to the output as they are scored
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
-    chunks = est.iter_estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars, progress=not args.quiet,
-                               chunk_rows=args.chunk_rows)
-    kept = {"admitted": [], "prediction": [], "reasons": Counter()}
+    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
+    chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
+    kept = {"admitted": [], "prediction": [], "labels": [], "reasons": Counter()}
 
     def rows():
-        start = 0
-        for pred in chunks:
-            kept["admitted"].append(pred.admitted)
-            kept["prediction"].append(pred.prediction)
-            kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
-            labels = data.y[start : start + len(pred)].tolist() if data.y is not None else None
-            start += len(pred)
-            for i, row in enumerate(pred.to_dicts()):
-                if labels is not None:
-                    row["label"] = labels[i]
-                yield row
+        total = count_lines(args.input) if not args.quiet else None
+        with Progress(total, "predict", unit="rows", enabled=not args.quiet) as bar:
+            for data in chunks:
+                check_model_width(data, est.input_dim_, trained_on, args.input)
+                if data.y is not None:
+                    check_labels(data.y, est.num_classes_, args.input)
+                    kept["labels"].append(data.y)
+                pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+                kept["admitted"].append(pred.admitted)
+                kept["prediction"].append(pred.prediction)
+                kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+                labels = data.y.tolist() if data.y is not None else None
+                for i, row in enumerate(pred.to_dicts()):
+                    if labels is not None:
+                        row["label"] = labels[i]
+                    yield row
+                bar.update(len(pred))
 
     n_rows = write_jsonl(args.output, rows())
     admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
@@ -73,10 +76,10 @@ def run(args) -> int:
         "rejection_reasons": dict(kept["reasons"]),
         "alpha": est.alpha,
     }
-    if data.y is not None:
-        adm = admitted
-        summary["accuracy"] = float((prediction == data.y).mean())
-        summary["admitted_accuracy"] = float((prediction[adm] == data.y[adm]).mean()) if adm.any() else None
+    if kept["labels"]:
+        y, adm = np.concatenate(kept["labels"]), admitted
+        summary["accuracy"] = float((prediction == y).mean())
+        summary["admitted_accuracy"] = float((prediction[adm] == y[adm]).mean()) if adm.any() else None
     if args.summary:
         write_json(args.summary, summary)
     print(
