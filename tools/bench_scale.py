@@ -288,10 +288,11 @@ def markdown(results: list[dict], header: dict) -> str:
     ]
     for r in results:
         e, h, s = r["exact"], r["hnsw"], r.get("sharded", {})
+        small = (f"{h['small_k_rows_per_s']:.0f} (k={h['small_k']}, same capped q {h['small_k_same_q_capped']:.3f})"
+                 if "small_k_rows_per_s" in h else "not run")
         hn = ("skipped", "", "", "", "", "") if "skipped" in h else (
-            f"{h['build_s']:.1f}", f"{h['rows_per_s']:.1f}" if h["rows_per_s"] else "not run",
-            f"{h['small_k_rows_per_s']:.0f} (k={h['small_k']}, same capped q {h['small_k_same_q_capped']:.3f})",
-            f"{h['recall_at_n']:.3f}", f"{h['same_q']:.3f}" if h["same_q"] is not None else "", f"{h['same_d0']:.3f}")
+            f"{h['build_s']:.1f}", f"{h['rows_per_s']:.1f}" if h.get("rows_per_s") else "not run", small,
+            f"{h['recall_at_n']:.3f}", f"{h['same_q']:.3f}" if h.get("same_q") is not None else "", f"{h['same_d0']:.3f}")
         sh = (f"{s['rows_per_s']:.0f} (same q {s['same_q_as_exact']:.3f}, d0 {s['same_d0_as_exact']:.3f})"
               if "same_q_as_exact" in s else f"{s['rows_per_s']:.0f}") if "rows_per_s" in s else (s.get("skipped") or "failed" if s else "not run")
         lines.append(f"| {r['rows']:,} | {r['dim']} | {e['build_s']:.1f} | {e['rows_per_s']:.1f} | "
