@@ -8,8 +8,9 @@ What a chunk costs is bounded independently of N:
   ≈ 24 · chunk_rows · D bytes, in products of at most :data:`~sdm_mlx.exact_product.CHUNK_ROWS` rows);
 * the exact index holds one block of query × support distances at a time
   (:data:`~sdm_mlx.index.DISTANCE_BLOCK_BYTES`, 256 MiB by default: the block has
-  ``min(4096, budget / (4 N_s))`` query rows) plus its host-side copies (≤ 2× the block) and the
-  float64 re-ranking chunk (``ExactIndex.RERANK_BYTES``, 64 MiB);
+  ``min(4096, budget / (4 N_s))`` query rows) and its temporaries (the host copy, screening keys,
+  masks and bands: about 5 blocks at most), plus the float64 re-ranking chunk
+  (``ExactIndex.RERANK_BYTES``, 64 MiB);
 * the calibration math holds O(chunk_rows · C) values.
 
 So a prediction of N rows needs the inputs, the support set, O(chunk_rows · (D + 3 budgets)) of
