@@ -93,7 +93,15 @@ def queries_for(path: Path, n: int, seed: int = 1):
 # ---------------------------------------------------------------------------------------------
 # one configuration (child process)
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """This process's peak RSS (VmHWM: reset at exec, unlike ru_maxrss, which a child inherits)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024.0 if sys.platform != "darwin" else 2**20)
 
 
 def exact_sharded(support, good, queries, y_hat, k, n, shard_rows, query_batch):
