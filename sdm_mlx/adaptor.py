@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .exact_product import ExactRowProduct
+from .exact_product import CHUNK_ROWS, ExactRowProduct
 
 
 def _uniform_linear(fan_in: int, fan_out: int, key: mx.array) -> nn.Linear:
@@ -141,6 +141,12 @@ class InvariantForward:
         x = np.asarray(x)
         if x.shape[0] == 0:
             return np.zeros((0, self.dims[2]), np.float32), np.zeros((0, min(self.dims[:2])), np.float32)
+        if x.shape[0] > CHUNK_ROWS:  # bounded float64 working memory; rows are independent (bit for bit)
+            parts = [self._rows(x[s : s + CHUNK_ROWS]) for s in range(0, x.shape[0], CHUNK_ROWS)]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return self._rows(x)
+
+    def _rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x_norm = (x.astype(np.float64) - self._mean) / self._std
         if self.basis is None:
             h = self._hidden(x_norm).astype(np.float32)

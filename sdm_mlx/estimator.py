@@ -33,6 +33,7 @@ from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from . import validation
 from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
+from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
@@ -410,20 +411,50 @@ class SDMEstimator:
             raise InputError(f"score: {y.shape[0]} labels for {correct.shape[0]} rows")
         return float(np.average(correct, weights=sample_weight))
 
-    def estimate(self, X, ids=None, n_exemplars: int | None = None, alpha: float | None = None) -> Predictions:
+    def estimate(self, X, ids=None, n_exemplars: int | None = None, alpha: float | None = None,
+                 progress: bool = False) -> Predictions:
         """Full per-row results: index-conditional estimates (``eq:index-conditional-sdm-estimator``) and exemplars.
 
         ``alpha``: re-threshold at another α' (Alg. 3 + Cauchy over the stored rounds) for this call only;
-        None uses the fitted α'.  The estimator is not modified.
+        None uses the fitted α'.  The estimator is not modified.  More than
+        :data:`~sdm_mlx.chunked.PREDICT_CHUNK_ROWS` rows are scored chunk by chunk (bounded working
+        memory, the same answers: :mod:`sdm_mlx.chunked`); ``progress`` draws a bar on stderr.
         """
         self._check_fitted()
+        n = X.shape[0] if hasattr(X, "shape") and len(X.shape) else None
+        if n is None or n <= PREDICT_CHUNK_ROWS:
+            return self._estimate_rows(X, ids, n_exemplars, alpha)
+        return concat_predictions(list(self.iter_estimate(X, ids, n_exemplars, alpha, progress)))
+
+    def iter_estimate(self, X, ids=None, n_exemplars: int | None = None, alpha: float | None = None,
+                      progress: bool = False, chunk_rows: int = PREDICT_CHUNK_ROWS):
+        """:meth:`estimate` of consecutive chunks of ``chunk_rows`` rows, one :class:`Predictions` per chunk.
+
+        For streaming many rows to disk with bounded memory (``sdm-mlx predict``); the rows' answers are
+        those of one :meth:`estimate` call, bit for bit.  ``progress`` draws a bar on stderr."""
+        self._check_fitted()
+        n = X.shape[0] if hasattr(X, "shape") and len(X.shape) else len(X)
+        if ids is not None and len(ids) != n:
+            raise InputError(f"got {len(ids)} ids for {n} rows")
+        cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
+
+        def score(rows, row_ids):
+            return self._estimate_rows(rows, row_ids, n_exemplars, cal)
+
+        return iter_estimates(score, X, ids, chunk_rows, progress)
+
+    def _estimate_rows(self, X, ids, n_exemplars, alpha) -> Predictions:
+        """:meth:`estimate` of one batch (``alpha``: None, an α' or a :class:`Calibration`)."""
         n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
         z, q, d0, d, s, ex_d, ex_i = self._scores(X, n_ex)
         n = z.shape[0]
         ids = list(ids) if ids is not None else list(range(n))
         if len(ids) != n:
             raise InputError(f"got {len(ids)} ids for {n} rows")
-        cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
+        if isinstance(alpha, Calibration):
+            cal = alpha
+        else:
+            cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
         return Predictions(
             ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate(cal, z, q, d, s),
             exemplar_index=ex_i, exemplar_distance=ex_d, support_ids=self.support_ids_,

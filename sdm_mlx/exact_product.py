@@ -35,6 +35,10 @@ import numpy as np
 CHUNK_ROWS = 4096
 #: Bits kept per weight row, relative to its largest entry (a float32 mantissa).
 WEIGHT_BITS = 24
+#: Products of at most this many multiply-adds run in NumPy on the calling thread (single-row
+#: prediction: MLX's dispatch and stream synchronisation cost more than the arithmetic).  The
+#: result is the same bit for bit: the float64 GEMM is exact whatever computes it.
+HOST_MULTIPLY_ADDS = 1 << 18
 
 
 def slice_bits(width: int) -> tuple[int, int]:
@@ -76,7 +80,8 @@ class ExactRowProduct:
         self.out_dim, self.in_dim = w.shape
         self.beta_x, self.beta_w = slice_bits(self.in_dim)
         scaled, self._w_exp = scale_rows(w, self.beta_w)
-        self._w_t = _f64(np.rint(scaled).T)  # [D, K] integers, |.| ≤ 2^β_w
+        self._w_t_host = np.ascontiguousarray(np.rint(scaled).T)  # [D, K] integers, |.| ≤ 2^β_w
+        self._w_t = _f64(self._w_t_host)
         self._w_scale = np.ldexp(1.0, self._w_exp - self.beta_w)[None, :]
         self._bias = None if bias is None else np.asarray(bias, dtype=np.float64).reshape(1, -1)
 
@@ -93,8 +98,11 @@ class ExactRowProduct:
     def _chunk(self, x: np.ndarray) -> np.ndarray:
         bx = self.beta_x
         x_hi, x_lo, x_exp = split_rows(x, bx)
-        pq = mx.matmul(_f64(np.concatenate([x_hi, x_lo])), self._w_t, stream=mx.cpu)  # exact integers
-        pq = np.array(pq)
+        slices = np.concatenate([x_hi, x_lo])
+        if slices.shape[0] * self.in_dim * self.out_dim <= HOST_MULTIPLY_ADDS:
+            pq = slices @ self._w_t_host  # exact integers
+        else:
+            pq = np.array(mx.matmul(_f64(slices), self._w_t, stream=mx.cpu))  # exact integers
         n = x.shape[0]
         y = pq[n:]
         y *= 2.0**-bx  # exact (a power of two)

@@ -24,15 +24,24 @@ def add_arguments(p) -> None:
     p.add_argument("--shard-index", action=argparse.BooleanOptionalAction, default=None,
                    help="under mlx.launch, split the exact support index over the ranks (default: the model's "
                         "shard_index setting; docs/distributed.md)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--chunk-rows", type=int, default=8192,
+                   help="rows scored and written per chunk (bounds the working memory; answers do not depend on it)")
 
 
 def run(args) -> int:
     import sys
     from collections import Counter
 
-    from ..data import check_labels, check_model_width, read_jsonl
+    import numpy as np
+
+    from ..chunked import count_lines, read_jsonl_chunks
+    from ..data import check_labels, check_model_width
+    from ..errors import InputError
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
+    from ..callbacks import progress_bar
+    from ..distributed import is_primary, launched_rank
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
@@ -42,31 +51,51 @@ def run(args) -> int:
         est.shard_index = args.shard_index
         est._prepare_predict()  # rebuild the support index sharded (or not)
     trained_on = getattr(est, "feature_field_", None)
-    data = read_jsonl(args.input, args.features, require_labels=False, prefer=trained_on)
-    check_model_width(data, est.input_dim_, trained_on, args.input)
-    if data.y is not None:
-        check_labels(data.y, est.num_classes_, args.input)
-    pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
-    from ..distributed import is_primary, launched_rank
+    if args.chunk_rows < 1:
+        raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
+    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
+    chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
+    kept = {"admitted": [], "prediction": [], "labels": [], "reasons": Counter()}
 
-    if launched_rank() is not None and not is_primary():
-        return 0  # under mlx.launch rank 0 alone writes the results
-    rows = pred.to_dicts()
-    if data.y is not None:
-        for row, label in zip(rows, data.y.tolist()):
-            row["label"] = label
-    write_jsonl(args.output, rows)
+    writer = launched_rank() is None or is_primary()  # under mlx.launch rank 0 alone writes the results
+    show = writer and not args.quiet
+
+    def rows():
+        total = count_lines(args.input) if show else None
+        with progress_bar(total, "predict", unit="rows", enabled=show) as bar:
+            for data in chunks:
+                check_model_width(data, est.input_dim_, trained_on, args.input)
+                if data.y is not None:
+                    check_labels(data.y, est.num_classes_, args.input)
+                    kept["labels"].append(data.y)
+                pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+                kept["admitted"].append(pred.admitted)
+                kept["prediction"].append(pred.prediction)
+                kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+                labels = data.y.tolist() if data.y is not None else None
+                for i, row in enumerate(pred.to_dicts()):
+                    if labels is not None:
+                        row["label"] = labels[i]
+                    yield row
+                bar.update(len(pred))
+
+    if not writer:  # every rank scores every chunk: the sharded index's collectives run in step
+        for _ in rows():
+            pass
+        return 0
+    n_rows = write_jsonl(args.output, rows())
+    admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
     summary = {
-        "rows": len(rows),
-        "admitted": int(pred.admitted.sum()),
-        "admitted_fraction": float(pred.admitted.mean()),
-        "rejection_reasons": dict(Counter(r for r in pred.rejection_reason.tolist() if r)),
+        "rows": n_rows,
+        "admitted": int(admitted.sum()),
+        "admitted_fraction": float(admitted.mean()),
+        "rejection_reasons": dict(kept["reasons"]),
         "alpha": est.alpha,
     }
-    if data.y is not None:
-        adm = pred.admitted
-        summary["accuracy"] = float((pred.prediction == data.y).mean())
-        summary["admitted_accuracy"] = float((pred.prediction[adm] == data.y[adm]).mean()) if adm.any() else None
+    if kept["labels"]:
+        y, adm = np.concatenate(kept["labels"]), admitted
+        summary["accuracy"] = float((prediction == y).mean())
+        summary["admitted_accuracy"] = float((prediction[adm] == y[adm]).mean()) if adm.any() else None
     if args.summary:
         write_json(args.summary, summary)
     print(
