@@ -277,4 +277,6 @@ def test_under_mlx_launch_a_rank_that_dies_ends_the_run(tmp_path):
     run = launch([str(SCRIPT), "selfkill", str(tmp_path)], timeout=BOUND + 30)
     assert time.monotonic() - t0 < BOUND + 10
     assert "Node with rank 1 exited with code -9" in run.stderr
-    assert "DistributedError: rank 0" in run.stderr, run.stderr
+    # rank 0 either sees the lost connection first or is stopped by mlx.launch's SIGTERM: both say why
+    assert ("DistributedError: rank 0" in run.stderr
+            or "sdm-mlx: error: rank 0 of 2: stopped by SIGTERM during " in run.stderr), run.stderr
