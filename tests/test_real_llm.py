@@ -206,3 +206,133 @@ def test_embed_uses_the_state_predicting_the_delimiter(embedded):
     for feats in outs.values():
         rel = _rel(feats[:n], feats[n:])
         assert rel.max() < BATCH_RTOL, f"delimiter features vs last-token features of the cut text: {rel.max():.2e}"
+
+
+# ----------------------------------------------------------------------------- network-train, generate, chat, serve
+#
+# One tiny SDM network is trained on the real model (16 statements, 1 epoch, 24 new tokens; ~4-6 min on the shared
+# 2-core CPU), then every verified-generation path runs against it through the CLI.  The verification layer is
+# trained on completions in the format this model actually writes (a fenced, pretty-printed JSON block, see
+# docs/performance.md), so a generated answer to a support prompt has the features of a support row.  Two copies of
+# it force the two outcomes: LENIENT (trained at alpha' = 0.51) admits answers, STRICT (alpha' = 0.99, then
+# the OOD prompt) rejects them.
+
+QWEN_COMPLETIONS = ['```json\n{\n  "correctness": false\n}\n```', '```json\n{\n  "correctness": true\n}\n```']
+OOD_PROMPT = "Write a haiku about the sea."
+
+
+@pytest.fixture(scope="module")
+def network(model_path, tmp_path_factory):
+    """``sdm-mlx network-train`` on 16 statements; returns a namespace of paths and the verification rows."""
+    import types
+
+    tmp = tmp_path_factory.mktemp("real_llm_network")
+    task = tmp / "task.jsonl"
+    task.write_text("".join(json.dumps(r) + "\n" for r in factcheck_rows(16, seed=3)), encoding="utf-8")
+    out = tmp / "net"
+    cli("network-train", "--model", model_path, "--data", task, "--output", out, "--preset", "factcheck",
+        "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24, "--generation-batch-size", 8,
+        "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5, "--no-compile",
+        "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30, "--verifier-exemplar-dim", 16,
+        "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
+    rows = read_jsonl(out / "verification_rows.jsonl")
+    strict = tmp / "verifier_strict"
+    cli("recalibrate", "--model", out / "verifier", "--alpha", 0.99, "--output", strict)
+    return types.SimpleNamespace(dir=out, head=out / "network", lenient=out / "verifier", strict=strict, rows=rows,
+                                 metrics=json.loads((out / "metrics.json").read_text()), tmp=tmp)
+
+
+def test_network_train_runs_and_records_alg4(network):
+    m = network.metrics
+    assert m["finished"] is True and m["vocab_size"] == QWEN_VOCAB and m["hidden_size"] == 1536
+    assert m["train_rows"] + m["calibration_rows"] == 16 and m["tokens"] > 0
+    (e,) = m["epochs"]
+    assert np.isfinite(e["loss"]) and e["beta_first"] == 0.0 and e["count"] >= 0
+    cal = m["initial"]
+    assert cal["documents"] == m["calibration_rows"] and 0 <= cal["count"] <= cal["task_correct"] <= cal["documents"]
+    assert {r["split"] for r in network.rows} == {"train", "calibration"}
+    assert all(r["completion"] in QWEN_COMPLETIONS for r in network.rows)
+
+
+@pytest.fixture(scope="module")
+def lenient_results(network):
+    """``generate --input`` over the support prompts with the lenient verifier, answers returned either way."""
+    support = [r for r in network.rows if r["split"] == "train" and r["label"] == 1]
+    inp, out = network.tmp / "support_prompts.jsonl", network.tmp / "lenient.jsonl"
+    inp.write_text("".join(json.dumps({"id": r["id"], "document": r["document"]}) + "\n" for r in support))
+    cli("generate", "--head", network.head, "--verifier", network.lenient, "--input", inp, "--output", out,
+        "--on-reject", "return", "--quiet")
+    return support, read_jsonl(out)
+
+
+def test_generate_continue_admits_the_models_own_answer(lenient_results):
+    """Continue: an answer whose features match a support row's is admitted and returned as is."""
+    support, results = lenient_results
+    assert [r["id"] for r in results] == [r["id"] for r in support]
+    for r in results:
+        assert r["decoding"] == "joint" and r["n_attempts"] == 1 and r["status"] in ("verified", "unverified")
+        assert r["parsed"] is not None and set(r["parsed"]) == {"correctness"}
+    verified = [r for r in results if r["status"] == "verified"]
+    assert verified, [(r["reason"], r["attempts"][0]["verifier"]) for r in results]
+    v = verified[0]
+    assert v["verified"] and v["stopped"] == "verified" and v["text"] == v["answer"] and 0 < v["p_lower"] <= 1
+    assert v["attempts"][0]["verifier"]["admitted"] and v["attempts"][0]["verifier"]["prediction"] == 1
+    assert v["exemplars"] and v["exemplars"][0]["squared_distance"] >= 0
+
+
+def test_generate_reask_then_abstain(network, lenient_results):
+    """Re-ask: every attempt is rejected by the strict verifier; two attempts, then the abstain fallback."""
+    _, results = lenient_results
+    doc = next(r for r in network.rows if r["id"] == results[0]["id"])["document"]
+    proc = cli("generate", "--head", network.head, "--verifier", network.strict, "--prompt", doc,
+               "--on-reject", "reask", "--max-attempts", 2, "--no-stream", "--quiet")
+    r = json.loads(proc.stdout)
+    assert r["on_reject"] == "reask" and r["n_attempts"] == 2 and r["stopped"] in ("max_attempts", "repeated_prompt")
+    assert r["status"] == "abstained" and not r["verified"] and r["text"].startswith("NOT VERIFIED")
+    a1, a2 = r["attempts"]
+    assert a1["reask_message"] is None and a2["reask_message"] and a2["prompt_tokens"] > a1["prompt_tokens"]
+    assert not a1["verified"] and not a2["verified"] and a1["reason"] and a2["reason"]
+
+
+def test_chat_abstains_on_an_out_of_distribution_prompt(network, lenient_results):
+    """Abstain (chat, the default policy): a haiku request is no factcheck answer; the log keeps the evidence."""
+    _, results = lenient_results
+    log = network.tmp / "chat.jsonl"
+    argv = ["chat", "--head", network.head, "--verifier", network.strict, "--prompt-template", "{document}",
+            "--max-tokens", 24, "--output", log, "--quiet"]
+    proc = subprocess.run([sys.executable, "-m", "sdm_mlx", *map(str, argv)],
+                          input=f"{OOD_PROMPT}\n", capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NOT VERIFIED" in proc.stdout and "[rejected:" in proc.stdout
+    (row,) = read_jsonl(log)
+    assert row["status"] == "abstained" and row["on_reject"] == "abstain" and row["n_attempts"] == 1
+    assert row["reason"] and not row["attempts"][0]["verified"] and row["answer"]
+
+
+def test_serve_chat_completion_carries_the_verdict(network, lenient_results):
+    """``sdm-mlx serve``: one /v1/chat/completions request for a verified prompt, verdict fields in the choice."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from server_process import ServerProcess
+
+    _, results = lenient_results
+    v = next(r for r in results if r["status"] == "verified")
+    doc = next(r for r in network.rows if r["id"] == v["id"])["document"]
+    srv = ServerProcess([sys.executable, "-m", "sdm_mlx", "serve", "--head", str(network.head), "--verifier",
+                         str(network.lenient), "--port", "0", "--quiet", "--served-model-name", "qwen"], timeout=300)
+    try:
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
+        body = {"model": "qwen", "messages": [{"role": "user", "content": doc}]}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        assert resp.status == 200 and resp.getheader("X-SDM-Verified") == "true"
+        choice = data["choices"][0]
+        ver = choice["verification"]
+        assert choice["message"]["content"] == v["answer"] and choice["finish_reason"] == "stop"
+        assert ver["verified"] and ver["admitted"] and ver["status"] == "verified" and ver["prediction"] == 1
+        assert ver["p_lower"] == pytest.approx(v["p_lower"], rel=1e-4) and ver["n_attempts"] == 1
+        assert data["usage"]["completion_tokens"] == ver["attempts"][0]["tokens"] > 0
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)
