@@ -9,6 +9,11 @@ The rows of the three parts are shuffled together, so any prefix of the file (e.
 resumable ``sdm-mlx embed`` finished before it was stopped) is itself a stratified sample.
 
     python tools/factcheck_sample.py --pool 600 --heldout 200 --generated 245 -o runs/qwen15/task.jsonl
+    python tools/factcheck_sample.py --split-file runs/qwen15/verif_emb.jsonl   # -> verif_emb.<split>.jsonl
+
+``--split-file`` writes the rows of a JSONL derived from the sample (e.g. the output
+of ``sdm-mlx make-verification-data`` then ``sdm-mlx embed``, which keep the
+``split`` field) into one file per split, next to it.
 """
 
 from __future__ import annotations
@@ -46,14 +51,40 @@ def sample_rows(n_pool: int, n_heldout: int, n_generated: int, seed: int = 0) ->
     return [rows[i] for i in rng.permutation(len(rows))]
 
 
+def split_file(path: str) -> dict:
+    """Write ``<stem>.<split>.jsonl`` for every ``split`` value of ``path``'s rows; returns the row counts."""
+    import os
+
+    stem = path[:-6] if path.endswith(".jsonl") else path
+    parts: dict = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                row = json.loads(line)
+                if "split" not in row:
+                    raise SystemExit(f"{path}: line {lineno}: no 'split' field (id {row.get('id')!r})")
+                parts.setdefault(row["split"], []).append(line if line.endswith("\n") else line + "\n")
+    for name, lines in parts.items():
+        with open(f"{stem}.{name}.jsonl", "w", encoding="utf-8") as out:
+            out.writelines(lines)
+        print(f"{len(lines)} rows -> {os.path.basename(stem)}.{name}.jsonl", file=sys.stderr)
+    return {k: len(v) for k, v in parts.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pool", type=int, default=600, help="statements from the training/calibration pool")
     ap.add_argument("--heldout", type=int, default=200, help="statements from the held-out 15 %% of each topic")
     ap.add_argument("--generated", type=int, default=245, help="statements from the shifted 'generated' set")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("-o", "--output")
+    ap.add_argument("--split-file", help="instead: split this JSONL by its rows' 'split' field")
     args = ap.parse_args(argv)
+    if args.split_file:
+        split_file(args.split_file)
+        return 0
+    if not args.output:
+        ap.error("give -o/--output (or --split-file)")
     rows = sample_rows(args.pool, args.heldout, args.generated, args.seed)
     with open(args.output, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
