@@ -22,9 +22,13 @@ EOS ends a row early and the token counts follow) for each prompt and reports:
 * ``plain``       — our plain decoder (mlx-lm's ``generate_step``) without verification;
 * ``joint``       — joint neg+pos decoding with a positive head (W_pos = float32 copy of
                     the LM head) via ``network.generation.greedy_generate``, without verification;
-* ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end;
-* per-answer verification latency: feature pass (prompt + answer through the trunk),
-  adaptor + support search (q, d0, exemplars), the whole estimate (``predict``), medians;
+* ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end, as
+  ``VerifiedGenerator`` does a first attempt: the verifier input is pooled from the decoding's
+  own states (``GreedyDecoder(features=True)``), then the estimate;
+* per-answer verification latency: the separate feature pass (prompt + answer through the
+  trunk once more: what a re-asked attempt, ``/v1/verify`` and the code before decode-time
+  features pay), adaptor + support search (q, d0, exemplars), the whole estimate, the
+  verification as timed in the verified paths, medians;
 * overhead of each path relative to ``mlx_lm`` on the same tokens.
 
 Prints a table, writes JSON with ``--json`` and states which BLAS MLX used.
@@ -122,8 +126,9 @@ def main(argv=None) -> int:
     fit_s = time.perf_counter() - t0
     verifier = AnswerVerifier(model, tok, est, n_exemplars=args.n_exemplars)
     heads = SDMHeads(model)
-    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False),
-                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False)}
+    # features=True: the decoders pool the verifier input from their own states, as VerifiedGenerator does
+    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False, features=True),
+                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False, features=True)}
     prompts = make_prompts(tok, args.prompts, args.factcheck)
     ids = [E.encode(tok, p) for p in prompts]
 
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
             out = dec(pid, args.tokens)
             totals[name][0] += len(out.token_ids)
             totals[name][1] += out.seconds
-            v = verifier(pid, out.token_ids, out.text)
+            v = verifier(pid, out.token_ids, out.text, features=(out.features, out.feature_info))
             totals[name + "+verify"][0] += len(out.token_ids)
             totals[name + "+verify"][1] += out.seconds + v.seconds
             verify.append(v.seconds)
