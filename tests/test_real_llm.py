@@ -210,7 +210,7 @@ def test_embed_uses_the_state_predicting_the_delimiter(embedded):
 
 # ----------------------------------------------------------------------------- network-train, generate, chat, serve
 #
-# One tiny SDM network is trained on the real model (16 statements, 1 epoch, 24 new tokens; ~4-6 min on the shared
+# One tiny SDM network is trained on the real model (24 statements, 1 epoch, 24 new tokens; ~4-6 min on the shared
 # 2-core CPU), then every verified-generation path runs against it through the CLI.  The verification layer is
 # trained on completions in the format this model actually writes (a fenced, pretty-printed JSON block, see
 # docs/performance.md), so a generated answer to a support prompt has the features of a support row.  Two copies of
@@ -223,15 +223,15 @@ OOD_PROMPT = "Write a haiku about the sea."
 
 @pytest.fixture(scope="module")
 def network(model_path, tmp_path_factory):
-    """``sdm-mlx network-train`` on 16 statements; returns a namespace of paths and the verification rows."""
+    """``sdm-mlx network-train`` on 24 statements; returns a namespace of paths and the verification rows."""
     import types
 
     tmp = tmp_path_factory.mktemp("real_llm_network")
     task = tmp / "task.jsonl"
-    task.write_text("".join(json.dumps(r) + "\n" for r in factcheck_rows(16, seed=3)), encoding="utf-8")
+    task.write_text("".join(json.dumps(r) + "\n" for r in factcheck_rows(24, seed=3)), encoding="utf-8")
     out = tmp / "net"
     cli("network-train", "--model", model_path, "--data", task, "--output", out, "--preset", "factcheck",
-        "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24, "--generation-batch-size", 8,
+        "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24, "--generation-batch-size", 12,
         "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5, "--no-compile",
         "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30, "--verifier-exemplar-dim", 16,
         "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
@@ -245,7 +245,7 @@ def network(model_path, tmp_path_factory):
 def test_network_train_runs_and_records_alg4(network):
     m = network.metrics
     assert m["finished"] is True and m["vocab_size"] == QWEN_VOCAB and m["hidden_size"] == 1536
-    assert m["train_rows"] + m["calibration_rows"] == 16 and m["tokens"] > 0
+    assert m["train_rows"] + m["calibration_rows"] == 24 and m["tokens"] > 0
     (e,) = m["epochs"]
     assert np.isfinite(e["loss"]) and e["beta_first"] == 0.0 and e["count"] >= 0
     cal = m["initial"]
