@@ -210,31 +210,41 @@ def test_embed_uses_the_state_predicting_the_delimiter(embedded):
 
 # ----------------------------------------------------------------------------- network-train, generate, chat, serve
 #
-# One tiny SDM network is trained on the real model (24 statements, 1 epoch, 24 new tokens; ~4-6 min on the shared
-# 2-core CPU), then every verified-generation path runs against it through the CLI.  The verification layer is
-# trained on completions in the format this model actually writes (a fenced, pretty-printed JSON block, see
-# docs/performance.md), so a generated answer to a support prompt has the features of a support row.  Two copies of
-# it force the two outcomes: LENIENT (trained at alpha' = 0.51) admits answers, STRICT (alpha' = 0.99, then
-# the OOD prompt) rejects them.
+# One tiny SDM network is trained on the real model (24 statements, 1 epoch, 24 new tokens; ~5-15 min on the shared
+# 2-core CPU), then every verified-generation path runs against it through the CLI.  These tests check the paths,
+# not the verifier's quality: on 24 rows a verifier of factual correctness learns nothing (docs/performance.md), so
+# its rows are built to be separable.  Label 1: the statement's correct answer in the format this model writes on
+# its own (a fenced, pretty-printed JSON block); label 0: an answer in another format.  The model's own answers then
+# lie next to label-1 rows.  Two copies force the outcomes: the run's verifier (alpha' = 0.51) admits them, and a
+# `recalibrate --alpha 0.99` copy (which would need >= 100 calibration rows per class) rejects everything.
 
 QWEN_COMPLETIONS = ['```json\n{\n  "correctness": false\n}\n```', '```json\n{\n  "correctness": true\n}\n```']
+OTHER_FORMAT = '{"answer": "I cannot check this document"}'
 OOD_PROMPT = "Write a haiku about the sea."
 
 
 @pytest.fixture(scope="module")
-def network(model_path, tmp_path_factory):
-    """``sdm-mlx network-train`` on 24 statements; returns a namespace of paths and the verification rows."""
+def network(model_path, tokenizer, tmp_path_factory):
+    """``sdm-mlx network-train --verification-data`` on 24 statements; a namespace of paths and the rows."""
     import types
 
     tmp = tmp_path_factory.mktemp("real_llm_network")
-    task = tmp / "task.jsonl"
-    task.write_text("".join(json.dumps(r) + "\n" for r in factcheck_rows(24, seed=3)), encoding="utf-8")
+    template = PRESETS["factcheck"]["prompt_template"]
+    rows = []
+    for k, r in enumerate(factcheck_rows(24, seed=3)):
+        prompt = E.chat_text(tokenizer, r["document"], system=PAPER_SYSTEM, prompt_template=template)
+        positive = k % 2 == 0  # half of each task label (factcheck_rows lists the false ones first)
+        rows.append({"id": r["id"], "document": r["document"], "prompt": prompt, "task_label": r["label"],
+                     "completion": QWEN_COMPLETIONS[r["label"]] if positive else OTHER_FORMAT,
+                     "label": int(positive)})
+    data = tmp / "verification.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     out = tmp / "net"
-    cli("network-train", "--model", model_path, "--data", task, "--output", out, "--preset", "factcheck",
-        "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24, "--generation-batch-size", 12,
-        "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5, "--no-compile",
-        "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30, "--verifier-exemplar-dim", 16,
-        "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
+    cli("network-train", "--model", model_path, "--verification-data", data, "--output", out,
+        "--preset", "factcheck", "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24,
+        "--generation-batch-size", 12, "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5,
+        "--no-compile", "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30,
+        "--verifier-exemplar-dim", 16, "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
     rows = read_jsonl(out / "verification_rows.jsonl")
     strict = tmp / "verifier_strict"
     cli("recalibrate", "--model", out / "verifier", "--alpha", 0.99, "--output", strict)
@@ -251,7 +261,7 @@ def test_network_train_runs_and_records_alg4(network):
     cal = m["initial"]
     assert cal["documents"] == m["calibration_rows"] and 0 <= cal["count"] <= cal["task_correct"] <= cal["documents"]
     assert {r["split"] for r in network.rows} == {"train", "calibration"}
-    assert all(r["completion"] in QWEN_COMPLETIONS for r in network.rows)
+    assert {r["completion"] for r in network.rows if r["label"] == 1} <= set(QWEN_COMPLETIONS)
 
 
 @pytest.fixture(scope="module")
