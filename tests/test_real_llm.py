@@ -213,9 +213,9 @@ def test_embed_uses_the_state_predicting_the_delimiter(embedded):
 # One tiny SDM network is trained on the real model (24 statements, 1 epoch, 24 new tokens; ~5-15 min on the shared
 # 2-core CPU), then every verified-generation path runs against it through the CLI.  These tests check the paths,
 # not the verifier's quality: on 24 rows a verifier of factual correctness learns nothing (docs/performance.md), so
-# its rows are built to be separable.  Label 1: the statement's correct answer in the format this model writes on
-# its own (a fenced, pretty-printed JSON block); label 0: an answer in another format.  The model's own answers then
-# lie next to label-1 rows.  Two copies force the outcomes: the run's verifier (alpha' = 0.51) admits them, and a
+# its rows are built to be separable.  Label 1: the statement's correct answer in both forms this model writes on
+# its own (a fenced, pretty-printed JSON block, or the preset's compact JSON; which one depends on the statement);
+# label 0: an answer in another format.  The model's own answers then lie next to label-1 rows.  Two copies force the outcomes: the run's verifier (alpha' = 0.51) admits them, and a
 # `recalibrate --alpha 0.99` copy (which would need >= 100 calibration rows per class) rejects everything.
 
 QWEN_COMPLETIONS = ['```json\n{\n  "correctness": false\n}\n```', '```json\n{\n  "correctness": true\n}\n```']
@@ -233,10 +233,12 @@ def network(model_path, tokenizer, tmp_path_factory):
     rows = []
     for k, r in enumerate(factcheck_rows(24, seed=3)):
         prompt = E.chat_text(tokenizer, r["document"], system=PAPER_SYSTEM, prompt_template=template)
-        positive = k % 2 == 0  # half of each task label (factcheck_rows lists the false ones first)
-        rows.append({"id": r["id"], "document": r["document"], "prompt": prompt, "task_label": r["label"],
-                     "completion": QWEN_COMPLETIONS[r["label"]] if positive else OTHER_FORMAT,
-                     "label": int(positive)})
+        row = {"document": r["document"], "prompt": prompt, "task_label": r["label"]}
+        if k % 2:  # half of each task label (factcheck_rows lists the false ones first)
+            rows.append({**row, "id": r["id"], "completion": OTHER_FORMAT, "label": 0})
+            continue
+        for form, answers in (("fenced", QWEN_COMPLETIONS), ("compact", PRESETS["factcheck"]["completions"])):
+            rows.append({**row, "id": f"{r['id']}/{form}", "completion": answers[r["label"]], "label": 1})
     data = tmp / "verification.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     out = tmp / "net"
@@ -255,19 +257,20 @@ def network(model_path, tokenizer, tmp_path_factory):
 def test_network_train_runs_and_records_alg4(network):
     m = network.metrics
     assert m["finished"] is True and m["vocab_size"] == QWEN_VOCAB and m["hidden_size"] == 1536
-    assert m["train_rows"] + m["calibration_rows"] == 24 and m["tokens"] > 0
+    assert m["train_rows"] + m["calibration_rows"] == 36 and m["tokens"] > 0
     (e,) = m["epochs"]
     assert np.isfinite(e["loss"]) and e["beta_first"] == 0.0 and e["count"] >= 0
     cal = m["initial"]
     assert cal["documents"] == m["calibration_rows"] and 0 <= cal["count"] <= cal["task_correct"] <= cal["documents"]
     assert {r["split"] for r in network.rows} == {"train", "calibration"}
-    assert {r["completion"] for r in network.rows if r["label"] == 1} <= set(QWEN_COMPLETIONS)
+    assert {r["completion"] for r in network.rows if r["label"] == 1} <= {*QWEN_COMPLETIONS,
+                                                                          *PRESETS["factcheck"]["completions"]}
 
 
 @pytest.fixture(scope="module")
 def lenient_results(network):
     """``generate --input`` over the support prompts with the lenient verifier, answers returned either way."""
-    support = [r for r in network.rows if r["split"] == "train" and r["label"] == 1]
+    support = list({r["document"]: r for r in network.rows if r["split"] == "train" and r["label"] == 1}.values())
     inp, out = network.tmp / "support_prompts.jsonl", network.tmp / "lenient.jsonl"
     inp.write_text("".join(json.dumps({"id": r["id"], "document": r["document"]}) + "\n" for r in support))
     cli("generate", "--head", network.head, "--verifier", network.lenient, "--input", inp, "--output", out,
