@@ -278,19 +278,32 @@ def lenient_results(network):
     return support, read_jsonl(out)
 
 
-def test_generate_continue_admits_the_models_own_answer(lenient_results):
-    """Continue: an answer whose features match a support row's is admitted and returned as is."""
+def _lands_on_support(r) -> bool:
+    """The answer's features are a support row's (squared distance ~0 in exemplar space, as force-decoded)."""
+    return r["attempts"][0]["verifier"]["d0"] < 1e-4
+
+
+def test_generate_answer_lands_on_its_support_row(lenient_results):
+    """The model's own answer to a support prompt has the features of that support row (decode-time features =
+    force-decoded ones): q >= 1, d0 ~ 0, prediction 1, nearest exemplar label 1.  It is returned either way.
+
+    Admission itself ("continue") cannot be forced at this size: with 18 calibration rows the lower bound
+    rejects even an exact support match (measured: p_lower 0.29, q 6, d0 1e-11, reason argmax_flip)."""
     support, results = lenient_results
     assert [r["id"] for r in results] == [r["id"] for r in support]
     for r in results:
-        assert r["decoding"] == "joint" and r["n_attempts"] == 1 and r["status"] in ("verified", "unverified")
+        assert r["decoding"] == "joint" and r["n_attempts"] == 1 and r["text"] == r["answer"]
         assert r["parsed"] is not None and set(r["parsed"]) == {"correctness"}
-    verified = [r for r in results if r["status"] == "verified"]
-    assert verified, [(r["reason"], r["attempts"][0]["verifier"]) for r in results]
-    v = verified[0]
-    assert v["verified"] and v["stopped"] == "verified" and v["text"] == v["answer"] and 0 < v["p_lower"] <= 1
-    assert v["attempts"][0]["verifier"]["admitted"] and v["attempts"][0]["verifier"]["prediction"] == 1
-    assert v["exemplars"] and v["exemplars"][0]["squared_distance"] >= 0
+        if r["status"] == "verified":
+            assert r["stopped"] == "verified" and r["attempts"][0]["verifier"]["admitted"] and 0 < r["p_lower"] <= 1
+        else:
+            assert r["status"] == "unverified" and r["reason"] and not r["verified"]
+    hits = [r for r in results if _lands_on_support(r)]
+    assert hits, [(r["answer"], r["attempts"][0]["verifier"]["d0"]) for r in results]
+    for r in hits:
+        v = r["attempts"][0]["verifier"]
+        assert v["q"] >= 1 and v["prediction"] == 1 and v["n_kept"] == v["delimiter_index"] and not v["missing_delimiter"]
+        assert r["exemplars"][0]["label"] == 1 and r["exemplars"][0]["squared_distance"] < 1e-4
 
 
 def test_generate_reask_then_abstain(network, lenient_results):
@@ -323,29 +336,40 @@ def test_chat_abstains_on_an_out_of_distribution_prompt(network, lenient_results
 
 
 def test_serve_chat_completion_carries_the_verdict(network, lenient_results):
-    """``sdm-mlx serve``: one /v1/chat/completions request for a verified prompt, verdict fields in the choice."""
+    """``sdm-mlx serve``: one /v1/chat/completions request (policy return): the same answer and verdict as generate."""
     sys.path.insert(0, str(ROOT / "tests"))
+    import http.client
+
     from server_process import ServerProcess
 
     _, results = lenient_results
-    v = next(r for r in results if r["status"] == "verified")
-    doc = next(r for r in network.rows if r["id"] == v["id"])["document"]
+    g = next(r for r in results if _lands_on_support(r))
+    doc = next(r for r in network.rows if r["id"] == g["id"])["document"]
     srv = ServerProcess([sys.executable, "-m", "sdm_mlx", "serve", "--head", str(network.head), "--verifier",
-                         str(network.lenient), "--port", "0", "--quiet", "--served-model-name", "qwen"], timeout=300)
-    try:
-        import http.client
+                         str(network.lenient), "--port", "0", "--quiet", "--served-model-name", "qwen"], timeout=600)
 
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
-        body = {"model": "qwen", "messages": [{"role": "user", "content": doc}]}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = json.loads(resp.read())
-        assert resp.status == 200 and resp.getheader("X-SDM-Verified") == "true"
+    def request(method, path, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=600)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    try:
+        resp, data = request("POST", "/v1/chat/completions", {"model": "qwen", "sdm": {"on_reject": "return"},
+                                                              "messages": [{"role": "user", "content": doc}]})
+        assert resp.status == 200, data
         choice = data["choices"][0]
         ver = choice["verification"]
-        assert choice["message"]["content"] == v["answer"] and choice["finish_reason"] == "stop"
-        assert ver["verified"] and ver["admitted"] and ver["status"] == "verified" and ver["prediction"] == 1
-        assert ver["p_lower"] == pytest.approx(v["p_lower"], rel=1e-4) and ver["n_attempts"] == 1
-        assert data["usage"]["completion_tokens"] == ver["attempts"][0]["tokens"] > 0
+        assert choice["message"]["content"] == g["answer"] and choice["finish_reason"] == "stop"
+        assert ver["status"] == g["status"] and ver["verified"] == g["verified"] and ver["n_attempts"] == 1
+        assert resp.getheader("X-SDM-Verified") == ("true" if g["verified"] else "false")
+        assert ver["prediction"] == 1 and ver["p_lower"] == pytest.approx(g["p_lower"], rel=1e-4, abs=1e-6)
+        assert data["usage"]["completion_tokens"] == g["attempts"][0]["tokens"] > 0
+        _, ex = request("GET", f"/v1/verdicts/{ver['verdict_id']}")
+        assert ex["verifier"]["q"] == g["attempts"][0]["verifier"]["q"] and ex["verifier"]["d0"] < 1e-4
     finally:
         assert srv.stop() == 0, "".join(srv.lines)
