@@ -253,8 +253,8 @@ class GreedyDecoder:
             sampler = make_sampler(temp=float(temperature))
         tokens, reason = [], "max_tokens"
         recorder = None
-        if self.features:
-            body = _embed.trunk(self.model)
+        body = _embed.trunk(self.model) if self.features else None
+        if body is not None and callable(getattr(body, "norm", None)):  # else: no states, the verifier's own pass
             recorder = _NormRecorder(body.norm)
             body.norm = recorder
         steps = generate_step(mx.array(prompt_ids), self.model, max_tokens=max_tokens, sampler=sampler)
@@ -277,7 +277,7 @@ class GreedyDecoder:
         finally:
             steps.close()
             if recorder is not None:
-                _embed.trunk(self.model).norm = recorder.norm
+                body.norm = recorder.norm
         return tokens, reason, (recorder.states() if recorder is not None and recorder.outputs else None)
 
     # -- joint neg+pos: network.generation.greedy_generate ---------------------------------------------------
