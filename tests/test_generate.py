@@ -251,8 +251,8 @@ def test_reask_stops_at_first_verified_and_uses_template(setup):
     real = gen.verifier
     calls = []
 
-    def flaky(prompt_ids, answer_ids, text, id=None):  # reject the first answer, then defer to the real verifier
-        v = real(prompt_ids, answer_ids, text, id)
+    def flaky(prompt_ids, answer_ids, text, id=None, **kw):  # reject the first answer, then defer to the real one
+        v = real(prompt_ids, answer_ids, text, id, **kw)
         calls.append(list(prompt_ids))
         if len(calls) == 1:
             v.verified, v.reason = False, "below_threshold_psi"
@@ -333,3 +333,43 @@ def test_chat_non_interactive(setup, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{setup.verified_doc}\n"))
     assert main(["chat", "--head", setup.head_dir, "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "verified"
+
+
+# --------------------------------------------------------------------------- verifier features from the decoding
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_decoding_features_equal_the_feature_pass(setup, joint):
+    """``GreedyDecoder(features=True)``: the pooled decoding states = a separate force-decoded feature pass."""
+    from sdm_mlx.embed import trunk
+    from sdm_mlx.verified import GreedyDecoder
+
+    gen = _generator(setup)
+    norm = trunk(gen.model).norm
+    dec = GreedyDecoder(gen.model, gen.tokenizer, heads=gen.heads if joint else None, features=True)
+    for doc in (setup.verified_doc, OOD_PROMPT):  # a delimited answer, and (likely) one without the delimiter
+        ids = E.encode(gen.tokenizer, gen.prompt_text(doc))
+        out = dec(ids, 24)
+        X, feats = gen.verifier.features(ids, out.token_ids)
+        assert out.features.shape == X.shape
+        np.testing.assert_allclose(out.features, X, atol=1e-5, rtol=1e-5)
+        assert out.feature_info == {"n_kept": int(feats.n_kept[0]), "delimiter_index": int(feats.delimiter_index[0]),
+                                    "missing_delimiter": bool(feats.missing_delimiter[0]),
+                                    "truncated": bool(feats.truncated[0])}
+        assert trunk(gen.model).norm is norm  # the recording wrapper is gone
+    assert GreedyDecoder(gen.model, gen.tokenizer).__call__(ids, 4).features is None  # off by default
+
+
+def test_first_attempt_is_verified_without_a_second_forward_pass(setup, monkeypatch):
+    """Only a re-asked attempt (decoded from another prompt) runs the verifier's own feature pass."""
+    gen = _generator(setup, on_reject="reask", max_attempts=2, reask_fallback="return")
+    passes = []
+    real = type(gen.verifier).features
+    monkeypatch.setattr(type(gen.verifier), "features", lambda self, p, a: (passes.append(len(a)), real(self, p, a))[1])
+    r = gen.generate(setup.verified_doc)
+    assert r.verified and len(r.attempts) == 1 and passes == []
+    again = gen.verify(setup.verified_doc, r.attempts[0].token_ids)  # the feature pass gives the same verdict
+    assert passes and again.verified and again.p_lower == pytest.approx(r.p_lower, abs=1e-5)
+    passes.clear()
+    r2 = gen.generate(OOD_PROMPT)
+    assert len(r2.attempts) == 2 and len(passes) == 1  # the re-ask only

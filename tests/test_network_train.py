@@ -121,3 +121,33 @@ def test_interrupted_network_train_says_it_holds_the_base_head(run, tmp_path, mo
     assert metrics["finished"] is False and metrics["interrupted_during_epoch"] == 1
     with pytest.warns(RuntimeWarning, match="did not finish .*0 of 3 epochs.*untrained base head"):
         load_network(out / "network", model, tok, load_verifier=False)
+
+
+def test_reused_verifier_embeds_one_row_only(run, tmp_path, monkeypatch):
+    """--verifier: the rows' features are not recomputed (one row checks the width); same split, same count."""
+    import dataclasses
+    import warnings
+
+    from sdm_mlx.embed import load_model
+    from sdm_mlx.network import train_network
+    from sdm_mlx.network.trainer import SDMNetworkTrainer
+
+    cfg, res = run
+    sizes = []
+    real = SDMNetworkTrainer.features_of
+
+    def counted(self, rows, desc):
+        sizes.append(len(rows))
+        return real(self, rows, desc)
+
+    monkeypatch.setattr(SDMNetworkTrainer, "features_of", counted)
+    cfg2 = dataclasses.replace(cfg, output_dir=str(tmp_path / "out"), verifier=res.verifier_path, epochs=0)
+    model, tok = load_model(cfg.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res2 = train_network(cfg2, model, tok)
+    assert sizes == [1]
+    assert res2.initial_count == res.initial_count
+    rows = [json.loads(x) for x in open(os.path.join(cfg2.output_dir, "verification_rows.jsonl"))]
+    first = [json.loads(x) for x in open(os.path.join(cfg.output_dir, "verification_rows.jsonl"))]
+    assert [r["split"] for r in rows] == [r["split"] for r in first]

@@ -4,7 +4,7 @@ Tier ``real_llm``, not in the default run.  Fetch the model once (~1.1 GB
 download, ~7.1 GB on disk), then run the tier::
 
     python tools/fetch_test_llm.py            # -> ~/.cache/sdm_mlx/test_llm/qwen2.5-coder-1.5b-instruct-float32
-    python -m pytest -m real_llm              # 1.5-7 min on a shared 2-core CPU, ~7.5 GB RAM per model load
+    python -m pytest -m real_llm              # ~10-20 min on a shared 2-core CPU, ~7.5-13 GB RAM per model load
 
 ``SDM_MLX_TEST_LLM`` points to another model directory (default: the fetch
 tool's output directory, under ``$SDM_MLX_TEST_LLM_CACHE`` if set).  Every test
@@ -206,3 +206,170 @@ def test_embed_uses_the_state_predicting_the_delimiter(embedded):
     for feats in outs.values():
         rel = _rel(feats[:n], feats[n:])
         assert rel.max() < BATCH_RTOL, f"delimiter features vs last-token features of the cut text: {rel.max():.2e}"
+
+
+# ----------------------------------------------------------------------------- network-train, generate, chat, serve
+#
+# One tiny SDM network is trained on the real model (24 statements, 1 epoch, 24 new tokens; ~10 min for these five
+# tests on the shared 2-core CPU), then every verified-generation path runs against it through the CLI.  These tests check the paths,
+# not the verifier's quality: on 24 rows a verifier of factual correctness learns nothing (docs/performance.md), so
+# its rows are built to be separable.  Label 1: the statement's correct answer in both forms this model writes on
+# its own (a fenced, pretty-printed JSON block, or the preset's compact JSON; which one depends on the statement);
+# label 0: an answer in another format.  The model's own answers then lie next to label-1 rows.  Two copies force the outcomes: the run's verifier (alpha' = 0.51) admits them, and a
+# `recalibrate --alpha 0.99` copy (which would need >= 100 calibration rows per class) rejects everything.
+
+QWEN_COMPLETIONS = ['```json\n{\n  "correctness": false\n}\n```', '```json\n{\n  "correctness": true\n}\n```']
+OTHER_FORMAT = '{"answer": "I cannot check this document"}'
+OOD_PROMPT = "Write a haiku about the sea."
+
+
+@pytest.fixture(scope="module")
+def network(model_path, tokenizer, tmp_path_factory):
+    """``sdm-mlx network-train --verification-data`` on 24 statements; a namespace of paths and the rows."""
+    import types
+
+    tmp = tmp_path_factory.mktemp("real_llm_network")
+    template = PRESETS["factcheck"]["prompt_template"]
+    rows = []
+    for k, r in enumerate(factcheck_rows(24, seed=3)):
+        prompt = E.chat_text(tokenizer, r["document"], system=PAPER_SYSTEM, prompt_template=template)
+        row = {"document": r["document"], "prompt": prompt, "task_label": r["label"]}
+        if k % 2:  # half of each task label (factcheck_rows lists the false ones first)
+            rows.append({**row, "id": r["id"], "completion": OTHER_FORMAT, "label": 0})
+            continue
+        for form, answers in (("fenced", QWEN_COMPLETIONS), ("compact", PRESETS["factcheck"]["completions"])):
+            rows.append({**row, "id": f"{r['id']}/{form}", "completion": answers[r["label"]], "label": 1})
+    data = tmp / "verification.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp / "net"
+    cli("network-train", "--model", model_path, "--verification-data", data, "--output", out,
+        "--preset", "factcheck", "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24,
+        "--generation-batch-size", 12, "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5,
+        "--no-compile", "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30,
+        "--verifier-exemplar-dim", 16, "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
+    rows = read_jsonl(out / "verification_rows.jsonl")
+    strict = tmp / "verifier_strict"
+    cli("recalibrate", "--model", out / "verifier", "--alpha", 0.99, "--output", strict)
+    return types.SimpleNamespace(dir=out, head=out / "network", lenient=out / "verifier", strict=strict, rows=rows,
+                                 metrics=json.loads((out / "metrics.json").read_text()), tmp=tmp)
+
+
+def test_network_train_runs_and_records_alg4(network):
+    m = network.metrics
+    assert m["finished"] is True and m["vocab_size"] == QWEN_VOCAB and m["hidden_size"] == 1536
+    assert m["train_rows"] + m["calibration_rows"] == 36 and m["tokens"] > 0
+    (e,) = m["epochs"]
+    assert np.isfinite(e["loss"]) and e["beta_first"] == 0.0 and e["count"] >= 0
+    cal = m["initial"]
+    assert cal["documents"] == m["calibration_rows"] and 0 <= cal["count"] <= cal["task_correct"] <= cal["documents"]
+    assert {r["split"] for r in network.rows} == {"train", "calibration"}
+    assert {r["completion"] for r in network.rows if r["label"] == 1} <= {*QWEN_COMPLETIONS,
+                                                                          *PRESETS["factcheck"]["completions"]}
+
+
+@pytest.fixture(scope="module")
+def lenient_results(network):
+    """``generate --input`` over the support prompts with the lenient verifier, answers returned either way."""
+    support = list({r["document"]: r for r in network.rows if r["split"] == "train" and r["label"] == 1}.values())
+    inp, out = network.tmp / "support_prompts.jsonl", network.tmp / "lenient.jsonl"
+    inp.write_text("".join(json.dumps({"id": r["id"], "document": r["document"]}) + "\n" for r in support))
+    cli("generate", "--head", network.head, "--verifier", network.lenient, "--input", inp, "--output", out,
+        "--on-reject", "return", "--quiet")
+    return support, read_jsonl(out)
+
+
+def _lands_on_support(r) -> bool:
+    """The answer's features are a support row's (squared distance ~0 in exemplar space, as force-decoded)."""
+    return r["attempts"][0]["verifier"]["d0"] < 1e-4
+
+
+def test_generate_answer_lands_on_its_support_row(lenient_results):
+    """The model's own answer to a support prompt has the features of that support row (decode-time features =
+    force-decoded ones): q >= 1, d0 ~ 0, prediction 1, nearest exemplar label 1.  It is returned either way.
+
+    Admission itself ("continue") cannot be forced at this size: with 18 calibration rows the lower bound
+    rejects even an exact support match (measured: p_lower 0.76, q 12, d0 3e-12, below_threshold_psi)."""
+    support, results = lenient_results
+    assert [r["id"] for r in results] == [r["id"] for r in support]
+    for r in results:
+        assert r["decoding"] == "joint" and r["n_attempts"] == 1 and r["text"] == r["answer"]
+        assert r["parsed"] is not None and set(r["parsed"]) == {"correctness"}
+        if r["status"] == "verified":
+            assert r["stopped"] == "verified" and r["attempts"][0]["verifier"]["admitted"] and 0 < r["p_lower"] <= 1
+        else:
+            assert r["status"] == "unverified" and r["reason"] and not r["verified"]
+    hits = [r for r in results if _lands_on_support(r)]
+    assert hits, [(r["answer"], r["attempts"][0]["verifier"]["d0"]) for r in results]
+    for r in hits:
+        v = r["attempts"][0]["verifier"]
+        assert v["q"] >= 1 and v["prediction"] == 1 and v["n_kept"] == v["delimiter_index"] and not v["missing_delimiter"]
+        assert r["exemplars"][0]["label"] == 1 and r["exemplars"][0]["squared_distance"] < 1e-4
+
+
+def test_generate_reask_then_abstain(network, lenient_results):
+    """Re-ask: every attempt is rejected by the strict verifier; two attempts, then the abstain fallback."""
+    _, results = lenient_results
+    doc = next(r for r in network.rows if r["id"] == results[0]["id"])["document"]
+    proc = cli("generate", "--head", network.head, "--verifier", network.strict, "--prompt", doc,
+               "--on-reject", "reask", "--max-attempts", 2, "--no-stream", "--quiet")
+    r = json.loads(proc.stdout)
+    assert r["on_reject"] == "reask" and r["n_attempts"] == 2 and r["stopped"] in ("max_attempts", "repeated_prompt")
+    assert r["status"] == "abstained" and not r["verified"] and r["text"].startswith("NOT VERIFIED")
+    a1, a2 = r["attempts"]
+    assert a1["reask_message"] is None and a2["reask_message"] and a2["prompt_tokens"] > a1["prompt_tokens"]
+    assert not a1["verified"] and not a2["verified"] and a1["reason"] and a2["reason"]
+
+
+def test_chat_abstains_on_an_out_of_distribution_prompt(network, lenient_results):
+    """Abstain (chat, the default policy): a haiku request is no factcheck answer; the log keeps the evidence."""
+    _, results = lenient_results
+    log = network.tmp / "chat.jsonl"
+    argv = ["chat", "--head", network.head, "--verifier", network.strict, "--prompt-template", "{document}",
+            "--max-tokens", 24, "--output", log, "--quiet"]
+    proc = subprocess.run([sys.executable, "-m", "sdm_mlx", *map(str, argv)],
+                          input=f"{OOD_PROMPT}\n", capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NOT VERIFIED" in proc.stdout and "[rejected:" in proc.stdout
+    (row,) = read_jsonl(log)
+    assert row["status"] == "abstained" and row["on_reject"] == "abstain" and row["n_attempts"] == 1
+    assert row["reason"] and not row["attempts"][0]["verified"] and row["answer"]
+
+
+def test_serve_chat_completion_carries_the_verdict(network, lenient_results):
+    """``sdm-mlx serve``: one /v1/chat/completions request (policy return): the same answer and verdict as generate."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import http.client
+
+    from server_process import ServerProcess
+
+    _, results = lenient_results
+    g = next(r for r in results if _lands_on_support(r))
+    doc = next(r for r in network.rows if r["id"] == g["id"])["document"]
+    srv = ServerProcess([sys.executable, "-m", "sdm_mlx", "serve", "--head", str(network.head), "--verifier",
+                         str(network.lenient), "--port", "0", "--quiet", "--served-model-name", "qwen"], timeout=600)
+
+    def request(method, path, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=600)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    try:
+        resp, data = request("POST", "/v1/chat/completions", {"model": "qwen", "sdm": {"on_reject": "return"},
+                                                              "messages": [{"role": "user", "content": doc}]})
+        assert resp.status == 200, data
+        choice = data["choices"][0]
+        ver = choice["verification"]
+        assert choice["message"]["content"] == g["answer"] and choice["finish_reason"] == "stop"
+        assert ver["status"] == g["status"] and ver["verified"] == g["verified"] and ver["n_attempts"] == 1
+        assert resp.getheader("X-SDM-Verified") == ("true" if g["verified"] else "false")
+        assert ver["prediction"] == 1 and ver["p_lower"] == pytest.approx(g["p_lower"], rel=1e-4, abs=1e-6)
+        assert data["usage"]["completion_tokens"] == g["attempts"][0]["tokens"] > 0
+        _, ex = request("GET", f"/v1/verdicts/{ver['verdict_id']}")
+        assert ex["verifier"]["q"] == g["attempts"][0]["verifier"]["q"] and ex["verifier"]["d0"] < 1e-4
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)

@@ -2,6 +2,13 @@
 
     python tools/bench_generate.py [--size tiny|small|medium] [--prompts 8] [--tokens 64] [--support 1000]
                                    [--json out.json]
+    python tools/bench_generate.py --model DIR [--verifier DIR] [--factcheck] ...   # a real model
+
+With ``--verifier`` a saved ``SDMEstimator`` (e.g. trained with ``sdm-mlx train`` on
+``sdm-mlx embed`` features of this model) replaces the synthetic one; with
+``--factcheck`` the prompts are factcheck statements in the paper's verification
+prompt (``sdm_mlx.verification_data.PRESETS["factcheck"]``) instead of random
+movie-review words.
 
 Without ``--model`` a random model is built locally with ``tests/tiny_models.py``
 (``tiny``: hidden 64, 2 layers, |V| ≈ 360; ``small``: hidden 512, 4 layers,
@@ -15,9 +22,13 @@ EOS ends a row early and the token counts follow) for each prompt and reports:
 * ``plain``       — our plain decoder (mlx-lm's ``generate_step``) without verification;
 * ``joint``       — joint neg+pos decoding with a positive head (W_pos = float32 copy of
                     the LM head) via ``network.generation.greedy_generate``, without verification;
-* ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end;
-* per-answer verification latency: feature pass (prompt + answer through the trunk),
-  adaptor + support search (q, d0, exemplars), the whole estimate (``predict``), medians;
+* ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end, as
+  ``VerifiedGenerator`` does a first attempt: the verifier input is pooled from the decoding's
+  own states (``GreedyDecoder(features=True)``), then the estimate;
+* per-answer verification latency: the separate feature pass (prompt + answer through the
+  trunk once more: what a re-asked attempt, ``/v1/verify`` and the code before decode-time
+  features pay), adaptor + support search (q, d0, exemplars), the whole estimate, the
+  verification as timed in the verified paths, medians;
 * overhead of each path relative to ``mlx_lm`` on the same tokens.
 
 Prints a table, writes JSON with ``--json`` and states which BLAS MLX used.
@@ -58,6 +69,21 @@ def make_verifier(width: int, n: int, seed: int = 0):
     return est.fit(X, y)
 
 
+def make_prompts(tok, n: int, factcheck: bool) -> list[str]:
+    """``n`` chat prompts: random review words in the sentiment prompt, or factcheck statements (seed 0)."""
+    rng = np.random.default_rng(0)
+    if not factcheck:
+        return [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
+                            prompt_template=TEMPLATE) for _ in range(n)]
+    from sdm_mlx.data import load_factcheck
+    from sdm_mlx.verification_data import PRESETS
+
+    docs = load_factcheck("generated").documents
+    template = PRESETS["factcheck"]["prompt_template"]
+    return [E.chat_text(tok, docs[i], system=SYSTEM, prompt_template=template)
+            for i in rng.choice(len(docs), size=n, replace=False)]
+
+
 def _median(v):
     return float(np.median(v)) if v else float("nan")
 
@@ -70,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt (delimiter stop off)")
     ap.add_argument("--support", type=int, default=1000,
                     help="rows of synthetic verifier data (train + calibration; half become the support set)")
+    ap.add_argument("--verifier", default=None, help="saved SDMEstimator directory (default: a synthetic one)")
+    ap.add_argument("--factcheck", action="store_true", help="factcheck statements in the paper's prompt")
     ap.add_argument("--n-exemplars", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -89,15 +117,19 @@ def main(argv=None) -> int:
         model.lm_head.weight = w[mx.array(np.arange(cfg.vocab_size) % n_real)]
         mx.eval(model.lm_head.weight)
     t0 = time.perf_counter()
-    est = make_verifier(2 * cfg.hidden_size, args.support)
+    if args.verifier:
+        from sdm_mlx.estimator import SDMEstimator
+
+        est = SDMEstimator.load(args.verifier)
+    else:
+        est = make_verifier(2 * cfg.hidden_size, args.support)
     fit_s = time.perf_counter() - t0
     verifier = AnswerVerifier(model, tok, est, n_exemplars=args.n_exemplars)
     heads = SDMHeads(model)
-    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False),
-                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False)}
-    rng = np.random.default_rng(0)
-    prompts = [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
-                           prompt_template=TEMPLATE) for _ in range(args.prompts)]
+    # features=True: the decoders pool the verifier input from their own states, as VerifiedGenerator does
+    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False, features=True),
+                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False, features=True)}
+    prompts = make_prompts(tok, args.prompts, args.factcheck)
     ids = [E.encode(tok, p) for p in prompts]
 
     # warm-up (compilation, caches)
@@ -118,7 +150,7 @@ def main(argv=None) -> int:
             out = dec(pid, args.tokens)
             totals[name][0] += len(out.token_ids)
             totals[name][1] += out.seconds
-            v = verifier(pid, out.token_ids, out.text)
+            v = verifier(pid, out.token_ids, out.text, features=(out.features, out.feature_info))
             totals[name + "+verify"][0] += len(out.token_ids)
             totals[name + "+verify"][1] += out.seconds + v.seconds
             verify.append(v.seconds)
@@ -147,7 +179,7 @@ def main(argv=None) -> int:
     report = {
         "model": label, "hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
         "vocab_size": cfg.vocab_size, "feature_width": 2 * cfg.hidden_size, "support_rows": int(len(est.support_ids_)),
-        "verifier_fit_s": fit_s, "prompts": args.prompts, "tokens_per_prompt": args.tokens,
+        "verifier": args.verifier or "synthetic", "verifier_fit_or_load_s": fit_s, "prompts": args.prompts, "tokens_per_prompt": args.tokens,
         "mean_prompt_tokens": float(np.mean([len(i) for i in ids])),
         "blas": describe_blas(), "platform": platform.platform(), "mlx_device": str(mx.default_device()),
         "results": rows, "verification_latency": lat,

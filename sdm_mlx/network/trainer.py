@@ -410,18 +410,21 @@ class SDMNetworkTrainer:
     def fit_verifier(self, rows: Sequence[dict]):
         """Train (or load) the verification layer; returns (estimator, train_rows, cal_rows)."""
         c = self.config
-        X = self.features_of(rows, "verifier features")
-        ids = [r["id"] for r in rows]
-        y = np.array([int(r["label"]) for r in rows], dtype=np.int64)
         if c.verifier:
+            # a trained verifier needs no features of the rows: one row checks the width (on a 1.5B model on
+            # CPU, embedding every row again costs ~3 s per row)
             from ..estimator import SDMEstimator
 
             est = SDMEstimator.load(c.verifier)
-            if est.input_dim_ != X.shape[1]:
+            width = self.features_of(rows[:1], "verifier width check").shape[1]
+            if est.input_dim_ != width:
                 raise ValueError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "
-                                 f"{X.shape[1]}")
+                                 f"{width}")
             self.log(f"reusing the verification layer at {c.verifier}")
         else:
+            X = self.features_of(rows, "verifier features")
+            ids = [r["id"] for r in rows]
+            y = np.array([int(r["label"]) for r in rows], dtype=np.int64)
             self.log(f"training the verification layer on {len(rows)} force-decoded rows "
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())

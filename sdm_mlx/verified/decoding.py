@@ -17,6 +17,16 @@ unit is closed — for the delimiter ``"}"`` the ``}`` that balances the first
 JSON strings ignored), for another delimiter its first occurrence —; an
 end-of-sequence token (not kept); or ``max_tokens`` generated tokens.
 
+Verifier features while decoding (``features=True``): the final-norm hidden
+states that decoding computes anyway (prefill of the prompt, then one per fed
+token) are pooled exactly as :mod:`sdm_mlx.embed` pools a force-decoded prompt
++ completion (``concat(mean(h_0 .. h_{n-1}), h_{n-1})``, ``n`` from
+:func:`~sdm_mlx.embed.generated_n_kept`), so verifying the answer needs no second
+forward pass.  Plain decoding records them by wrapping the trunk's final norm
+while mlx-lm's ``generate_step`` runs; joint decoding gets them from
+``greedy_generate(features=True)``.  They equal the force-decoded features up to
+KV-cache rounding (float32: ~1e-6 relative).
+
 Two request-level options (used by ``sdm-mlx serve``): ``stop`` strings end
 decoding as soon as the decoded text contains one (OpenAI semantics: the text is
 cut before it; the streamed text never shows it — the last ``len(stop) - 1``
@@ -31,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .. import embed as _embed
 from ..network.generation import is_closed
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop")
@@ -79,6 +90,28 @@ class Decoded:
     text: str
     stop_reason: str
     seconds: float
+    #: with ``GreedyDecoder(features=True)``: the verifier input ``[1, 2D]`` float32 of prompt + answer and
+    #: ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}`` (see the module docstring)
+    features: object = None
+    feature_info: dict | None = None
+
+
+class _NormRecorder:
+    """Stands in for the trunk's final norm while decoding and keeps every output (``[1, T_i, D]`` each)."""
+
+    def __init__(self, norm):
+        self.norm, self.outputs = norm, []
+
+    def __call__(self, x):
+        y = self.norm(x)
+        self.outputs.append(y)
+        return y
+
+    def states(self):
+        """The recorded final-norm states of positions 0, 1, ... as one ``[T, D]`` array."""
+        import mlx.core as mx
+
+        return mx.concatenate([o.reshape(-1, o.shape[-1]) for o in self.outputs], axis=0)
 
 
 def eos_ids(tokenizer) -> set:
@@ -116,13 +149,17 @@ class GreedyDecoder:
     ``decoder(prompt_ids, max_tokens, on_text=None) -> Decoded``; ``on_text``
     receives readable text segments as tokens arrive (mlx-lm's streaming
     detokenizer).  ``stop_at_delimiter=False`` only stops at EOS / max tokens.
+    ``features=True`` also returns the verifier input of prompt + answer (``Decoded.features``), pooled from
+    the states of the decoding itself with at most ``max_length`` positions.
     """
 
-    def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True):
+    def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True,
+                 features: bool = False, max_length: int = _embed.DEFAULT_MAX_LENGTH):
         if not delimiter:
             raise ValueError("delimiter must be a non-empty string")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads
         self.delimiter, self.stop_at_delimiter = delimiter, stop_at_delimiter
+        self.features, self.max_length = bool(features), int(max_length)
         self.eos = eos_ids(tokenizer)
 
     @property
@@ -155,10 +192,11 @@ class GreedyDecoder:
                     out.push(seg)
 
         t0 = time.perf_counter()
+        states = pooled = None
         if self.heads is None:
-            tokens, reason = self._plain(prompt_ids, max_tokens, emit, stop, temperature)
+            tokens, reason, states = self._plain(prompt_ids, max_tokens, emit, stop, temperature)
         else:
-            tokens, reason = self._joint(prompt_ids, max_tokens, emit, stop)
+            tokens, reason, pooled = self._joint(prompt_ids, max_tokens, emit, stop)
         if det is not None:
             det.finalize()
             seg = det.last_segment
@@ -168,7 +206,24 @@ class GreedyDecoder:
         text = self.tokenizer.decode(tokens)
         if reason == "stop":
             text, tokens = self._cut_at_stop(text, tokens, stop)
-        return Decoded(prompt_ids, tokens, text, reason, time.perf_counter() - t0)
+            pooled = None  # the joint path pooled the uncut answer
+        feats = info = None
+        if self.features:
+            feats, info = self._pool(prompt_ids, tokens, states, pooled)
+        return Decoded(prompt_ids, tokens, text, reason, time.perf_counter() - t0, feats, info)
+
+    def _pool(self, prompt_ids, tokens, states, pooled):
+        """``(features [1, 2D] float32, info)`` of prompt + answer from the decoding's states (or None)."""
+        import numpy as np
+
+        n, info = _embed.generated_n_kept(self.tokenizer, len(prompt_ids), tokens, delimiter=self.delimiter,
+                                          max_length=self.max_length, on_missing="prompt")
+        info = {"n_kept": int(n), **info}
+        if pooled is not None and pooled[1] == n:
+            return np.asarray(pooled[0], dtype=np.float32).reshape(1, -1), info
+        if states is None or states.shape[0] < n:
+            return None, None  # not all states were computed (e.g. the joint answer was cut at a stop string)
+        return _embed.pool_hidden(np.array(states[:n], dtype=np.float32), n).reshape(1, -1), info
 
     def _cut_at_stop(self, text: str, tokens: list, stop: Sequence[str]) -> tuple[str, list]:
         """Text cut before the stop string; the longest token prefix whose text is a prefix of it."""
@@ -195,6 +250,11 @@ class GreedyDecoder:
 
             sampler = make_sampler(temp=float(temperature))
         tokens, reason = [], "max_tokens"
+        recorder = None
+        body = _embed.trunk(self.model) if self.features else None
+        if body is not None and callable(getattr(body, "norm", None)):  # else: no states, the verifier's own pass
+            recorder = _NormRecorder(body.norm)
+            body.norm = recorder
         steps = generate_step(mx.array(prompt_ids), self.model, max_tokens=max_tokens, sampler=sampler)
         try:
             for tok, _ in steps:
@@ -214,7 +274,9 @@ class GreedyDecoder:
                     break
         finally:
             steps.close()
-        return tokens, reason
+            if recorder is not None:
+                body.norm = recorder.norm
+        return tokens, reason, (recorder.states() if recorder is not None and recorder.outputs else None)
 
     # -- joint neg+pos: network.generation.greedy_generate ---------------------------------------------------
     def _joint(self, prompt_ids, max_tokens, emit, stop=()):
@@ -233,8 +295,10 @@ class GreedyDecoder:
         try:
             out = greedy_generate(
                 _StreamingHeads(self.heads, hook), self.tokenizer, [prompt_ids], max_new_tokens=max_tokens,
-                delimiter=self.delimiter, stop_at_delimiter=self.stop_at_delimiter, batch_size=1, features=False,
+                delimiter=self.delimiter, stop_at_delimiter=self.stop_at_delimiter, batch_size=1,
+                features=self.features, max_length=self.max_length,
             )[0]
         except _StopHit:
-            return seen, "stop"
-        return list(out.token_ids), out.stop_reason
+            return seen, "stop", None
+        pooled = (out.embedding, out.n_kept) if self.features else None
+        return list(out.token_ids), out.stop_reason, pooled

@@ -220,7 +220,8 @@ class VerifiedGenerator:
         self.reask_template = REASK_TEMPLATE if config.reask_template is None else config.reask_template
         self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
-        self.decoder = GreedyDecoder(model, tokenizer, heads=heads, delimiter=self.delimiter)
+        self.decoder = GreedyDecoder(model, tokenizer, heads=heads, delimiter=self.delimiter, features=True,
+                                     max_length=self.max_length)
         self.decoding = self.decoder.mode  # "plain" | "joint"
         self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
                                        max_length=self.max_length, n_exemplars=config.n_exemplars,
@@ -314,7 +315,10 @@ class VerifiedGenerator:
                 on_attempt_start(k)
             t0 = time.perf_counter()
             dec = self.decoder(gen_ids, max_tokens, on_text, **decode_options)
-            verdict = self.verifier(base_ids, dec.token_ids, dec.text, id)
+            # the first attempt's decoding already computed the verifier input; a re-asked attempt is verified
+            # against the original prompt, which its decoding never saw: one feature pass
+            own = (dec.features, dec.feature_info) if gen_ids is base_ids else None
+            verdict = self.verifier(base_ids, dec.token_ids, dec.text, id, **({"features": own} if own else {}))
             att = Attempt(
                 attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
                 reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),

@@ -95,20 +95,27 @@ class AnswerVerifier:
         )
         return feats.embeddings, feats
 
-    def __call__(self, prompt_ids, answer_ids, text: str, id=None) -> Verdict:
+    def __call__(self, prompt_ids, answer_ids, text: str, id=None, features=None) -> Verdict:
+        """Verify ``answer_ids`` after ``prompt_ids``.  ``features``: ``(X [1, 2D], info)`` already pooled from
+        the decoding of exactly this prompt + answer (``Decoded.features`` / ``feature_info``); then the
+        feature pass is skipped."""
         t0 = time.perf_counter()
-        X, feats = self.features(prompt_ids, answer_ids)
+        if features is not None and features[0] is not None:
+            X, info = features
+        else:
+            X, feats = self.features(prompt_ids, answer_ids)
+            info = {k: getattr(feats, k)[0] for k in ("n_kept", "delimiter_index", "missing_delimiter", "truncated")}
         t1 = time.perf_counter()
         pred = self.estimator.estimate(X, ids=[id], n_exemplars=self.n_exemplars)
         row = pred.to_dicts()[0]
         t2 = time.perf_counter()
         parsed = first_json_object(text)
-        missing = bool(feats.missing_delimiter[0])
+        missing = bool(info["missing_delimiter"])
         record = {k: row[k] for k in VERIFIER_FIELDS}
         for k in VERDICT_FLOAT_KEYS:
             record[k] = finite_or_none(record[k])
-        record.update(n_kept=int(feats.n_kept[0]), delimiter_index=int(feats.delimiter_index[0]),
-                      missing_delimiter=missing, truncated=bool(feats.truncated[0]))
+        record.update(n_kept=int(info["n_kept"]), delimiter_index=int(info["delimiter_index"]),
+                      missing_delimiter=missing, truncated=bool(info["truncated"]))
         if missing or (self.require_json and parsed is None):
             reason = PARSE_FAILURE
         elif not row["admitted"]:
