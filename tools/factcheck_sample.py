@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
 
 from sdm_mlx.data import factcheck_splits
+from sdm_mlx.io import atomic_write, make_dirs, write_jsonl
 
 
 def balanced_pick(y: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -53,7 +55,6 @@ def sample_rows(n_pool: int, n_heldout: int, n_generated: int, seed: int = 0) ->
 
 def split_file(path: str) -> dict:
     """Write ``<stem>.<split>.jsonl`` for every ``split`` value of ``path``'s rows; returns the row counts."""
-    import os
 
     stem = path[:-6] if path.endswith(".jsonl") else path
     parts: dict = {}
@@ -65,7 +66,7 @@ def split_file(path: str) -> dict:
                     raise SystemExit(f"{path}: line {lineno}: no 'split' field (id {row.get('id')!r})")
                 parts.setdefault(row["split"], []).append(line if line.endswith("\n") else line + "\n")
     for name, lines in parts.items():
-        with open(f"{stem}.{name}.jsonl", "w", encoding="utf-8") as out:
+        with atomic_write(f"{stem}.{name}.jsonl") as out:
             out.writelines(lines)
         print(f"{len(lines)} rows -> {os.path.basename(stem)}.{name}.jsonl", file=sys.stderr)
     return {k: len(v) for k, v in parts.items()}
@@ -86,8 +87,9 @@ def main(argv=None) -> int:
     if not args.output:
         ap.error("give -o/--output (or --split-file)")
     rows = sample_rows(args.pool, args.heldout, args.generated, args.seed)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    parent = os.path.dirname(os.path.abspath(args.output))
+    make_dirs(parent)  # runs/data/... on a fresh checkout
+    write_jsonl(args.output, rows)
     counts = {s: sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")}
     print(f"wrote {len(rows)} rows to {args.output}: {counts}", file=sys.stderr)
     return 0
