@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+from .errors import InputError
 
 #: The offset added to q in the base of the exponent, ``2 + q``.
 Q_OFFSET = 2.0
@@ -60,4 +61,4 @@ def sdm_nll_loss(z: mx.array, y: mx.array, q, d, reduction: str = "mean") -> mx.
         return nll.sum()
     if reduction == "none":
         return nll
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    raise InputError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

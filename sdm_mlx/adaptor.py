@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .exact_product import CHUNK_ROWS, ExactRowProduct
+from .errors import InputError
 
 
 def _uniform_linear(fan_in: int, fan_out: int, key: mx.array) -> nn.Linear:
@@ -57,7 +58,7 @@ class ExemplarAdaptor(nn.Module):
     def set_normalization(self, mean: float, std: float) -> None:
         """Set the scalar μ, σ applied to every input (σ must be > 0)."""
         if not np.isfinite(mean) or not np.isfinite(std) or std <= 0:
-            raise ValueError(f"normalisation needs a finite mean and a positive std, got mean={mean}, std={std}")
+            raise InputError(f"normalisation needs a finite mean and a positive std, got mean={mean}, std={std}")
         self.input_mean = mx.array(float(mean))
         self.input_std = mx.array(float(std))
         self.freeze(keys=["input_mean", "input_std"], recurse=False)
@@ -72,10 +73,10 @@ def scalar_normalization(x: np.ndarray) -> tuple[float, float]:
     """One scalar mean and sample std (ddof=1) over every element of the training features."""
     x = np.asarray(x, dtype=np.float64)
     if x.size < 2:
-        raise ValueError("need at least two feature values to compute the normalisation std")
+        raise InputError("need at least two feature values to compute the normalisation std")
     std = float(x.std(ddof=1))
     if not std > 0:
-        raise ValueError("training features are constant (std = 0); disable normalisation or check the data")
+        raise InputError("training features are constant (std = 0); disable normalisation or check the data")
     return float(x.mean()), std
 
 

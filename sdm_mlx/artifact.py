@@ -34,7 +34,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .errors import ArtifactError, OutputError
+from .errors import ArtifactError, InputError, OutputError
 from .io import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
@@ -284,7 +284,7 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
         text_files = {}
         for name, text in (texts or {}).items():
             if os.path.basename(name) != name or name.endswith(".safetensors") or name == MANIFEST:
-                raise ValueError(f"invalid artifact text file name {name!r}")
+                raise InputError(f"invalid artifact text file name {name!r}")
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
             text_files[name] = sha256_file(os.path.join(tmp, name))

@@ -11,14 +11,15 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
 from .validation import label_indices, level
+from .errors import InputError
 
 
 def _logits(z, name: str = "z") -> np.ndarray:
     arr = np.asarray(z, dtype=np.float64)
     if arr.ndim != 2 or arr.shape[1] < 1:
-        raise ValueError(f"{name} must be [N, C], got shape {arr.shape}")
+        raise InputError(f"{name} must be [N, C], got shape {arr.shape}")
     if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} contains non-finite values")
+        raise InputError(f"{name} contains non-finite values")
     return arr
 
 
@@ -70,7 +71,7 @@ class Baseline:
             raise RuntimeError(f"{type(self).__name__} must be fit before predict")
         z = _logits(z)
         if z.shape[1] != self.num_classes:
-            raise ValueError(f"expected {self.num_classes} classes, got {z.shape[1]}")
+            raise InputError(f"expected {self.num_classes} classes, got {z.shape[1]}")
         probs = self.probabilities(z)
         y_pred = np.argmax(z, axis=1).astype(np.int64)
         score = probs[np.arange(z.shape[0]), y_pred]
@@ -104,10 +105,10 @@ def fit_temperature(z_cal, y_cal, *, bounds: tuple[float, float] = (1e-3, 1e3),
     z = _logits(z_cal, "z_cal")
     y = _label_array(y_cal, z.shape[0], z.shape[1])
     if z.shape[0] == 0:
-        raise ValueError("empty calibration set")
+        raise InputError("empty calibration set")
     lo, hi = (float(b) for b in bounds)
     if not 0.0 < lo < hi:
-        raise ValueError(f"bounds must satisfy 0 < lo < hi, got {bounds}")
+        raise InputError(f"bounds must satisfy 0 < lo < hi, got {bounds}")
     rows = np.arange(z.shape[0])
 
     def nll(log_t: float) -> float:

@@ -45,6 +45,7 @@ from scipy.special import softmax
 from .metrics import index_conditional_report
 from .baseline_core import Baseline, _label_array, _logits, fit_temperature
 from .conformal import APS, RAPS, conformal_quantile, conformal_scores, prediction_set_sizes
+from .errors import InputError
 
 __all__ = [
     "Baseline",
@@ -123,7 +124,7 @@ def make_baseline(name: str, **kwargs) -> Baseline:
     try:
         cls = BASELINES[name]
     except KeyError:
-        raise ValueError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}") from None
+        raise InputError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}") from None
     return cls(**kwargs)
 
 

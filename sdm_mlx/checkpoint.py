@@ -31,6 +31,7 @@ from .calibration import RoundCalibration
 from .callbacks import Callback
 from .rescaler import RescalerFit
 from .train import RoundResult, RoundsProgress, SplitState
+from .errors import InputError
 
 KIND = "sdm_train_checkpoint"
 VERSION = 1
@@ -63,7 +64,7 @@ def is_checkpoint(path) -> bool:
 def check_checkpoint_path(path) -> None:
     """Refuse a checkpoint path that exists and is not ours (it would be replaced)."""
     if os.path.lexists(path) and not is_checkpoint(path):
-        raise ValueError(f"{path} exists and is not an sdm_mlx training checkpoint; move it away or choose "
+        raise InputError(f"{path} exists and is not an sdm_mlx training checkpoint; move it away or choose "
                          "another --output")
 
 

@@ -38,7 +38,7 @@ PREDICT_CHUNK_ROWS = 8192
 def chunk_bounds(n: int, chunk_rows: int = PREDICT_CHUNK_ROWS):
     """(start, stop) of consecutive chunks covering rows 0..n−1."""
     if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be ≥ 1, got {chunk_rows}")
+        raise InputError(f"chunk_rows must be ≥ 1, got {chunk_rows}")
     return [(s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows)]
 
 
@@ -51,7 +51,7 @@ def iter_estimates(score_chunk, X, ids=None, chunk_rows: int = PREDICT_CHUNK_ROW
     n = len(X)
     ids = ids if ids is not None else range(n)  # a range: no O(N) list when streaming
     if len(ids) != n:
-        raise ValueError(f"got {len(ids)} ids for {n} rows")
+        raise InputError(f"got {len(ids)} ids for {n} rows")
     with Progress(n, desc, unit="rows", enabled=progress) as bar:
         for a, b in chunk_bounds(n, chunk_rows):
             try:

@@ -47,8 +47,6 @@ __all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "req
 
 def user_message(e: BaseException) -> str:
     """The one-line message for a user error (an OSError names its path and reason, never a traceback)."""
-    if isinstance(e, KeyError) and e.args:
-        return str(e.args[0])
     if isinstance(e, OSError) and not isinstance(e, SDMError):
         from .io import describe_os_error
 
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, OSError, KeyError) as e:  # SDMError (a ValueError) and the OSErrors of user paths
+    except (SDMError, OSError) as e:  # user errors: SDMError and the OSErrors of user paths
         if os.environ.get("SDM_MLX_DEBUG"):
             raise
         print(f"sdm-mlx {args.verb}: error: {user_message(e)}", file=sys.stderr)
@@ -207,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sdm-mlx {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # not an SDMError: a defect in sdm_mlx (or a library under it), not the user's input
+        if os.environ.get("SDM_MLX_DEBUG"):
+            raise
+        print(f"sdm-mlx {args.verb}: internal error (a bug in sdm_mlx, not a problem with your input): "
+              f"{type(e).__name__}: {e}\n  Re-run with SDM_MLX_DEBUG=1 for the traceback, and please report it.",
+              file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

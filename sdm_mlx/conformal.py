@@ -33,6 +33,7 @@ import numpy as np
 from scipy.special import softmax
 
 from .baseline_core import Baseline, _label_array, _logits, _rank_penalties, _sorted_probs, fit_temperature
+from .errors import InputError
 
 
 def conformal_quantile(scores, coverage: float) -> float:
@@ -43,7 +44,7 @@ def conformal_quantile(scores, coverage: float) -> float:
     s = np.sort(np.asarray(scores, dtype=np.float64).reshape(-1))
     n = s.size
     if n == 0:
-        raise ValueError("empty calibration set")
+        raise InputError("empty calibration set")
     k = math.ceil((n + 1) * Fraction(str(float(coverage))))
     if k > n:
         return math.inf
@@ -136,7 +137,7 @@ class APS(Baseline):
 
     def _fit(self, z, y):
         if z.shape[0] == 0:
-            raise ValueError("empty calibration set")
+            raise InputError("empty calibration set")
         self._rng = np.random.default_rng(self.seed)
         self.temperature = fit_temperature(z, y) if self.temperature_scale else 1.0
         probs = softmax(z / self.temperature, axis=1)
@@ -166,7 +167,7 @@ class APS(Baseline):
         if self.tau is None:
             raise RuntimeError(f"{type(self).__name__} must be fit before predict")
         if z.shape[1] != self.num_classes:
-            raise ValueError(f"expected {self.num_classes} classes, got {z.shape[1]}")
+            raise InputError(f"expected {self.num_classes} classes, got {z.shape[1]}")
         probs = self.probabilities(z)
         u = self._rng.uniform(size=z.shape[0]) if self.randomized else None
         return prediction_set_sizes(probs, self.tau, lam=self.lam, k_reg=self.k_reg, u=u,
@@ -200,8 +201,8 @@ class RAPS(APS):
         super().__init__(randomized=randomized, seed=seed, allow_zero_sets=allow_zero_sets,
                          temperature_scale=temperature_scale)
         if lam < 0:
-            raise ValueError("lam must be >= 0")
+            raise InputError("lam must be >= 0")
         if int(k_reg) < 0:
-            raise ValueError("k_reg must be >= 0")
+            raise InputError("k_reg must be >= 0")
         self.lam = float(lam)
         self.k_reg = int(k_reg)

@@ -203,7 +203,7 @@ def scan_resumable_output(path, is_complete_row, log) -> set[str]:
             continue
         row = parse(line)
         if row is None:
-            raise ValueError(f"{path}: existing output line {line_no} is not a complete result row; fix or remove it")
+            raise InputError(f"{path}: existing output line {line_no} is not a complete result row; fix or remove it")
         done.add(id_key(row["id"]))
     if tail.strip():
         row = parse(tail)
@@ -279,7 +279,7 @@ def load_factcheck(topics=FACTCHECK_TOPICS) -> Dataset:
         topics = (topics,)
     unknown = set(topics) - set(FACTCHECK_TOPICS + FACTCHECK_SHIFTED)
     if unknown:
-        raise ValueError(f"unknown factcheck topic(s) {sorted(unknown)}")
+        raise InputError(f"unknown factcheck topic(s) {sorted(unknown)}")
     blob = resources.files("sdm_mlx").joinpath("data", FACTCHECK_ZIP).read_bytes()
     parts = []
     with zipfile.ZipFile(io.BytesIO(blob)) as zf:

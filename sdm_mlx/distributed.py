@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from .defaults import DISTRIBUTED_TIMEOUT
-from .errors import SDMError
+from .errors import InputError, SDMError
 
 #: Seconds a collective may wait for the other ranks before the rank stops (settings: shard_timeout,
 #: distributed_timeout).
@@ -128,7 +128,7 @@ def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
     """[start, stop) of rank ``rank``'s contiguous shard of ``n`` rows over ``size`` ranks (sizes differ by ≤ 1)."""
     n, rank, size = int(n), int(rank), int(size)
     if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in 0..{size - 1}")
+        raise InputError(f"rank {rank} is not in 0..{size - 1}")
     base, extra = divmod(n, size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)

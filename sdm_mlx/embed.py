@@ -54,6 +54,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .errors import InputError
 from .tokens import (  # re-exported: callers find the text/token helpers in sdm_mlx.embed
     DEFAULT_DELIMITER,
     chat_text,
@@ -139,7 +140,7 @@ def trunk(model):
     inner = getattr(model, "model", None)
     if inner is None or not callable(inner) or not hasattr(inner, "embed_tokens"):
         kind = getattr(model, "model_type", type(model).__name__)
-        raise ValueError(
+        raise InputError(
             f"mlx-lm model of type {kind!r} does not expose its transformer trunk as `model.model` "
             "(with `embed_tokens`); sdm_mlx.embed supports llama-, phi3-, qwen2- and mistral-style models"
         )
@@ -165,7 +166,7 @@ def hidden_states(model, token_ids_batch, cache=None, pad_id: int = 0):
     else:
         rows = [list(r) for r in token_ids_batch]
         if not rows or min(len(r) for r in rows) == 0:
-            raise ValueError("hidden_states needs at least one non-empty token sequence")
+            raise InputError("hidden_states needs at least one non-empty token sequence")
         width = max(len(r) for r in rows)
         x = mx.array(np.array([r + [pad_id] * (width - len(r)) for r in rows], dtype=np.int32))
     if x.ndim == 1:
@@ -203,7 +204,7 @@ def lm_head_weight(model):
 def kept_positions(n_tokens: int, target: int, max_length: int) -> tuple[int, bool]:
     """``(n_kept, truncated)`` for a wanted count ``target`` of positions: ``min(target, max_length)``, at least 1."""
     if max_length < 1:
-        raise ValueError("max_length must be >= 1")
+        raise InputError("max_length must be >= 1")
     target = max(1, min(int(target), int(n_tokens)))
     return min(target, max_length), target > max_length
 
@@ -228,14 +229,14 @@ def generated_n_kept(
     info)`` with ``info = {"delimiter_index", "truncated", "missing_delimiter"}``.
     """
     if on_missing not in ON_MISSING:
-        raise ValueError(f"on_missing must be one of {ON_MISSING}")
+        raise InputError(f"on_missing must be one of {ON_MISSING}")
     gen = list(generated_ids)
     i = delimiter_token_index(tokenizer, gen, delimiter=delimiter)
     total = prompt_length + len(gen)
     missing = i is None
     if missing:
         if on_missing == "error":
-            raise ValueError(f"generated text has no closing delimiter {delimiter!r}")
+            raise InputError(f"generated text has no closing delimiter {delimiter!r}")
         target = prompt_length if on_missing == "prompt" else total
         j = -1
     else:
@@ -249,7 +250,7 @@ def pool_hidden(hidden, n_kept: int) -> np.ndarray:
     """``concat(mean(hidden[:n_kept]), hidden[n_kept-1])`` as float32 NumPy, for one document's ``[T, D]`` states."""
     h = np.asarray(hidden, dtype=np.float32)
     if h.ndim != 2 or not 1 <= n_kept <= h.shape[0]:
-        raise ValueError(f"need 1 <= n_kept <= T for hidden states of shape {h.shape}, got n_kept={n_kept}")
+        raise InputError(f"need 1 <= n_kept <= T for hidden states of shape {h.shape}, got n_kept={n_kept}")
     return np.concatenate([h[:n_kept].mean(axis=0, dtype=np.float32), h[n_kept - 1]]).astype(np.float32)
 
 
@@ -320,14 +321,14 @@ def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx
 def _check_feature_options(n_docs: int, completion_spans, position: str, on_missing: str, batch_size: int) -> list:
     """The completion spans (one per document), after checking the options of :func:`document_features`."""
     if position not in POSITIONS:
-        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
+        raise InputError(f"position must be one of {POSITIONS}, got {position!r}")
     if on_missing not in ON_MISSING:
-        raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+        raise InputError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
     if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
+        raise InputError("batch_size must be >= 1")
     spans = list(completion_spans) if completion_spans is not None else [None] * n_docs
     if len(spans) != n_docs:
-        raise ValueError("completion_spans must have one entry per document")
+        raise InputError("completion_spans must have one entry per document")
     return spans
 
 
@@ -422,11 +423,11 @@ def prompt_completion_features(model, tokenizer, prompts: Sequence, completions:
     arguments go to :func:`document_features`.
     """
     if len(prompts) != len(completions):
-        raise ValueError("prompts and completions must have the same length")
+        raise InputError("prompts and completions must have the same length")
     docs, spans = [], []
     for p, c in zip(prompts, completions):
         if isinstance(p, str) != isinstance(c, str):
-            raise ValueError("prompt and completion must both be strings or both token-id lists")
+            raise InputError("prompt and completion must both be strings or both token-id lists")
         docs.append(p + c if isinstance(p, str) else list(p) + list(c))
         spans.append((len(p), None))
     return document_features(model, tokenizer, docs, spans, **kwargs)

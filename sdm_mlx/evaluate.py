@@ -82,6 +82,7 @@ from .metrics import index_conditional_report
 from .io import finite_or_none, strict
 from .callbacks import SILENT, Callback
 from .validation import label_indices
+from .errors import InputError
 
 __all__ = [
     "SDM_ESTIMATORS",
@@ -122,7 +123,7 @@ DEFAULT_CONFORMAL = "randomized"
 def baseline_options(conformal: str = DEFAULT_CONFORMAL) -> dict[str, dict]:
     """Constructor options per baseline for a conformal mode (see :data:`CONFORMAL_MODES`)."""
     if conformal not in CONFORMAL_MODES:
-        raise ValueError(f"conformal mode must be one of {sorted(CONFORMAL_MODES)}, got {conformal!r}")
+        raise InputError(f"conformal mode must be one of {sorted(CONFORMAL_MODES)}, got {conformal!r}")
     return {"aps": dict(CONFORMAL_MODES[conformal]), "raps": dict(CONFORMAL_MODES[conformal])}
 
 
@@ -131,10 +132,10 @@ def baseline_options(conformal: str = DEFAULT_CONFORMAL) -> dict[str, dict]:
 
 def _check_dataset(name: str, ds: Dataset, num_classes: int, input_dim: int) -> None:
     if ds.y is None:
-        raise ValueError(f"evaluation set {name!r} has no labels (every row needs a 'label' to be evaluated)")
+        raise InputError(f"evaluation set {name!r} has no labels (every row needs a 'label' to be evaluated)")
     label_indices(ds.y, f"evaluation set {name!r}: labels", num_classes)
     if ds.X.ndim != 2 or ds.X.shape[1] != input_dim:
-        raise ValueError(
+        raise InputError(
             f"evaluation set {name!r}: features have dimension {ds.X.shape[-1]}, the model expects {input_dim} "
             "(check --features)"
         )
@@ -158,7 +159,7 @@ def sdm_admissions(pred) -> dict[str, np.ndarray]:
     """The three SDM estimators' admission decisions from :class:`~sdm_mlx.results.Predictions`."""
     est = getattr(pred, "estimate", None)
     if est is None:
-        raise ValueError(f"{type(pred).__name__} has no estimate: predictions must come from SDMEstimator.estimate")
+        raise InputError(f"{type(pred).__name__} has no estimate: predictions must come from SDMEstimator.estimate")
     return {"sdm_p_lower": np.asarray(est.lower.valid, dtype=bool),
             "sdm_p_centroid": np.asarray(est.centroid.valid, dtype=bool),
             "sdm_p_upper": np.asarray(est.upper.valid, dtype=bool)}
@@ -203,14 +204,14 @@ def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndar
     import json
 
     if data.y is None:
-        raise ValueError(f"{data.source or 'calibration data'}: rows need labels")
+        raise InputError(f"{data.source or 'calibration data'}: rows need labels")
     where = {json.dumps(i, sort_keys=True): k for k, i in enumerate(data.ids)}
     idx, missing = [], []
     for cid in estimator.calibration_ids_:
         k = where.get(json.dumps(cid, sort_keys=True))
         (missing.append(cid) if k is None else idx.append(k))
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{data.source or 'calibration data'}: {len(missing)} of the model's {len(estimator.calibration_ids_)} "
             f"calibration ids are not in the file (e.g. {missing[:3]}); pass the JSONL the model was trained on"
         )
@@ -223,7 +224,7 @@ def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped, options) ->
     fitted = {}
     for name in names:
         if name not in BASELINES:
-            raise ValueError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
+            raise InputError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
         if name in skipped:
             continue
         b = make_baseline(name, **options.get(name, {}))
@@ -261,13 +262,13 @@ def _counts(values: np.ndarray, length: int) -> list[int]:
 
 def _check_calibration_logits(z_cal, y_cal, C: int):
     if (z_cal is None) != (y_cal is None):
-        raise ValueError("pass both z_cal and y_cal, or neither")
+        raise InputError("pass both z_cal and y_cal, or neither")
     if z_cal is None:
         return None, None
     z_cal = np.asarray(z_cal, dtype=np.float64)
     y_cal = np.asarray(y_cal).reshape(-1).astype(np.int64)
     if z_cal.ndim != 2 or z_cal.shape[1] != C or z_cal.shape[0] != y_cal.shape[0] or z_cal.shape[0] == 0:
-        raise ValueError(f"calibration logits must be [n, {C}] with n labels, got {z_cal.shape} and {y_cal.shape}")
+        raise InputError(f"calibration logits must be [n, {C}] with n labels, got {z_cal.shape} and {y_cal.shape}")
     return z_cal, y_cal
 
 
@@ -289,7 +290,7 @@ def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baseline
     y = np.asarray(ds.y, dtype=np.int64)
     y_hat = np.asarray(pred.prediction, dtype=np.int64)
     if y.shape[0] != y_hat.shape[0]:
-        raise ValueError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
+        raise InputError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
     z = np.asarray(pred.logits, dtype=np.float64)
     callback.message(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...")
     sweep: dict[str, list] = {e: [] for e in order}
@@ -369,10 +370,10 @@ def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, ru
 def _check_inputs(estimator, datasets: Mapping[str, Dataset]) -> tuple[int, float]:
     """``(C, α')`` of a fitted estimator, after checking every evaluation set against it."""
     if not getattr(estimator, "is_fitted", False):
-        raise ValueError("evaluate needs a fitted SDMEstimator (call fit() or SDMEstimator.load())")
+        raise InputError("evaluate needs a fitted SDMEstimator (call fit() or SDMEstimator.load())")
     C = int(estimator.num_classes_)
     if not datasets:
-        raise ValueError("no evaluation sets")
+        raise InputError("no evaluation sets")
     for name, ds in datasets.items():
         _check_dataset(name, ds, C, int(estimator.input_dim_))
     return C, float(estimator.alpha)
@@ -385,7 +386,7 @@ def _predictions(estimator, datasets, predictions, callback: Callback) -> Mappin
         predictions = predict_datasets(estimator, datasets)
     missing = [n for n in datasets if n not in predictions]
     if missing:
-        raise ValueError(f"no predictions for evaluation set(s) {missing}")
+        raise InputError(f"no predictions for evaluation set(s) {missing}")
     return predictions
 
 

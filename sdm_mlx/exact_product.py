@@ -30,6 +30,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
+from .errors import InputError
 
 #: Rows per float64 GEMM chunk (bounds memory; the result does not depend on it).
 CHUNK_ROWS = 4096
@@ -56,9 +57,9 @@ def scale_rows(a: np.ndarray, beta: int) -> tuple[np.ndarray, np.ndarray]:
     """(scaled, e): ``scaled[i] = a[i]·2^(β−e_i)`` with max|scaled[i]| < 2^β (an exact power-of-two scaling)."""
     a = np.asarray(a, dtype=np.float64)
     if a.ndim != 2:
-        raise ValueError(f"expected a 2-D array, got shape {a.shape}")
+        raise InputError(f"expected a 2-D array, got shape {a.shape}")
     if not np.isfinite(a).all():
-        raise ValueError("exact product: input contains NaN or Inf values")
+        raise InputError("exact product: input contains NaN or Inf values")
     _, e = np.frexp(np.abs(a).max(axis=1, initial=0.0))  # max|a_i| < 2^e_i
     e = e.astype(np.int64)
     return np.ldexp(a, (beta - e)[:, None]), e
@@ -89,7 +90,7 @@ class ExactRowProduct:
         """[N, K] float64 for x [N, D]; row i depends on x[i] alone."""
         x = np.asarray(x, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != self.in_dim:
-            raise ValueError(f"exact product: expected rows of width {self.in_dim}, got shape {x.shape}")
+            raise InputError(f"exact product: expected rows of width {self.in_dim}, got shape {x.shape}")
         out = np.empty((x.shape[0], self.out_dim), dtype=np.float64)
         for start in range(0, x.shape[0], CHUNK_ROWS):
             out[start : start + CHUNK_ROWS] = self._chunk(x[start : start + CHUNK_ROWS])

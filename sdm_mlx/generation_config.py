@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import embed as _embed
 from .settings import option
+from .errors import InputError
 
 #: What happens to a rejected answer (see :mod:`sdm_mlx.verified.generator`).
 ON_REJECT = ("abstain", "reask", "return")
@@ -74,19 +75,19 @@ class GenerationConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistent setting."""
         if self.on_reject not in ON_REJECT:
-            raise ValueError(f"on_reject must be one of {ON_REJECT}, got {self.on_reject!r}")
+            raise InputError(f"on_reject must be one of {ON_REJECT}, got {self.on_reject!r}")
         if self.reask_fallback not in REASK_FALLBACK:
-            raise ValueError(f"reask_fallback must be one of {REASK_FALLBACK}, got {self.reask_fallback!r}")
+            raise InputError(f"reask_fallback must be one of {REASK_FALLBACK}, got {self.reask_fallback!r}")
         if self.prompt_template is not None and "{document}" not in self.prompt_template:
-            raise ValueError("prompt_template must contain a {document} slot")
+            raise InputError("prompt_template must contain a {document} slot")
         if int(self.max_attempts) < 1:
-            raise ValueError("max_attempts must be >= 1")
+            raise InputError("max_attempts must be >= 1")
         if self.n_exemplars < 0:
-            raise ValueError("n_exemplars must be >= 0")
+            raise InputError("n_exemplars must be >= 0")
         for name in ("max_tokens", "max_length"):
             value = getattr(self, name)
             if value is not None and int(value) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
+                raise InputError(f"{name} must be >= 1, got {value!r}")
 
     def templating(self, head_settings: dict | None = None) -> dict:
         """The head-dependent settings, resolved: given here > the head's stored ``settings`` > :data:`BUILTIN`

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from .errors import InputError
 
 #: Bytes the exact index may use for one block of query × support distances.
 DISTANCE_BLOCK_BYTES = 256 * 1024 * 1024
@@ -77,9 +78,9 @@ def similarity_from_neighbours(neighbour_idx: np.ndarray, y_hat: np.ndarray, goo
 def _as_float32_matrix(x, name: str) -> np.ndarray:
     a = np.asarray(x, dtype=np.float32)
     if a.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array [rows, dim], got shape {a.shape}")
+        raise InputError(f"{name} must be a 2-D array [rows, dim], got shape {a.shape}")
     if not np.isfinite(a).all():
-        raise ValueError(f"{name} contains NaN or Inf values")
+        raise InputError(f"{name} contains NaN or Inf values")
     return a
 
 
@@ -87,9 +88,9 @@ def _kept(positions, size: int) -> np.ndarray:
     """[size] bool mask without ``positions`` (unique, in 1..size−1: row 0 anchors the index)."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     if pos.size and (pos.min() < 1 or pos.max() >= size):
-        raise ValueError(f"support positions to remove must lie in 1..{size - 1}")
+        raise InputError(f"support positions to remove must lie in 1..{size - 1}")
     if np.unique(pos).size != pos.size:
-        raise ValueError("support positions to remove must be unique")
+        raise InputError("support positions to remove must be unique")
     keep = np.ones(size, dtype=bool)
     keep[pos] = False
     return keep
@@ -100,7 +101,7 @@ def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
         return None
     ex = np.asarray(exclude, dtype=np.int64).reshape(-1)
     if ex.shape[0] != n_queries:
-        raise ValueError(f"exclude must hold one support index per query ({n_queries}), got {ex.shape[0]}")
+        raise InputError(f"exclude must hold one support index per query ({n_queries}), got {ex.shape[0]}")
     return ex
 
 
@@ -184,7 +185,7 @@ class _Grouping:
     def __init__(self, good_by_class: np.ndarray, support: mx.array, support_sq: mx.array):
         num_classes, n = good_by_class.shape
         if (good_by_class.sum(axis=0) > 1).any():
-            raise ValueError("good_by_class must mark each support row good for at most one class")
+            raise InputError("good_by_class must mark each support row good for at most one class")
         category = np.full(n, num_classes, dtype=np.int64)
         for c in range(num_classes):
             category[good_by_class[c]] = c
@@ -239,7 +240,7 @@ class ExactIndex:
     def __init__(self, support, block_bytes: int = DISTANCE_BLOCK_BYTES):
         s = _as_float32_matrix(support, "support")
         if s.shape[0] == 0:
-            raise ValueError("support set is empty")
+            raise InputError("support set is empty")
         self.size, self.dim = s.shape
         self._raw = s  # float64 distances are taken between these uncentred float32 vectors
         self._center = s[0].copy()
@@ -259,7 +260,7 @@ class ExactIndex:
         """
         v = _as_float32_matrix(vectors, "appended support")
         if v.shape[1] != self.dim:
-            raise ValueError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
+            raise InputError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
         vc = mx.array(v - self._center)
         vc_sq = (vc * vc).sum(axis=1)
         self._raw = np.concatenate([self._raw, v])
@@ -304,7 +305,7 @@ class ExactIndex:
     def _check_queries(self, queries) -> np.ndarray:
         qn = _as_float32_matrix(queries, "queries")
         if qn.shape[1] != self.dim:
-            raise ValueError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+            raise InputError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
         return qn
 
     def _exact64(self, query: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -494,7 +495,7 @@ class HnswIndex:
 
         s = _as_float32_matrix(support, "support")
         if s.shape[0] == 0:
-            raise ValueError("support set is empty")
+            raise InputError("support set is empty")
         self.size, self.dim = s.shape
         self.ef = int(ef)
         self._index = hnswlib.Index(space="l2", dim=self.dim)
@@ -508,7 +509,7 @@ class HnswIndex:
         """Append support rows with ``add_items`` (after ``resize_index`` when full): the graph is not rebuilt."""
         v = _as_float32_matrix(vectors, "appended support")
         if v.shape[1] != self.dim:
-            raise ValueError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
+            raise InputError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
         n = v.shape[0]
         first = self._pos_of_label.shape[0]
         labels = np.arange(first, first + n, dtype=np.int64)
@@ -533,7 +534,7 @@ class HnswIndex:
     def _knn(self, queries, n: int) -> tuple[np.ndarray, np.ndarray]:
         qn = _as_float32_matrix(queries, "queries")
         if qn.shape[1] != self.dim:
-            raise ValueError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+            raise InputError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
         n = min(n, self.size)
         self._index.set_ef(max(self.ef, n))
         labels, dist = self._index.knn_query(qn, k=n, num_threads=self._num_threads)
@@ -591,12 +592,12 @@ def check_predictions(queries: np.ndarray, y_hat, good_by_class, size: int) -> t
     """(ŷ [N] int64, good_by_class [C, size] bool) checked against the N checked ``queries``."""
     y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
     if y_hat.shape[0] != queries.shape[0]:
-        raise ValueError("y_hat must hold one prediction per query")
+        raise InputError("y_hat must hold one prediction per query")
     good_np = np.asarray(good_by_class, dtype=bool)
     if good_np.ndim != 2 or good_np.shape[1] != size:
-        raise ValueError(f"good_by_class must be [C, {size}], got {good_np.shape}")
+        raise InputError(f"good_by_class must be [C, {size}], got {good_np.shape}")
     if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
-        raise ValueError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
+        raise InputError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
     return y_hat, good_np
 
 
@@ -614,7 +615,7 @@ def make_index(support, backend: str = "exact", shard: bool = False, shard_timeo
         return ExactIndex(support, **kwargs)
     if backend == "hnsw":
         return HnswIndex(support, **kwargs)
-    raise ValueError(f"unknown index backend {backend!r}; choose 'exact' or 'hnsw'")
+    raise InputError(f"unknown index backend {backend!r}; choose 'exact' or 'hnsw'")
 
 
 def default_k(train_labels: np.ndarray, num_classes: int) -> int:

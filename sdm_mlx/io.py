@@ -300,7 +300,7 @@ def get_float(d: dict, key: str):
 
 
 def _reject_constant(name):
-    raise ValueError(f"non-standard JSON constant {name}")
+    raise InputError(f"non-standard JSON constant {name}")
 
 
 def loads_strict(text: str):

@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from .validation import label_indices, level
+from .errors import InputError
 
 __all__ = [
     "REPORT_KEYS",
@@ -156,19 +157,19 @@ def index_conditional_report(y_true, y_pred, admitted, num_classes: int, alpha: 
     """
     num_classes = int(num_classes)
     if num_classes < 1:
-        raise ValueError("num_classes must be >= 1")
+        raise InputError("num_classes must be >= 1")
     alpha = level(alpha, zero=True, one=True)
     y = _labels(y_true, "y_true", num_classes)
     yhat = _labels(y_pred, "y_pred", num_classes)
     adm = np.asarray(admitted)
     if adm.ndim != 1:
-        raise ValueError(f"admitted must be 1-D, got shape {adm.shape}")
+        raise InputError(f"admitted must be 1-D, got shape {adm.shape}")
     if adm.size and adm.dtype != np.bool_:
         if not np.all(np.isin(adm, (0, 1))):
-            raise ValueError("admitted must be boolean (or 0/1)")
+            raise InputError("admitted must be boolean (or 0/1)")
     adm = adm.astype(bool)
     if not (y.shape == yhat.shape == adm.shape):
-        raise ValueError(f"length mismatch: y_true {y.shape}, y_pred {yhat.shape}, admitted {adm.shape}")
+        raise InputError(f"length mismatch: y_true {y.shape}, y_pred {yhat.shape}, admitted {adm.shape}")
 
     n_total = int(y.size)
     correct = y == yhat
@@ -289,10 +290,10 @@ def format_results_table(results, *, digits: int = 3, fraction_digits: int = 2,
     """
     items = _as_items(results)
     if not items:
-        raise ValueError("no results to format")
+        raise InputError("no results to format")
     num_classes = {int(r["num_classes"]) for _, r in items}
     if len(num_classes) != 1:
-        raise ValueError(f"reports disagree on num_classes: {sorted(num_classes)}")
+        raise InputError(f"reports disagree on num_classes: {sorted(num_classes)}")
     C = num_classes.pop()
     alphas = sorted({float(r["alpha"]) for _, r in items})
 

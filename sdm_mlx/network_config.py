@@ -13,6 +13,7 @@ from . import embed as _embed
 from .defaults import DISTRIBUTED_TIMEOUT, EstimatorConfig
 from .settings import option
 from .verification_data import PAPER_SYSTEM, PRESETS
+from .errors import InputError
 
 _E = EstimatorConfig()
 
@@ -79,48 +80,48 @@ class NetworkConfig:
 
     def validate(self) -> None:
         if not self.model:
-            raise ValueError("a base model (path or hub id) is required")
+            raise InputError("a base model (path or hub id) is required")
         if not self.output_dir:
-            raise ValueError("an output directory is required")
+            raise InputError("an output directory is required")
         if sum(x is not None for x in (self.data, self.verification_data, self.tasks)) != 1:
-            raise ValueError("give exactly one of data (task JSONL), verification_data (verification rows JSONL) "
+            raise InputError("give exactly one of data (task JSONL), verification_data (verification rows JSONL) "
                              "and tasks (several task JSONLs)")
         if self.tasks is not None:
             if not isinstance(self.tasks, list) or not self.tasks:
-                raise ValueError("tasks must be a non-empty list of mappings (name, data, preset | completions)")
+                raise InputError("tasks must be a non-empty list of mappings (name, data, preset | completions)")
             names = set()
             for i, t in enumerate(self.tasks):
                 if not isinstance(t, dict) or "data" not in t or "name" not in t:
-                    raise ValueError(f"tasks[{i}] must be a mapping with at least 'name' and 'data'")
+                    raise InputError(f"tasks[{i}] must be a mapping with at least 'name' and 'data'")
                 unknown = set(t) - {"name", "data", "preset", "completions", "prompt_template"}
                 if unknown:
-                    raise ValueError(f"tasks[{i}] has unknown key(s) {sorted(unknown)}")
+                    raise InputError(f"tasks[{i}] has unknown key(s) {sorted(unknown)}")
                 if t["name"] in names:
-                    raise ValueError(f"task name {t['name']!r} repeats")
+                    raise InputError(f"task name {t['name']!r} repeats")
                 names.add(t["name"])
                 if t.get("preset") is not None and t["preset"] not in PRESETS:
-                    raise ValueError(f"tasks[{i}]: unknown preset {t['preset']!r}")
+                    raise InputError(f"tasks[{i}]: unknown preset {t['preset']!r}")
                 if not t.get("completions") and not t.get("preset"):
-                    raise ValueError(f"tasks[{i}] needs completions or a preset")
+                    raise InputError(f"tasks[{i}] needs completions or a preset")
         for name in ("epochs",):
             if int(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0")
+                raise InputError(f"{name} must be >= 0")
         for name in ("batch_size", "max_new_tokens", "generation_batch_size", "embed_batch_size", "max_length",
                      "verifier_iterations", "verifier_epochs", "verifier_exemplar_dim", "verifier_batch_size",
                      "verifier_rescaler_max_epochs"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+            raise InputError(f"learning_rate must be > 0, got {self.learning_rate}")
         if isinstance(self.distributed_timeout, bool) or not (isinstance(self.distributed_timeout, (int, float))
                                                                 and self.distributed_timeout > 0):
-            raise ValueError(f"distributed_timeout must be a number of seconds > 0, got {self.distributed_timeout!r}")
+            raise InputError(f"distributed_timeout must be a number of seconds > 0, got {self.distributed_timeout!r}")
         if self.beta_min < 0 or self.beta_max < 0:
-            raise ValueError("beta_min and beta_max must be >= 0")
+            raise InputError("beta_min and beta_max must be >= 0")
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+            raise InputError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
         if self.prompt_template is not None and "{document}" not in self.prompt_template:
-            raise ValueError("prompt_template must contain a {document} slot")
+            raise InputError("prompt_template must contain a {document} slot")
 
     def resolved_completions(self) -> list | dict | None:
         """One completion per task label (a list), or ``{task name: list}`` with ``tasks``."""

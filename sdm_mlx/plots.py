@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from .errors import InputError
 
 __all__ = ["plots_available", "plot_admitted_vs_accuracy", "plot_qbin_histogram"]
 
@@ -151,7 +152,7 @@ def plot_qbin_histogram(hard_bins_admitted, hard_bins_rejected, path, *,
     rej = np.asarray(hard_bins_rejected, dtype=np.float64).reshape(-1)
     adm, rej = adm[np.isfinite(adm)].astype(np.int64), rej[np.isfinite(rej)].astype(np.int64)
     if (adm.size and adm.min() < 0) or (rej.size and rej.min() < 0):
-        raise ValueError("hard bins must be non-negative integers")
+        raise InputError("hard bins must be non-negative integers")
     top = int(max(adm.max() if adm.size else 0, rej.max() if rej.size else 0))
     bins = np.arange(top + 1)
     c_adm = np.bincount(adm, minlength=top + 1).astype(np.float64)

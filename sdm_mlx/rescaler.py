@@ -50,6 +50,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
+from .errors import InputError
 
 #: Alg. 2 defaults (DESIGN #10).
 DEFAULT_LEARNING_RATE = 1e-4
@@ -64,7 +65,7 @@ _F32 = np.float32
 def init_rescaler_weights(num_classes: int, seed: int) -> np.ndarray:
     """Initial W'' for ``alg:train-rescaler``: U(±1/sqrt(C)) from ``mx.random.key(seed)``, float32 [C, C]."""
     if num_classes < 1:
-        raise ValueError(f"num_classes must be ≥ 1, got {num_classes}")
+        raise InputError(f"num_classes must be ≥ 1, got {num_classes}")
     bound = 1.0 / math.sqrt(num_classes)
     w = mx.random.uniform(-bound, bound, (num_classes, num_classes), dtype=mx.float32, key=mx.random.key(int(seed)))
     return np.array(w, dtype=_F32)
@@ -227,36 +228,36 @@ def _check_training_inputs(v, q_tilde, y):
     q_tilde = np.asarray(q_tilde).reshape(-1)
     y = np.asarray(y).reshape(-1)
     if v.ndim != 2:
-        raise ValueError(f"v must be [N, C], got shape {v.shape}")
+        raise InputError(f"v must be [N, C], got shape {v.shape}")
     n, C = v.shape
     if n == 0:
-        raise ValueError("the rescaler needs at least one calibration row")
+        raise InputError("the rescaler needs at least one calibration row")
     if q_tilde.shape[0] != n or y.shape[0] != n:
-        raise ValueError(f"v, q_tilde and y must have the same number of rows, got {n}, {q_tilde.shape[0]}, {y.shape[0]}")
+        raise InputError(f"v, q_tilde and y must have the same number of rows, got {n}, {q_tilde.shape[0]}, {y.shape[0]}")
     for name, arr in (("v", v), ("q_tilde", q_tilde)):
         if not np.all(np.isfinite(arr)):
-            raise ValueError(f"{name} contains NaN or Inf")
+            raise InputError(f"{name} contains NaN or Inf")
     if np.any(q_tilde < 0):
-        raise ValueError("q_tilde must be ≥ 0")
+        raise InputError("q_tilde must be ≥ 0")
     if not np.issubdtype(y.dtype, np.integer):
         if not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
-            raise ValueError("y must hold integer class labels")
+            raise InputError("y must hold integer class labels")
     y = y.astype(np.int64)
     if np.any((y < 0) | (y >= C)):
-        raise ValueError(f"labels must lie in [0, {C})")
+        raise InputError(f"labels must lie in [0, {C})")
     return v, q_tilde, y
 
 
 def _check_training_settings(max_epochs, patience, learning_rate, engine: str) -> None:
     """ValueError naming the first invalid setting of :func:`train_rescaler`."""
     if not isinstance(max_epochs, (int, np.integer)) or max_epochs < 1:
-        raise ValueError(f"max_epochs must be a positive integer, got {max_epochs!r}")
+        raise InputError(f"max_epochs must be a positive integer, got {max_epochs!r}")
     if not isinstance(patience, (int, np.integer)) or patience < 0:
-        raise ValueError(f"patience must be a non-negative integer, got {patience!r}")
+        raise InputError(f"patience must be a non-negative integer, got {patience!r}")
     if not learning_rate > 0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+        raise InputError(f"learning_rate must be > 0, got {learning_rate}")
     if engine not in _ENGINES:
-        raise ValueError(f"engine must be one of {sorted(_ENGINES)}, got {engine!r}")
+        raise InputError(f"engine must be one of {sorted(_ENGINES)}, got {engine!r}")
 
 
 def train_rescaler(
@@ -280,7 +281,7 @@ def train_rescaler(
     _check_training_settings(max_epochs, patience, learning_rate, engine)
     W0 = init_rescaler_weights(C, seed) if W_init is None else np.array(W_init, dtype=_F32)
     if W0.shape != (C, C):
-        raise ValueError(f"W_init must be [{C}, {C}], got {W0.shape}")
+        raise InputError(f"W_init must be [{C}, {C}], got {W0.shape}")
     rng = np.random.default_rng(seed)
     V32 = np.ascontiguousarray(v, dtype=_F32)
     B32 = np.log(2.0 + q_tilde.astype(np.float64)).astype(_F32)

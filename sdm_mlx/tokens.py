@@ -4,6 +4,7 @@ of the closing delimiter of an answer (re-exported by :mod:`sdm_mlx.embed`)."""
 from __future__ import annotations
 
 from typing import Sequence
+from .errors import InputError
 
 DEFAULT_DELIMITER = "}"  #: closing delimiter of a verification unit (the final brace of a JSON answer)
 
@@ -39,14 +40,14 @@ def chat_text(
     """
     if prompt_template is not None:
         if "{document}" not in prompt_template:
-            raise ValueError("prompt template must contain a {document} slot")
+            raise InputError("prompt template must contain a {document} slot")
         user = prompt_template.replace("{document}", document)
     else:
         user = document
     if not use_chat_template:
         return (system + "\n" if system else "") + user + (completion or "")
     if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
-        raise ValueError("the tokenizer has no chat template (use use_chat_template=False / --no-chat-template)")
+        raise InputError("the tokenizer has no chat template (use use_chat_template=False / --no-chat-template)")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})
     if completion is not None:

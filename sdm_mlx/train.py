@@ -41,6 +41,7 @@ from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_n
 from .defaults import DISTRIBUTED_TIMEOUT
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
+from .errors import InputError
 
 
 @dataclass
@@ -66,18 +67,18 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+            raise InputError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.patience is not None and (not isinstance(self.patience, (int, np.integer)) or self.patience < 1):
-            raise ValueError(f"patience must be a positive integer or None, got {self.patience!r}")
+            raise InputError(f"patience must be a positive integer or None, got {self.patience!r}")
         if self.k is not None and self.k < 1:
-            raise ValueError(f"k must be ≥ 1 or None, got {self.k}")
+            raise InputError(f"k must be ≥ 1 or None, got {self.k}")
         if isinstance(self.shard_timeout, bool) or not (isinstance(self.shard_timeout, (int, float))
                                                           and self.shard_timeout > 0):
-            raise ValueError(f"shard_timeout must be a number of seconds > 0, got {self.shard_timeout!r}")
+            raise InputError(f"shard_timeout must be a number of seconds > 0, got {self.shard_timeout!r}")
         if self.index_backend not in ("exact", "hnsw"):
-            raise ValueError(f"index_backend must be 'exact' or 'hnsw', got {self.index_backend!r}")
+            raise InputError(f"index_backend must be 'exact' or 'hnsw', got {self.index_backend!r}")
 
 
 @dataclass
@@ -302,7 +303,7 @@ def split_pool(y: np.ndarray, num_classes: int, rng: np.random.Generator, strati
         counts = np.bincount(y[idx], minlength=num_classes)
         if (counts == 0).any():
             missing = np.flatnonzero(counts == 0).tolist()
-            raise ValueError(
+            raise InputError(
                 f"the {name} split has no rows of class(es) {missing}: each class needs at least 2 rows in the "
                 "pooled data (one per split)"
             )

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
+from .errors import InputError
 
 PAPER_SYSTEM = "You are a helpful AI assistant."
 
@@ -82,25 +83,25 @@ def make_verification_rows(
     """
     n_classes = len(completions)
     if n_classes < 2:
-        raise ValueError("need one completion per task label (at least 2)")
+        raise InputError("need one completion per task label (at least 2)")
     if len(set(completions)) != n_classes:
-        raise ValueError("the completions must be distinct")
+        raise InputError("the completions must be distinct")
     labels, seen = [], {}
     for i, row in enumerate(rows):
         for field in ("id", "label", "document"):
             if field not in row:
-                raise ValueError(f"{where(i)}: missing field {field!r}")
+                raise InputError(f"{where(i)}: missing field {field!r}")
         lab = row["label"]
         if isinstance(lab, bool) or not isinstance(lab, int) or not 0 <= lab < n_classes:
-            raise ValueError(
+            raise InputError(
                 f"{where(i)}: label {lab!r} must be an integer task label in 0..{n_classes - 1} "
                 f"(one completion per label was given)"
             )
         if not isinstance(row["document"], str):
-            raise ValueError(f"{where(i)}: 'document' must be a string")
+            raise InputError(f"{where(i)}: 'document' must be a string")
         key = repr(row["id"])
         if key in seen:
-            raise ValueError(f"{where(i)}: id {row['id']!r} repeats {where(seen[key])}")
+            raise InputError(f"{where(i)}: id {row['id']!r} repeats {where(seen[key])}")
         seen[key] = i
         labels.append(lab)
 

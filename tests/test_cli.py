@@ -34,3 +34,28 @@ def test_help_does_not_import_mlx():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+@pytest.mark.parametrize("raised, code, says", [
+    (lambda: __import__("sdm_mlx.errors").errors.InputError("rows.jsonl: line 3: label 'x' is unknown"), 2,
+     "sdm-mlx inspect: error: rows.jsonl: line 3: label 'x' is unknown"),
+    (lambda: ValueError("operands could not be broadcast together"), 1,
+     "sdm-mlx inspect: internal error (a bug in sdm_mlx, not a problem with your input): ValueError: operands"),
+    (lambda: KeyError("prediction"), 1, "internal error (a bug in sdm_mlx"),
+])
+def test_only_sdm_errors_are_reported_as_the_users_fault(monkeypatch, capsys, raised, code, says):
+    """Issue 11 §3: SDMError (and OSErrors of user paths) are user errors (exit 2); any other exception is a
+    defect and says so (exit 1, the traceback behind SDM_MLX_DEBUG=1)."""
+    import sdm_mlx.commands.inspect as inspect_verb
+
+    def boom(args):
+        raise raised()
+
+    monkeypatch.setattr(inspect_verb, "run", boom)
+    monkeypatch.delenv("SDM_MLX_DEBUG", raising=False)
+    assert main(["inspect", "--model", "anything"]) == code
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    monkeypatch.setenv("SDM_MLX_DEBUG", "1")
+    with pytest.raises(type(raised())):
+        main(["inspect", "--model", "anything"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import validation
+from ..errors import InputError
 
 
 def check_alpha(alpha: float, num_classes: int) -> float:
@@ -16,9 +17,9 @@ def check_alpha(alpha: float, num_classes: int) -> float:
 def _finite(name: str, arr) -> np.ndarray:
     arr = np.asarray(arr)
     if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name} must be numeric, got dtype {arr.dtype}")
+        raise InputError(f"{name} must be numeric, got dtype {arr.dtype}")
     if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} contains NaN or Inf")
+        raise InputError(f"{name} contains NaN or Inf")
     return arr
 
 
@@ -29,28 +30,28 @@ def _labels(name: str, y, num_classes: int, n: int | None = None) -> np.ndarray:
 def _matrix(name: str, x, n: int | None = None, c: int | None = None) -> np.ndarray:
     x = _finite(name, x)
     if x.ndim != 2:
-        raise ValueError(f"{name} must be [N, C], got shape {x.shape}")
+        raise InputError(f"{name} must be [N, C], got shape {x.shape}")
     if n is not None and x.shape[0] != n:
-        raise ValueError(f"{name} has {x.shape[0]} rows, expected {n}")
+        raise InputError(f"{name} has {x.shape[0]} rows, expected {n}")
     if c is not None and x.shape[1] != c:
-        raise ValueError(f"{name} has {x.shape[1]} columns, expected {c}")
+        raise InputError(f"{name} has {x.shape[1]} columns, expected {c}")
     return x
 
 
 def _vector(name: str, x, n: int | None = None) -> np.ndarray:
     x = _finite(name, x).reshape(-1)
     if n is not None and x.shape[0] != n:
-        raise ValueError(f"{name} has {x.shape[0]} rows, expected {n}")
+        raise InputError(f"{name} has {x.shape[0]} rows, expected {n}")
     return x
 
 
 def _check_lists(name: str, lists, num_classes: int) -> list[np.ndarray]:
     if len(lists) != num_classes:
-        raise ValueError(f"{name} must hold one array per class ({num_classes}), got {len(lists)}")
+        raise InputError(f"{name} must hold one array per class ({num_classes}), got {len(lists)}")
     out = []
     for c, a in enumerate(lists):
         a = _finite(f"{name}[{c}]", a).reshape(-1)
         if a.size > 1 and np.any(a[1:] < a[:-1]):
-            raise ValueError(f"{name}[{c}] must be sorted ascending")
+            raise InputError(f"{name}[{c}] must be sorted ascending")
         out.append(a)
     return out

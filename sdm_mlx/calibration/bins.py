@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from ._checks import _check_lists, _labels, _matrix, _vector
+from ..errors import InputError
 
 
 def output_ecdfs(sdm_cal: np.ndarray, y_cal: np.ndarray, num_classes: int) -> list[np.ndarray]:
@@ -51,7 +52,7 @@ def soft_qbin(v: np.ndarray, q: np.ndarray, y_hat: np.ndarray) -> np.ndarray:
     n = v.shape[0]
     q = _vector("q", q, n).astype(np.float64)
     if np.any(q < 0):
-        raise ValueError("q must be ≥ 0")
+        raise InputError("q must be ≥ 0")
     y_hat = _labels("y_hat", y_hat, v.shape[1], n)
     return v[np.arange(n), y_hat].astype(np.float64) * np.log(2.0 + q)
 

@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from ._checks import _labels, _vector
+from ..errors import InputError
 
 
 def magnitude_medians(o_hat: np.ndarray, y_hat: np.ndarray, hard_bin: np.ndarray, num_classes: int) -> np.ndarray:
@@ -19,9 +20,9 @@ def magnitude_medians(o_hat: np.ndarray, y_hat: np.ndarray, hard_bin: np.ndarray
     y_hat = _labels("y_hat", y_hat, num_classes, n)
     hard_bin = np.asarray(hard_bin).reshape(-1).astype(np.int64)
     if hard_bin.shape[0] != n:
-        raise ValueError(f"hard_bin has {hard_bin.shape[0]} rows, expected {n}")
+        raise InputError(f"hard_bin has {hard_bin.shape[0]} rows, expected {n}")
     if np.any(hard_bin < 0):
-        raise ValueError("hard bins must be ≥ 0")
+        raise InputError("hard bins must be ≥ 0")
     num_bins = int(hard_bin.max()) + 1 if n else 1
     out = np.full((num_classes, num_bins), np.nan)
     if n == 0:
@@ -57,11 +58,11 @@ def cauchy_robust_min(min_valids: Sequence[float], best_index: int, alpha: float
     """
     vals = np.asarray(min_valids, dtype=np.float64).reshape(-1)
     if vals.size == 0:
-        raise ValueError("need at least one round's min valid q~")
+        raise InputError("need at least one round's min valid q~")
     if np.any(np.isnan(vals)):
-        raise ValueError("min valid q~ values must not be NaN (use +inf for 'no threshold found')")
+        raise InputError("min valid q~ values must not be NaN (use +inf for 'no threshold found')")
     if not (0 <= int(best_index) < vals.size):
-        raise ValueError(f"best_index {best_index} out of range for {vals.size} rounds")
+        raise InputError(f"best_index {best_index} out of range for {vals.size} rounds")
     location = float(vals[int(best_index)])
     scale = 0.0 if vals.size == 1 else mad(vals)
     if not math.isfinite(scale):
@@ -81,11 +82,11 @@ def cauchy_robust_min(min_valids: Sequence[float], best_index: int, alpha: float
 def cauchy_offsets(medians: Sequence[np.ndarray], alpha: float) -> np.ndarray:
     """Offsets m[ŷ][b] = MAD over rounds of the per-bin medians · tan(π(α−½)), no data ⇒ 0 (``eq:cauchyIteratedLower``), [C, B]."""
     if len(medians) == 0:
-        raise ValueError("need at least one round's medians")
+        raise InputError("need at least one round's medians")
     meds = [np.asarray(m, dtype=np.float64) for m in medians]
     num_classes = meds[0].shape[0]
     if any(m.ndim != 2 or m.shape[0] != num_classes for m in meds):
-        raise ValueError("every round's medians must be [C, B] with the same C")
+        raise InputError("every round's medians must be [C, B] with the same C")
     num_bins = max(m.shape[1] for m in meds)
     stack = np.full((len(meds), num_classes, num_bins), np.nan)
     for j, m in enumerate(meds):
@@ -98,7 +99,7 @@ def cauchy_offsets(medians: Sequence[np.ndarray], alpha: float) -> np.ndarray:
         scale = np.nanmedian(np.abs(stack - center[None]), axis=0)
     scale = np.where(count > 0, scale, 0.0)
     if not np.all(np.isfinite(scale)):
-        raise ValueError("per-bin medians must be finite (NaN marks an empty bucket)")
+        raise InputError("per-bin medians must be finite (NaN marks an empty bucket)")
     return scale * cauchy_factor(alpha)
 
 

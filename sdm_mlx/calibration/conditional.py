@@ -14,6 +14,7 @@ from ._checks import _check_lists, _finite, _matrix, _vector, check_alpha
 from .bins import _v_of, apply_ood, unique_argmax_is
 from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
 from .cauchy import lookup_offsets
+from ..errors import InputError
 
 if TYPE_CHECKING:  # a type only: rounds imports this module
     from .rounds import Calibration
@@ -71,18 +72,18 @@ def _check_calibration(cal: "Calibration") -> tuple:
 def _validate_calibration(cal: "Calibration") -> tuple:
     W = _finite("W", cal.W)
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
-        raise ValueError(f"W must be [C, C], got shape {W.shape}")
+        raise InputError(f"W must be [C, C], got shape {W.shape}")
     C = W.shape[0]
     check_alpha(cal.alpha, C)
     psi = _vector("psi", cal.psi).astype(np.float64)
     if psi.shape[0] != C:
-        raise ValueError(f"psi must have {C} entries, got {psi.shape[0]}")
+        raise InputError(f"psi must have {C} entries, got {psi.shape[0]}")
     min_valid_own, robust_min = float(cal.min_valid), float(cal.robust_min_valid)
     if math.isnan(min_valid_own) or math.isnan(robust_min):
-        raise ValueError("min valid q~ thresholds must not be NaN (+inf means 'none')")
+        raise InputError("min valid q~ thresholds must not be NaN (+inf means 'none')")
     offsets = np.zeros((C, 0)) if cal.offsets is None else np.asarray(cal.offsets, dtype=np.float64)
     if offsets.size and (offsets.ndim != 2 or offsets.shape[0] != C or not np.all(np.isfinite(offsets))):
-        raise ValueError(f"offsets must be a finite [C, B] array with C = {C}")
+        raise InputError(f"offsets must be a finite [C, B] array with C = {C}")
     ecdfs = _check_lists("output_ecdfs", cal.output_ecdfs, C)
     arrays = _check_lists("sample_size_arrays", cal.sample_size_arrays, C)
     return W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays
@@ -128,9 +129,9 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
     q = _vector("q", q, n).astype(np.float64)
     d = _vector("d", d, n)
     if np.any(q < 0):
-        raise ValueError("q must be ≥ 0")
+        raise InputError("q must be ≥ 0")
     if np.any(d < 0):
-        raise ValueError("d must be ≥ 0")
+        raise InputError("d must be ≥ 0")
     v = _v_of(sdm, ecdfs).astype(np.float64)
 
     y_hat = z.argmax(axis=1).astype(np.int64)

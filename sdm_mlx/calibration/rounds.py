@@ -22,6 +22,7 @@ from .bins import apply_ood, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is
 from .bounds import sample_size_arrays
 from .threshold import min_valid_qbin
 from .cauchy import cauchy_offsets, cauchy_robust_min, magnitude_medians
+from ..errors import InputError
 
 
 @dataclass
@@ -103,7 +104,7 @@ class RoundCalibration:
 def _stored_min_valid(meta: dict) -> float:
     value = get_float(meta, "min_valid")
     if value is None:
-        raise ValueError("round metadata has min_valid null without a min_valid_reason")
+        raise InputError("round metadata has min_valid null without a min_valid_reason")
     return value
 
 
@@ -136,7 +137,7 @@ def calibrate_round(
     sdm_cal = _matrix("sdm_cal", sdm_cal, c=C)
     n = sdm_cal.shape[0]
     if n == 0:
-        raise ValueError("calibration split is empty")
+        raise InputError("calibration split is empty")
     q_cal = _vector("q_cal", q_cal, n)
     y = _labels("y_cal", y_cal, C, n)
     y_hat = _labels("y_hat_cal", y_hat_cal, C, n)
@@ -152,7 +153,7 @@ def calibrate_round(
         W = fit.W
     W = np.asarray(W, dtype=np.float32)
     if W.shape != (C, C):
-        raise ValueError(f"W must be [{C}, {C}], got {W.shape}")
+        raise InputError(f"W must be [{C}, {C}], got {W.shape}")
     o = rescaled_output(W, v, q_pre)
     ood = sdm_flip | ood_mask(o, q_pre, y_hat)
     q_proc, bins = apply_ood(q_pre, ood)
@@ -173,11 +174,11 @@ def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha:
     Rounds calibrated at another α are re-thresholded (Alg. 3) at ``alpha`` first.
     """
     if len(rounds) == 0:
-        raise ValueError("need at least one round")
+        raise InputError("need at least one round")
     C = rounds[0].num_classes
     alpha = check_alpha(alpha, C)
     if any(r.num_classes != C for r in rounds):
-        raise ValueError("all rounds must have the same number of classes")
+        raise InputError("all rounds must have the same number of classes")
     rounds = [r if r.alpha == alpha else r.with_alpha(alpha) for r in rounds]
     robust = cauchy_robust_min([r.min_valid for r in rounds], best_index, alpha)
     return robust, cauchy_offsets([r.medians for r in rounds], alpha)

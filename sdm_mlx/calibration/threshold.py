@@ -9,6 +9,7 @@ from fractions import Fraction
 import numpy as np
 
 from ._checks import _labels, _vector, check_alpha
+from ..errors import InputError
 
 
 #: Decimals 1 − α is rounded to before the quantile index (DESIGN #13), exactly (:func:`exact_one_minus`).
@@ -59,7 +60,7 @@ def min_valid_qbin(
     y = _labels("y", y, num_classes, n)
     keep = np.asarray(non_ood, dtype=bool).reshape(-1)
     if keep.shape[0] != n:
-        raise ValueError(f"non_ood has {keep.shape[0]} rows, expected {n}")
+        raise InputError(f"non_ood has {keep.shape[0]} rows, expected {n}")
     keep = keep & (np.floor(q_tilde) > 0)
     psi = np.zeros(num_classes, dtype=np.float64)
     candidates = np.unique(q_tilde[keep])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import CLIError
+from ..errors import CLIError, InputError
 
 HELP = ("7-dim features (mean top-1 token probability per JSON value ⊕ confidence-weighted answer one-hot) "
         "from LLM API answers")
@@ -48,7 +48,7 @@ def run(args) -> int:
         try:
             out.append(feature_row(row, args.field, letters, args.on_bad_letter))
         except APIFeatureError as e:
-            raise ValueError(f"{args.input}: line {lineno} (id {row.get('id')!r}): {e}") from None
+            raise InputError(f"{args.input}: line {lineno} (id {row.get('id')!r}): {e}") from None
     write_jsonl(args.output, out)
     n_ref = sum(1 for _, r in rows if r.get("refusal"))
     print(f"sdm-mlx api-features: wrote {len(out)} rows with {3 + len(letters)}-dim '{args.field}' to "

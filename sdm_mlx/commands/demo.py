@@ -23,6 +23,7 @@ import os
 
 from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
 from ._common import add_conformal_argument, add_estimator_arguments, estimator_config, mode_help
+from ..errors import InputError
 
 #: The settings classes whose fields are this verb's options and YAML keys.
 SETTINGS = (EstimatorConfig,)
@@ -141,7 +142,7 @@ def run(args) -> int:
     from ._common import emit, estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:
-        raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
+        raise InputError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     t_start, callback, cfg = time.perf_counter(), cli_callback(args.quiet), settings(args)
     est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES), base=MODES[cfg["mode"]])
     out = args.output

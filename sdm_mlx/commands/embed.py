@@ -13,7 +13,7 @@ present, so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 
-from ..errors import CLIError
+from ..errors import CLIError, InputError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
@@ -59,7 +59,7 @@ def format_row(row: dict, embedding) -> str:
     import numpy as np
 
     if not np.all(np.isfinite(embedding)):
-        raise ValueError(f"non-finite hidden state for id {row.get('id')!r} (model numerics)")
+        raise InputError(f"non-finite hidden state for id {row.get('id')!r} (model numerics)")
     out = {k: v for k, v in row.items() if k != "embedding"}
     body = dumps(out)
     vec = "[" + ",".join(map("{:.9g}".format, embedding.tolist())) + "]"
@@ -88,14 +88,14 @@ def _texts(args, rows, tokenizer, path, foreign=None):
                 use_chat_template=not args.no_chat_template,
             )
         if not isinstance(prompt, str):
-            raise ValueError(f"{path}: line {lineno}: missing or non-string field {field!r}")
+            raise InputError(f"{path}: line {lineno}: missing or non-string field {field!r}")
         if suffix and foreign is not None and not prompt.endswith(suffix):
             foreign.append(row["id"])
         completion = ""
         if args.completion_field:
             completion = row.get(args.completion_field)
             if not isinstance(completion, str):
-                raise ValueError(f"{path}: line {lineno}: missing or non-string field {args.completion_field!r}")
+                raise InputError(f"{path}: line {lineno}: missing or non-string field {args.completion_field!r}")
         docs.append(prompt + completion)
         spans.append((len(prompt), None))
     return docs, spans
@@ -130,7 +130,7 @@ def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> 
             )
         except DocumentError as e:
             lineno, row = part[e.index]
-            raise ValueError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
+            raise InputError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
         stats["width"] = feats.embeddings.shape[1]
         out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
         out.flush()

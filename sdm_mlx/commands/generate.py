@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import CLIError, require_options
+from ..errors import CLIError, InputError, require_options
 from ._common import (SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, say_to_stderr,
                       verdict_line)
 
@@ -60,7 +60,7 @@ def _pending(args, say) -> list:
     for lineno, row in rows:
         doc = row.get(args.document_field)
         if not isinstance(doc, str) or not doc:
-            raise ValueError(f"{args.input}: line {lineno}: missing, empty or non-string field "
+            raise InputError(f"{args.input}: line {lineno}: missing, empty or non-string field "
                              f"{args.document_field!r} (set --document-field)")
     return pending_rows(rows, args.output, lambda row: "verified" in row and "attempts" in row, say)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..defaults import EstimatorConfig
 from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
+from ..errors import InputError
 
 HELP = "Train and calibrate an SDM estimator (Alg. 1-3) on JSONL rows; save a model directory."
 
@@ -87,7 +88,7 @@ def run(args) -> int:
     train = read_jsonl(args.train, args.features)
     cal = read_jsonl(args.calibration, args.features, prefer=train.features) if args.calibration else None
     if cal is not None and cal.X.shape[1] != train.X.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"{args.calibration}: feature width {cal.X.shape[1]} differs from {args.train} ({train.X.shape[1]})"
         )
     est = estimator_from_args(args, args.class_names)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..artifact import atomic_directory, read_manifest, sha256_file
-from ..errors import ArtifactError
+from ..errors import ArtifactError, InputError
 from ..io import dumps, write_json
 from .heads import HeadShapeError, SDMHeads, model_dims
 
@@ -226,7 +226,7 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
         model, loaded_tok = load_model(config["base_model"])
         tokenizer = tokenizer or loaded_tok
     if tokenizer is None:
-        raise ValueError("pass the tokenizer together with the model")
+        raise InputError("pass the tokenizer together with the model")
     vocab, hidden = model_dims(model)
     if (vocab, hidden) != w.shape:
         raise HeadShapeError(

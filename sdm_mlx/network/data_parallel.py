@@ -45,6 +45,7 @@ from mlx.utils import tree_map
 
 from .. import distributed as dist
 from .loss import network_loss_terms, rescaled_regularizer
+from ..errors import InputError
 
 
 class DataParallel:
@@ -161,7 +162,7 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
     B = 50: 1.8M instead of 98.5M); ``"auto"`` picks the smaller per step.
     """
     if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        raise InputError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
 
     def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
         nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)

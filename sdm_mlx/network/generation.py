@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import embed as _embed
 from .heads import SDMHeads
+from ..errors import InputError
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens")
 
@@ -132,7 +133,7 @@ def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         ids = _embed.encode(tokenizer, p) if isinstance(p, str) else [int(t) for t in p]
         if not ids:
-            raise ValueError(f"prompt {i} is empty after tokenisation")
+            raise InputError(f"prompt {i} is empty after tokenisation")
         out.append(ids)
     return out
 
@@ -241,9 +242,9 @@ def greedy_generate(
     ``progress(k)`` is called after each batch of ``k`` prompts.
     """
     if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+        raise InputError("max_new_tokens must be >= 1")
     if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
+        raise InputError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
     eos = _eos_ids(tokenizer)
     batch_size = decode_batch_size(heads, batch_size)  # custom caches (sliding windows, SSMs): one at a time
@@ -278,5 +279,5 @@ def generation_features(outputs: Sequence[GeneratedOutput]) -> np.ndarray:
     if not outputs:
         return np.zeros((0, 0), dtype=np.float32)
     if any(o.embedding is None for o in outputs):
-        raise ValueError("outputs were generated with features=False")
+        raise InputError("outputs were generated with features=False")
     return np.stack([o.embedding for o in outputs]).astype(np.float32)

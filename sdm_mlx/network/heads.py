@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import embed as _embed
+from ..errors import InputError
 
 
 class HeadShapeError(ValueError):
@@ -85,7 +86,7 @@ class SDMHeads(nn.Module):
         super().__init__()
         _embed.trunk(model)  # validates the model layout
         if reference_head not in REFERENCE_HEADS:
-            raise ValueError(f"reference_head must be one of {REFERENCE_HEADS}, got {reference_head!r}")
+            raise InputError(f"reference_head must be one of {REFERENCE_HEADS}, got {reference_head!r}")
         object.__setattr__(self, "_model", model)  # not part of the parameter tree
         model.freeze()
         vocab, hidden = model_dims(model)
@@ -171,7 +172,7 @@ def token_hidden_states(
     """
     n = len(sequences)
     if len(positions) != n:
-        raise ValueError("positions must have one entry per sequence")
+        raise InputError("positions must have one entry per sequence")
     need = [int(max(p)) + 1 if len(p) else 0 for p in positions]
     order = sorted(range(n), key=lambda i: -need[i])
     parts: list = [None] * n

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..activation import log_sdm
+from ..errors import InputError
 
 
 def regularization_mask(z_ref: mx.array, z_neg: mx.array, z_pos: mx.array, targets: mx.array) -> mx.array:
@@ -117,6 +118,6 @@ def beta_schedule(num_batches: int, beta_min: float = 0.0, beta_max: float = 0.1
     if num_batches < 1:
         return np.zeros(0, dtype=np.float64)
     if beta_min < 0 or beta_max < 0:
-        raise ValueError(f"beta_min and beta_max must be >= 0, got {beta_min}, {beta_max}")
+        raise InputError(f"beta_min and beta_max must be >= 0, got {beta_min}, {beta_max}")
     step = (beta_max - beta_min) / num_batches
     return beta_min + step * np.arange(num_batches, dtype=np.float64)

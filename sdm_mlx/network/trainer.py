@@ -65,6 +65,7 @@ from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
 from .heads import SDMHeads, token_hidden_states
 from .loss import beta_schedule, network_loss
+from ..errors import InputError
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -81,11 +82,11 @@ def _input_paths(config: NetworkConfig) -> list:
 
 def _task_rows(path: str, completions, template, config: NetworkConfig, tokenizer) -> list[dict]:
     if not completions:
-        raise ValueError("give completions (one per task label) or a preset")
+        raise InputError("give completions (one per task label) or a preset")
     if template is None:
-        raise ValueError("give a prompt_template with a {document} slot (or a preset)")
+        raise InputError("give a prompt_template with a {document} slot (or a preset)")
     if "{document}" not in template:
-        raise ValueError("prompt_template must contain a {document} slot")
+        raise InputError("prompt_template must contain a {document} slot")
     task_rows = _read_jsonl(path)
     system = config.system or None
 
@@ -104,9 +105,9 @@ def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
         for i, r in enumerate(rows):
             for fld in ("id", "prompt", "completion", "label"):
                 if fld not in r:
-                    raise ValueError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
+                    raise InputError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
             if r["label"] not in (0, 1) or isinstance(r["label"], bool):
-                raise ValueError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
+                raise InputError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
         return rows
     if config.tasks:
         out = []
@@ -156,7 +157,7 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
         c += 1
     j = _embed.delimiter_token_index_in_text(tokenizer, text, ids, (len(prompt), None), delimiter)
     if j is None:
-        raise ValueError(f"completion {completion!r} holds no closing delimiter {delimiter!r}")
+        raise InputError(f"completion {completion!r} holds no closing delimiter {delimiter!r}")
     c = max(c, 1)
     targets = list(range(c, j + 1))
     positions = [t - 1 for t in targets if t - 1 < max_length]
@@ -347,7 +348,7 @@ class SDMNetworkTrainer:
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
         elif tokenizer is None:
-            raise ValueError("pass the tokenizer together with the model")
+            raise InputError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
         self.heads = SDMHeads(model, reference_head=config.reference_head)
         if estimator_factory is None:
@@ -418,7 +419,7 @@ class SDMNetworkTrainer:
             est = SDMEstimator.load(c.verifier)
             width = self.features_of(rows[:1], "verifier width check").shape[1]
             if est.input_dim_ != width:
-                raise ValueError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "
+                raise InputError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "
                                  f"{width}")
             self.log(f"reusing the verification layer at {c.verifier}")
         else:
@@ -437,7 +438,7 @@ class SDMNetworkTrainer:
             train_rows = [by_key[id_key(i)] for i in est.support_ids_]
             cal_rows = [by_key[id_key(i)] for i in est.calibration_ids_]
         except KeyError as e:
-            raise ValueError(f"the verification layer's split names id {e.args[0]} that is not in the data "
+            raise InputError(f"the verification layer's split names id {e.args[0]} that is not in the data "
                              "(was it trained on other data?)") from None
         return est, train_rows, cal_rows
 
@@ -571,7 +572,7 @@ class SDMNetworkTrainer:
         self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
                  f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
         if len(cache) == 0 and c.epochs > 0:
-            raise ValueError("no training tokens: every y=1 training completion lies beyond max_length "
+            raise InputError("no training tokens: every y=1 training completion lies beyond max_length "
                              f"{c.max_length} (raise max_length or shorten the prompts)")
         hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
         cache.hidden = None  # the device copy is the one used from here on

@@ -44,6 +44,7 @@ from typing import Callable
 from .. import embed as _embed
 from ..verified.generator import _fill
 from .schema import GenerationRequest, VerifyRequest
+from ..errors import InputError
 
 #: Exemplar fields shown in a completion's ``verification`` (the full records are in the explanation).
 EXEMPLAR_FIELDS = ("id", "label", "predicted_label", "squared_distance")
@@ -68,11 +69,11 @@ def feedback_class(label, verified_label: int, num_classes: int) -> int:
         if label:
             return int(verified_label)
         if num_classes != 2:
-            raise ValueError(f"label false is ambiguous for a {num_classes}-class verifier: give the class index")
+            raise InputError(f"label false is ambiguous for a {num_classes}-class verifier: give the class index")
         return 1 - int(verified_label)
     if isinstance(label, int) and 0 <= label < num_classes:
         return int(label)
-    raise ValueError(f"label must be true (the answer was right), false (it was wrong) or a class index "
+    raise InputError(f"label must be true (the answer was right), false (it was wrong) or a class index "
                      f"0..{num_classes - 1}, got {label!r}")
 
 
@@ -81,7 +82,7 @@ class VerdictStore:
 
     def __init__(self, capacity: int = 1000):
         if capacity < 1:
-            raise ValueError("the verdict store capacity must be >= 1")
+            raise InputError("the verdict store capacity must be >= 1")
         self.capacity = int(capacity)
         self._items: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
@@ -261,7 +262,7 @@ class Engine:
             k += 1
         prompt_ids, answer_ids = full[:k], full[k:]
         if not answer_ids:
-            raise ValueError("the completion encodes to no tokens")
+            raise InputError("the completion encodes to no tokens")
         v = self.gen.verifier(prompt_ids, answer_ids, completion)
         vid = self._store(source, prompt_ids, answer_ids, completion, v, v.row)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(answer_ids),

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 from .. import embed as _embed
 from ..network.generation import is_closed
+from ..errors import InputError
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop")
 
@@ -156,7 +157,7 @@ class GreedyDecoder:
     def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True,
                  features: bool = False, max_length: int = _embed.DEFAULT_MAX_LENGTH):
         if not delimiter:
-            raise ValueError("delimiter must be a non-empty string")
+            raise InputError("delimiter must be a non-empty string")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads
         self.delimiter, self.stop_at_delimiter = delimiter, stop_at_delimiter
         self.features, self.max_length = bool(features), int(max_length)
@@ -169,17 +170,17 @@ class GreedyDecoder:
     def __call__(self, prompt_ids: Sequence[int], max_tokens: int, on_text: Callable[[str], None] | None = None,
                  *, stop: Sequence[str] = (), temperature: float = 0.0):
         if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+            raise InputError("max_tokens must be >= 1")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
-            raise ValueError("empty prompt")
+            raise InputError("empty prompt")
         stop = list(stop or ())
         if any(not isinstance(x, str) or not x for x in stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InputError("stop strings must be non-empty strings")
         if not temperature >= 0:
-            raise ValueError("temperature must be >= 0")
+            raise InputError("temperature must be >= 0")
         if temperature > 0 and self.heads is not None:
-            raise ValueError("joint neg+pos decoding is greedy: temperature must be 0")
+            raise InputError("joint neg+pos decoding is greedy: temperature must be 0")
         det = out = None
         if on_text is not None:
             det, out = self.tokenizer.detokenizer, _Emitter(on_text, stop)

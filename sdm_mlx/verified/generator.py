@@ -36,6 +36,7 @@ from .. import embed as _embed
 from ..generation_config import ON_REJECT, GenerationConfig
 from .decoding import GreedyDecoder
 from .verification import AnswerVerifier, Verdict
+from ..errors import InputError
 
 STATUSES = ("verified", "unverified", "abstained")
 STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
@@ -127,11 +128,11 @@ def _load_model(config: GenerationConfig, head_config: dict | None, model, token
     """``(model, tokenizer)``: the ones given, else loaded from ``config.model`` or the head's base model."""
     if model is not None:
         if tokenizer is None:
-            raise ValueError("pass the tokenizer together with the model")
+            raise InputError("pass the tokenizer together with the model")
         return model, tokenizer
     path = config.model if config.model is not None else (head_config or {}).get("base_model")
     if path is None:
-        raise ValueError("give model_path (or a head whose config names its base model)")
+        raise InputError("give model_path (or a head whose config names its base model)")
     return _embed.load_model(path)
 
 
@@ -153,7 +154,7 @@ def _load_verifier(config: GenerationConfig, head_config: dict | None):
     if path is None and head_config is not None:
         path = os.path.join(os.path.abspath(os.fspath(config.head)), head_config["verifier"])
     if path is None:
-        raise ValueError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
+        raise InputError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
     from ..estimator import SDMEstimator
 
     verifier = SDMEstimator.load(path)
@@ -214,7 +215,7 @@ class VerifiedGenerator:
                                                                      t["use_chat_template"])
         self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]
         if self.max_tokens < 1 or self.max_length < 1:
-            raise ValueError("max_tokens and max_length must be >= 1")
+            raise InputError("max_tokens and max_length must be >= 1")
         self.on_reject, self.max_attempts = config.on_reject, int(config.max_attempts)
         self.reask_fallback = config.reask_fallback
         self.reask_template = REASK_TEMPLATE if config.reask_template is None else config.reask_template
@@ -269,7 +270,7 @@ class VerifiedGenerator:
         ``options``: per-call overrides of :meth:`generate_ids`.
         """
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError("prompt must be a non-empty string")
+            raise InputError("prompt must be a non-empty string")
         base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
 
         def reask(previous: str, reason: str | None, attempt: int) -> tuple[list, str]:
@@ -297,11 +298,11 @@ class VerifiedGenerator:
         max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
         max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
         if on_reject not in ON_REJECT:
-            raise ValueError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
+            raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
         if max_attempts < 1 or max_tokens < 1:
-            raise ValueError("max_attempts and max_tokens must be >= 1")
+            raise InputError("max_attempts and max_tokens must be >= 1")
         if on_reject == "reask" and reask is None:
-            raise ValueError("on_reject='reask' needs a reask prompt builder")
+            raise InputError("on_reject='reask' needs a reask prompt builder")
         base_ids = [int(t) for t in base_ids]
         decode_options = {k: v for k, v in (("stop", list(stop or ())), ("temperature", temperature)) if v}
         t_start = time.perf_counter()

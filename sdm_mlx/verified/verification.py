@@ -37,6 +37,7 @@ from .. import embed as _embed
 from ..io import finite_or_none, strict
 from ..network.generation import first_json_object
 from ..results import VERDICT_FLOAT_KEYS, VERDICT_KEYS
+from ..errors import InputError
 
 PARSE_FAILURE = "parse_failure"
 PREDICTED_UNVERIFIED = "predicted_unverified"
@@ -71,17 +72,17 @@ class AnswerVerifier:
                  max_length: int = _embed.DEFAULT_MAX_LENGTH, n_exemplars: int = 5, require_json: bool = True,
                  verified_label: int = 1):
         if not estimator.is_fitted:
-            raise ValueError("the verification layer is not fitted")
+            raise InputError("the verification layer is not fitted")
         from ..network.heads import model_dims
 
         _, hidden = model_dims(model)
         if estimator.input_dim_ != 2 * hidden:
-            raise ValueError(
+            raise InputError(
                 f"the verification layer expects {estimator.input_dim_}-dim features but this model gives "
                 f"2 x {hidden} = {2 * hidden} (mean ⊕ state): it was trained on another model's features"
             )
         if not 0 <= verified_label < estimator.num_classes_:
-            raise ValueError(f"verified_label {verified_label} is not a class of the verification layer")
+            raise InputError(f"verified_label {verified_label} is not a class of the verification layer")
         self.model, self.tokenizer, self.estimator = model, tokenizer, estimator
         self.delimiter, self.max_length = delimiter, int(max_length)
         self.n_exemplars, self.require_json, self.verified_label = int(n_exemplars), require_json, verified_label
