@@ -10,7 +10,7 @@ With ``--verifier`` a saved ``SDMEstimator`` (e.g. trained with ``sdm-mlx train`
 prompt (``sdm_mlx.verification_data.PRESETS["factcheck"]``) instead of random
 movie-review words.
 
-Without ``--model`` a random model is built locally with ``tests/tiny_models.py``
+Without ``--model`` a random model is built locally with ``tools/tiny_models.py``
 (``tiny``: hidden 64, 2 layers, |V| ≈ 360; ``small``: hidden 512, 4 layers,
 |V| 32064; ``medium``: hidden 1024, 8 layers, |V| 32064).  The verification
 layer is an ``SDMEstimator`` fitted (tiny settings) on ``--support`` synthetic
