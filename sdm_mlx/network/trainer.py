@@ -363,42 +363,14 @@ class SDMNetworkTrainer:
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
-        if self.dp.writer:
-            est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked above)
-            split = {id_key(r["id"]): "train" for r in train_rows}
-            split.update({id_key(r["id"]): "calibration" for r in cal_rows})
-            write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
-                        [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+        self._write_verifier(est, rows, train_rows, cal_rows)
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
-
-        cache = self.token_cache(pos_rows)
-        self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
-                 f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
-        if len(cache) == 0 and c.epochs > 0:
-            raise InputError("no training tokens: every y=1 training completion lies beyond max_length "
-                             f"{c.max_length} (raise max_length or shorten the prompts)")
-        hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
-        cache.hidden = None  # the device copy is the one used from here on
-        targets = mx.array(cache.targets.astype(np.int32))
-
-        metrics = {"config": strict(c), "base_model": base_model_reference(c.model),
-                   "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
-                   "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
-                   "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
-        if self.dp.active:
-            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
-
-        initial = self.calibration_count(est, cal_rows)
+        cache, hidden, targets = self._device_cache(pos_rows)
+        metrics = self._start_metrics(train_rows, cal_rows, pos_rows, len(cache))
+        initial = self._initial_count(est, cal_rows, metrics)
         best, selected = initial["count"], 0
-        self.save(self.verifier_path, 0, best, 0)
-        metrics["initial"] = initial
-        metrics["selected_epoch"], metrics["best_count"] = selected, best
-        self.write_metrics(metrics)
-        self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
-                 f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
-
         optimizer = make_optimizer(c.learning_rate)
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
@@ -412,16 +384,66 @@ class SDMNetworkTrainer:
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise
+        return self._finish(metrics, t_start, initial["count"], best, selected)
+
+    def _write_verifier(self, est, rows, train_rows, cal_rows) -> None:
+        """(a)'s outputs (rank 0): ``verifier/`` and ``verification_rows.jsonl`` with every row's split."""
+        if not self.dp.writer:
+            return
+        est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked in run)
+        split = {id_key(r["id"]): "train" for r in train_rows}
+        split.update({id_key(r["id"]): "calibration" for r in cal_rows})
+        write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
+                    [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+
+    def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
+        """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
+        c = self.config
+        cache = self.token_cache(pos_rows)
+        self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
+                 f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
+        if len(cache) == 0 and c.epochs > 0:
+            raise InputError("no training tokens: every y=1 training completion lies beyond max_length "
+                             f"{c.max_length} (raise max_length or shorten the prompts)")
+        hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
+        cache.hidden = None  # the device copy is the one used from here on
+        return cache, hidden, mx.array(cache.targets.astype(np.int32))
+
+    def _start_metrics(self, train_rows, cal_rows, pos_rows, tokens: int) -> dict:
+        """The run's ``metrics.json`` before any count: config, sizes, data-parallel layout."""
+        c = self.config
+        metrics = {"config": strict(c), "base_model": base_model_reference(c.model),
+                   "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
+                   "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
+                   "train_positive_rows": len(pos_rows), "tokens": tokens, "epochs": []}
+        if self.dp.active:
+            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
+        return metrics
+
+    def _initial_count(self, est, cal_rows, metrics: dict) -> dict:
+        """(e) before fine-tuning: the count of the base head, saved as epoch 0 — the bar to beat."""
+        initial = self.calibration_count(est, cal_rows)
+        best = initial["count"]
+        self.save(self.verifier_path, 0, best, 0)
+        metrics["initial"] = initial
+        metrics["selected_epoch"], metrics["best_count"] = 0, best
+        self.write_metrics(metrics)
+        self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
+                 f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
+        return initial
+
+    def _finish(self, metrics: dict, t_start: float, initial: int, best: int, selected: int) -> NetworkTrainResult:
+        """Mark the network finished, write the final metrics and return the run's result."""
+        c = self.config
         if self.dp.writer:
             mark_network_finished(self.network_path, c.epochs)
         metrics.update(finished=True, epochs_completed=c.epochs)
         metrics["total_seconds"] = time.perf_counter() - t_start
         self.write_metrics(metrics)
-        self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
-                 f"{self.network_path}")
+        self.log(f"selected epoch {selected} (count {best}; initial {initial}); network at {self.network_path}")
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
                                   metrics_path=self.metrics_path, selected_epoch=selected, best_count=best,
-                                  initial_count=initial["count"], history=metrics["epochs"])
+                                  initial_count=initial, history=metrics["epochs"])
 
 
 def _sum_counts(dp: DataParallel, counts: dict | None) -> dict:
