@@ -19,7 +19,7 @@ _EXPORTS = {
     "distance_ecdfs": "distance", "distance_quantile": "distance",
     "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
     "Calibration": "calibration",
-    "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
+    "ExactIndex": "index", "HnswIndex": "hnsw_index", "make_index": "index", "similarity_from_neighbours": "index",
     "SDMError": "errors", "InputError": "errors", "OutputError": "errors", "ArtifactError": "errors",
     "NotFittedError": "errors",
 }

@@ -23,39 +23,28 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import warnings
 
 import numpy as np
-from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis
-from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
+from .adaptor import InvariantForward
 from . import validation
-from .calibration import Calibration, RoundCalibration, calibrate_round, estimate, exact_one_minus
+from .calibration import Calibration, calibrate_round, estimate, exact_one_minus
 from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
+from .estimator_io import ARTIFACT_KIND, ARTIFACT_VERSION, ROBUST_INF_REASON, load_estimator, save_estimator  # noqa: F401
 from .data import id_key
-from .feedback import LOG_FILE as FEEDBACK_LOG
-from .feedback import FeedbackState, dump_log, label_indices_for, log_entries, new_ids, parse_log
+from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
-from .io import put_float
 from .callbacks import CallbackList, as_callback
 from .results import Predictions
 from .train import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
-
-#: why a stored robust min valid q~ is null (+inf): every prediction is rejected
-ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
-                     "threshold reach the median, or a non-finite MAD), so every prediction is rejected")
-
-ARTIFACT_KIND = "sdm_estimator"
-ARTIFACT_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,118 +548,19 @@ class SDMEstimator:
         state.log.extend(entries)
         return entries
 
-    # -- persistence ---------------------------------------------------------------------------
+    # -- persistence (sdm_mlx/estimator_io.py) ------------------------------------------------
     def save(self, path, overwrite: bool = False) -> None:
         """Write a versioned safetensors + JSON artifact directory atomically.
 
         An existing artifact at ``path`` is replaced only with ``overwrite=True``; any other existing
-        non-empty directory (or a file) is refused with :class:`ArtifactError` and left untouched.
+        non-empty directory (or a file) is refused with :class:`~sdm_mlx.errors.ArtifactError` and left untouched.
         Fitted under ``mlx.launch`` with a sharded index, rank 0 alone writes (the other ranks return)."""
-        self._check_fitted()
-        if getattr(self._index, "group", None) is not None and self._index.group.rank() != 0:
-            return  # sharded under mlx.launch: rank 0 alone writes the artifact (docs/distributed.md)
-        C = self.num_classes_
-        groups = {
-            "adaptor": {k: np.array(v) for k, v in tree_flatten(self.model_.parameters())},
-            "support": {
-                "vectors": self.support_vectors_,
-                "labels": self.support_labels_,
-                "predictions": self.support_predictions_,
-                **({} if self.exemplar_basis_ is None else {"basis": self.exemplar_basis_}),
-            },
-            "distance_ecdfs": {
-                **pack_ragged("calibration", self.calibration_distance_ecdfs_),
-                **pack_ragged("training", self.training_distance_ecdfs_),
-            },
-        }
-        if getattr(self, "calibration_logits_", None) is not None:
-            groups["calibration"] = {"logits": self.calibration_logits_, "labels": self.calibration_labels_}
-        round_meta = []
-        for j, r in enumerate(self.rounds_):
-            arrays, meta = r.to_arrays()
-            groups[f"round_{j}"] = arrays
-            round_meta.append(meta)
-        params = self.get_params()
-        meta = {
-            "params": params,
-            "num_classes": C,
-            "input_dim": int(self.input_dim_),
-            "k": int(self.k_),
-            "best_round": int(self.best_round_),
-            "rounds": round_meta,
-            "round_summaries": self.round_summaries_,
-            "history": self.history_,
-            "support_ids": self.support_ids_,
-            "calibration_ids": self.calibration_ids_,
-            "feature_field": getattr(self, "feature_field_", None),
-            "classes": self.classes_.tolist(),
-        }
-        state = self.feedback_state_
-        texts = {}
-        if state.log:
-            meta["n_training_support"] = state.n_training
-            texts[FEEDBACK_LOG] = dump_log(state.log)
-        put_float(meta, "robust_min_valid", self.robust_min_valid_, ROBUST_INF_REASON)
-        save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
-                      overwrite=overwrite, texts=texts)
+        save_estimator(self, path, overwrite=overwrite)
 
     @classmethod
     def load(cls, path) -> "SDMEstimator":
         """Load an artifact written by :meth:`save` (verifies format version and checksums)."""
-        texts: dict = {}
-        groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts)
-        try:
-            est = cls(**meta["params"])
-            C = int(meta["num_classes"])
-            adaptor = groups["adaptor"]
-            m, d = adaptor["projection.weight"].shape
-            model = ExemplarAdaptor(d, m, C)
-            import mlx.core as mx
-
-            model.load_weights([(k, mx.array(v)) for k, v in adaptor.items()])
-            est.model_ = model
-            est.num_classes_ = C
-            est.input_dim_ = int(meta["input_dim"])
-            est.k_ = int(meta["k"])
-            est.best_round_ = int(meta["best_round"])
-            est.round_summaries_ = meta["round_summaries"]
-            est.history_ = meta["history"]
-            est.support_vectors_ = groups["support"]["vectors"]
-            # the stored basis reproduces the stored support coordinates bit for bit (absent in older artifacts)
-            stored_basis = groups["support"].get("basis")
-            est.exemplar_basis_ = stored_basis.astype(np.float32) if stored_basis is not None else exemplar_basis(model)
-            est.support_labels_ = groups["support"]["labels"].astype(np.int64)
-            est.support_predictions_ = groups["support"]["predictions"].astype(np.int64)
-            est.support_ids_ = meta["support_ids"]
-            est.feature_field_ = meta.get("feature_field")  # absent before it was stored: "auto"
-            est.calibration_ids_ = meta["calibration_ids"]
-            cal = groups.get("calibration")  # absent in artifacts written before it was stored
-            est.calibration_logits_ = None if cal is None else cal["logits"].astype(np.float32)
-            est.calibration_labels_ = None if cal is None else cal["labels"].astype(np.int64)
-            est.calibration_distance_ecdfs_ = unpack_ragged("calibration", groups["distance_ecdfs"], C)
-            est.training_distance_ecdfs_ = unpack_ragged("training", groups["distance_ecdfs"], C)
-            est.rounds_ = [RoundCalibration.from_arrays(groups[f"round_{j}"], rm) for j, rm in enumerate(meta["rounds"])]
-            est.classes_ = np.asarray(meta["classes"]) if "classes" in meta else np.arange(C)  # absent: indices
-            est.n_features_in_ = est.input_dim_
-        except (KeyError, ValueError, TypeError, IndexError) as e:
-            if isinstance(e, ArtifactError):
-                raise
-            raise ArtifactError(f"{path}: artifact content is incomplete or inconsistent ({e!r})") from None
-        if len(est.support_ids_) != est.support_vectors_.shape[0]:
-            raise ArtifactError(f"{path}: support ids and vectors disagree in length")
-        if est.support_vectors_.shape[1] != min(m, d):
-            raise ArtifactError(
-                f"{path}: support vectors have width {est.support_vectors_.shape[1]}, expected min(M, D) = {min(m, d)}"
-            )
-        n_train = meta.get("n_training_support", len(est.support_ids_))
-        if not isinstance(n_train, int) or not 1 <= n_train <= len(est.support_ids_):
-            raise ArtifactError(
-                f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
-        log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
-        est._feedback = FeedbackState(est.support_ids_, n_train, log)
-        est._prepare_predict()
-        est._apply_alpha(est.alpha)
-        return est
+        return load_estimator(cls, path)
 
 
 def _same(a, b) -> bool:

@@ -33,23 +33,14 @@ def run(args) -> int:
     import sys
     from collections import Counter
 
-    import numpy as np
-
-    from ..chunked import count_lines, read_jsonl_chunks
-    from ..data import check_labels, check_model_width
+    from ..chunked import read_jsonl_chunks
     from ..errors import InputError
-    from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
-    from ..callbacks import progress_bar
     from ..distributed import is_primary, launched_rank
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
-    est = SDMEstimator.load(args.model)
-    est.verbose = False
-    if args.shard_index is not None and args.shard_index != est.shard_index:
-        est.shard_index = args.shard_index
-        est._prepare_predict()  # rebuild the support index sharded (or not)
+    est = _load_estimator(args)
     trained_on = getattr(est, "feature_field_", None)
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
@@ -58,44 +49,12 @@ def run(args) -> int:
     kept = {"admitted": [], "prediction": [], "labels": [], "reasons": Counter()}
 
     writer = launched_rank() is None or is_primary()  # under mlx.launch rank 0 alone writes the results
-    show = writer and not args.quiet
-
-    def rows():
-        total = count_lines(args.input) if show else None
-        with progress_bar(total, "predict", unit="rows", enabled=show) as bar:
-            for data in chunks:
-                check_model_width(data, est.input_dim_, trained_on, args.input)
-                if data.y is not None:
-                    check_labels(data.y, est.num_classes_, args.input)
-                    kept["labels"].append(data.y)
-                pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
-                kept["admitted"].append(pred.admitted)
-                kept["prediction"].append(pred.prediction)
-                kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
-                labels = data.y.tolist() if data.y is not None else None
-                for i, row in enumerate(pred.to_dicts()):
-                    if labels is not None:
-                        row["label"] = labels[i]
-                    yield row
-                bar.update(len(pred))
-
+    rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet)
     if not writer:  # every rank scores every chunk: the sharded index's collectives run in step
-        for _ in rows():
+        for _ in rows:
             pass
         return 0
-    n_rows = write_jsonl(args.output, rows())
-    admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
-    summary = {
-        "rows": n_rows,
-        "admitted": int(admitted.sum()),
-        "admitted_fraction": float(admitted.mean()),
-        "rejection_reasons": dict(kept["reasons"]),
-        "alpha": est.alpha,
-    }
-    if kept["labels"]:
-        y, adm = np.concatenate(kept["labels"]), admitted
-        summary["accuracy"] = float((prediction == y).mean())
-        summary["admitted_accuracy"] = float((prediction[adm] == y[adm]).mean()) if adm.any() else None
+    summary = _summary(write_jsonl(args.output, rows), kept, est.alpha)
     if args.summary:
         write_json(args.summary, summary)
     print(
@@ -104,3 +63,59 @@ def run(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _load_estimator(args):
+    """The ``--model`` estimator, its support index sharded (or not) as ``--shard-index`` asks."""
+    from ..estimator import SDMEstimator
+
+    est = SDMEstimator.load(args.model)
+    est.verbose = False
+    if args.shard_index is not None and args.shard_index != est.shard_index:
+        est.shard_index = args.shard_index
+        est._prepare_predict()  # rebuild the support index sharded (or not)
+    return est
+
+
+def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
+    """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
+    from ..callbacks import progress_bar
+    from ..chunked import count_lines
+    from ..data import check_labels, check_model_width
+
+    total = count_lines(args.input) if show else None
+    with progress_bar(total, "predict", unit="rows", enabled=show) as bar:
+        for data in chunks:
+            check_model_width(data, est.input_dim_, trained_on, args.input)
+            if data.y is not None:
+                check_labels(data.y, est.num_classes_, args.input)
+                kept["labels"].append(data.y)
+            pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+            kept["admitted"].append(pred.admitted)
+            kept["prediction"].append(pred.prediction)
+            kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+            labels = data.y.tolist() if data.y is not None else None
+            for i, row in enumerate(pred.to_dicts()):
+                if labels is not None:
+                    row["label"] = labels[i]
+                yield row
+            bar.update(len(pred))
+
+
+def _summary(n_rows: int, kept: dict, alpha: float) -> dict:
+    """The ``--summary`` counts: rows, admitted (fraction), rejection reasons, accuracies when labelled."""
+    import numpy as np
+
+    admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
+    summary = {
+        "rows": n_rows,
+        "admitted": int(admitted.sum()),
+        "admitted_fraction": float(admitted.mean()),
+        "rejection_reasons": dict(kept["reasons"]),
+        "alpha": alpha,
+    }
+    if kept["labels"]:
+        y, adm = np.concatenate(kept["labels"]), admitted
+        summary["accuracy"] = float((prediction == y).mean())
+        summary["admitted_accuracy"] = float((prediction[adm] == y[adm]).mean()) if adm.any() else None
+    return summary

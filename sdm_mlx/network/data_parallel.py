@@ -164,13 +164,7 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
     if exchange not in EXCHANGES:
         raise InputError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
 
-    def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
-        nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)
-        local = mx.stack([(valid * nll_rows).sum(), (valid * reg_rows).sum()])
-        sums = mx.stop_gradient(mx.distributed.all_sum(local, group=dp.group))
-        total, nll, reg, reg_rescaled, c = global_losses(sums, n_global, beta)
-        objective = (local[0] + beta * mx.stop_gradient(c) * local[1]) / n_global
-        return objective, (total, nll, reg, reg_rescaled)
+    logit_objective = _logit_objective(dp)
 
     def local_objective(hd, h, t, q, d, beta, n_global):
         return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta, n_global)
@@ -190,33 +184,16 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
         optimizer.update(heads, {"pos": {"weight": dz_all.T @ h_all}})
         return parts
 
-    def empty_step(beta, n_global):
-        sums = mx.distributed.all_sum(mx.zeros(2), group=dp.group)
-        total, nll, reg, reg_rescaled, _ = global_losses(sums, n_global, beta)
-        grads = tree_map(mx.zeros_like, heads.trainable_parameters())
-        optimizer.update(heads, dp.sum_gradients(grads))
-        return total, nll, reg, reg_rescaled
-
+    empty_step = _empty_step(heads, optimizer, dp)
     if compile:
         state = [heads.state, optimizer.state]
         step = partial(mx.compile, inputs=state, outputs=state)(step)
         factor_step = partial(mx.compile, inputs=state, outputs=state)(factor_step)
 
-    def padded(h, t, q, d, width):
-        """The slice padded to ``width`` rows (h = 0, a valid target, q = 0, d = 1) and its 0/1 row mask."""
-        m, pad = int(h.shape[0]), width - int(h.shape[0])
-        if pad == 0:
-            return h, t, q, d, mx.ones((m,))
-        cat = lambda a, fill: mx.concatenate([a, fill])  # noqa: E731
-        return (cat(h, mx.zeros((pad, h.shape[1]), dtype=h.dtype)),
-                cat(t, mx.full((pad,), heads.vocab_size, dtype=t.dtype)),
-                cat(q, mx.zeros((pad,), dtype=q.dtype)), cat(d, mx.ones((pad,), dtype=d.dtype)),
-                mx.concatenate([mx.ones((m,)), mx.zeros((pad,))]))
-
     def dispatch(h, t, q, d, beta, n_global):
         n_batch = int(n_global.item())
         if exchange_for(heads.vocab_size, heads.hidden_size, n_batch, dp.size, exchange) == "factors":
-            out = factor_step(*padded(h, t, q, d, -(-n_batch // dp.size)), beta, n_global)
+            out = factor_step(*_padded(h, t, q, d, -(-n_batch // dp.size), heads.vocab_size), beta, n_global)
         elif int(h.shape[0]) == 0:
             out = empty_step(beta, n_global)
         else:
@@ -225,3 +202,46 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
         return out
 
     return dispatch
+
+
+def _logit_objective(dp: DataParallel) -> Callable:
+    """``objective(z_pos, z_ref, t, q, d, valid, beta, n_global) -> (objective, global losses)`` of one slice.
+
+    The slice's (masked by ``valid``) sums of the loss terms are ``all_sum``-ed over the ranks for the
+    global mini-batch's losses; the objective's gradient is this rank's share of the global one.
+    """
+
+    def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
+        nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)
+        local = mx.stack([(valid * nll_rows).sum(), (valid * reg_rows).sum()])
+        sums = mx.stop_gradient(mx.distributed.all_sum(local, group=dp.group))
+        total, nll, reg, reg_rescaled, c = global_losses(sums, n_global, beta)
+        objective = (local[0] + beta * mx.stop_gradient(c) * local[1]) / n_global
+        return objective, (total, nll, reg, reg_rescaled)
+
+    return logit_objective
+
+
+def _empty_step(heads, optimizer, dp: DataParallel) -> Callable:
+    """``step(beta, n_global)`` of a rank with an empty slice: zero sums and gradients, same collectives."""
+
+    def empty_step(beta, n_global):
+        sums = mx.distributed.all_sum(mx.zeros(2), group=dp.group)
+        total, nll, reg, reg_rescaled, _ = global_losses(sums, n_global, beta)
+        grads = tree_map(mx.zeros_like, heads.trainable_parameters())
+        optimizer.update(heads, dp.sum_gradients(grads))
+        return total, nll, reg, reg_rescaled
+
+    return empty_step
+
+
+def _padded(h, t, q, d, width: int, vocab_size: int):
+    """The slice padded to ``width`` rows (h = 0, a valid target, q = 0, d = 1) and its 0/1 row mask."""
+    m, pad = int(h.shape[0]), width - int(h.shape[0])
+    if pad == 0:
+        return h, t, q, d, mx.ones((m,))
+    cat = lambda a, fill: mx.concatenate([a, fill])  # noqa: E731
+    return (cat(h, mx.zeros((pad, h.shape[1]), dtype=h.dtype)),
+            cat(t, mx.full((pad,), vocab_size, dtype=t.dtype)),
+            cat(q, mx.zeros((pad,), dtype=q.dtype)), cat(d, mx.ones((pad,), dtype=d.dtype)),
+            mx.concatenate([mx.ones((m,)), mx.zeros((pad,))]))

@@ -40,36 +40,29 @@ their split).  Progress goes to stderr.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 import zlib
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 
 from .. import embed as _embed
 from ..artifact import prepare_run_directory
-from ..data import id_key, read_objects
+from ..data import id_key
 from ..io import strict, write_json, write_jsonl
 from ..callbacks import log, progress_bar as Progress
 from ..network_config import NetworkConfig
-from ..verification_data import PRESETS, make_verification_rows
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
+from .step import make_optimizer, make_train_step, train_epoch
+from .training_data import TokenCache, build_token_cache, build_verification_rows, completion_token_positions
 from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
-from .heads import SDMHeads, token_hidden_states
-from .loss import beta_schedule, network_loss
+from .heads import SDMHeads
 from ..errors import InputError
 
-
-def _read_jsonl(path: str) -> list[dict]:
-    return [row for _, row in read_objects(path)]
 
 def _input_paths(config: NetworkConfig) -> list:
     """(flag, path) of every input a run reads, for the output-directory guard."""
@@ -78,194 +71,6 @@ def _input_paths(config: NetworkConfig) -> list:
     if config.model and os.path.exists(os.path.expanduser(str(config.model))):
         pairs.append(("--model", os.path.expanduser(str(config.model))))
     return pairs
-
-
-def _task_rows(path: str, completions, template, config: NetworkConfig, tokenizer) -> list[dict]:
-    if not completions:
-        raise InputError("give completions (one per task label) or a preset")
-    if template is None:
-        raise InputError("give a prompt_template with a {document} slot (or a preset)")
-    if "{document}" not in template:
-        raise InputError("prompt_template must contain a {document} slot")
-    task_rows = _read_jsonl(path)
-    system = config.system or None
-
-    def prompt_fn(doc):
-        return _embed.chat_text(tokenizer, doc, system=system, prompt_template=template,
-                                use_chat_template=config.use_chat_template)
-
-    return make_verification_rows(task_rows, completions, prompt_fn, seed=config.negatives_seed,
-                                  where=lambda i: f"{path}: row {i + 1}")
-
-
-def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
-    """Verification rows (id, prompt, completion, label, task_label[, task]) from the configured data."""
-    if config.verification_data:
-        rows = _read_jsonl(config.verification_data)
-        for i, r in enumerate(rows):
-            for fld in ("id", "prompt", "completion", "label"):
-                if fld not in r:
-                    raise InputError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
-            if r["label"] not in (0, 1) or isinstance(r["label"], bool):
-                raise InputError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
-        return rows
-    if config.tasks:
-        out = []
-        for t in config.tasks:
-            preset = PRESETS.get(t.get("preset")) if t.get("preset") else None
-            comps = t.get("completions") or (preset or {}).get("completions")
-            template = t.get("prompt_template") or (preset or {}).get("prompt_template")
-            for r in _task_rows(t["data"], comps, template, config, tokenizer):
-                out.append({**r, "id": f"{t['name']}/{r['id']}", "source_id": r["id"], "task": t["name"]})
-        return out
-    return _task_rows(config.data, config.resolved_completions(), config.resolved_template(), config, tokenizer)
-
-
-# ---------------------------------------------------------------------------------------------
-# token cache
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class TokenCache:
-    """Frozen hidden states of the y = 1 training completion tokens (DESIGN #19).
-
-    ``hidden`` [N_tok, D] float32 (states predicting each target), ``targets``
-    [N_tok] joint indices (token + |V|), ``doc`` [N_tok] index of the document
-    (into the list of cached documents) each token belongs to.
-    """
-
-    hidden: np.ndarray
-    targets: np.ndarray
-    doc: np.ndarray
-    skipped: list = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return int(self.targets.shape[0])
-
-
-def completion_token_positions(tokenizer, prompt: str, completion: str, delimiter: str, max_length: int):
-    """``(ids, positions, target_ids)`` of the force-decoded ``prompt + completion``.
-
-    Targets are the completion tokens up to and including the token holding the
-    completion's last ``delimiter``; ``positions[k] = index(target_k) − 1`` (the
-    state that predicts it), restricted to positions < ``max_length``.
-    """
-    text = prompt + completion
-    ids = _embed.encode(tokenizer, text)
-    p_ids = _embed.encode(tokenizer, prompt)
-    c = 0
-    while c < min(len(ids), len(p_ids)) and ids[c] == p_ids[c]:
-        c += 1
-    j = _embed.delimiter_token_index_in_text(tokenizer, text, ids, (len(prompt), None), delimiter)
-    if j is None:
-        raise InputError(f"completion {completion!r} holds no closing delimiter {delimiter!r}")
-    c = max(c, 1)
-    targets = list(range(c, j + 1))
-    positions = [t - 1 for t in targets if t - 1 < max_length]
-    return ids, positions, [ids[p + 1] for p in positions]
-
-
-def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
-    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
-    seqs, poss, tgts, docs, skipped = [], [], [], [], []
-    for i, r in enumerate(rows):
-        ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
-        if not pos:
-            skipped.append(r["id"])
-        seqs.append(ids)
-        poss.append(pos)
-        tgts.extend(tg)
-        docs.extend([i] * len(pos))
-    with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
-        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update)
-    targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
-    if skipped and verbose:
-        log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
-            f"and give no training tokens (e.g. ids {skipped[:5]})")
-    return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
-
-
-# ---------------------------------------------------------------------------------------------
-# the compiled training step
-# ---------------------------------------------------------------------------------------------
-def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool = True) -> Callable:
-    """``step(h, targets, q, d, beta) -> (total, L, R, R')``: one Adam update of W_pos (compiled by default).
-
-    All arguments are ``mx.array`` (β too, so changing it does not retrace).  The
-    caller evaluates the outputs together with ``heads.state`` and
-    ``optimizer.state`` (one ``mx.eval`` per step).
-    """
-
-    def loss_fn(hd, h, t, q, d, beta):
-        z_ref = hd.ref_logits(h)
-        z_pos = hd.pos_logits(h)
-        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta)
-        return total, parts
-
-    loss_and_grad = nn.value_and_grad(heads, loss_fn)
-
-    def step(h, t, q, d, beta):
-        (total, (nll, reg, reg_r)), grads = loss_and_grad(heads, h, t, q, d, beta)
-        optimizer.update(heads, grads)
-        return total, nll, reg, reg_r
-
-    if not compile:
-        return step
-    state = [heads.state, optimizer.state]
-    return partial(mx.compile, inputs=state, outputs=state)(step)
-
-
-def make_optimizer(learning_rate: float) -> optim.Optimizer:
-    """Adam with PyTorch semantics (betas 0.9/0.999, eps 1e-8, bias correction)."""
-    return optim.Adam(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
-
-
-def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
-                q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
-                rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
-    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
-
-    With an active ``dp`` (:mod:`.data_parallel`) the global mini-batches are the same; this rank
-    runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``.
-    """
-    n = int(targets.shape[0])
-    if n == 0:
-        return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
-                "reg_rescaled": float("nan"), "beta_first": beta_min, "beta_last": beta_min, "seconds": 0.0,
-                "tokens_per_s": 0.0, "step_ms": float("nan")}
-    perm = rng.permutation(n)
-    nb = math.ceil(n / batch_size)
-    betas = beta_schedule(nb, beta_min, beta_max)
-    q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
-    d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
-    sums = np.zeros(4)
-    t0 = time.perf_counter()
-    split = dp is not None and dp.active
-    for b in range(nb):
-        sel = perm[b * batch_size : (b + 1) * batch_size]
-        n_b = len(sel)
-        beta = mx.array(betas[b], dtype=mx.float32)
-        if split:
-            lo, hi = dp.minibatch_slice(n_b)
-            idx = mx.array(sel[lo:hi].astype(np.int32))
-            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta, mx.array(float(n_b)))
-        else:
-            idx = mx.array(sel.astype(np.int32))
-            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta)
-        mx.eval(out, heads.state, optimizer.state)
-        vals = [float(v.item()) for v in out]
-        if not all(math.isfinite(v) for v in vals):
-            raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
-        sums += np.array(vals) * n_b
-        if progress is not None:
-            progress(n_b, loss=f"{vals[0]:.4f}")
-    secs = time.perf_counter() - t0
-    mean = sums / n
-    return {
-        "tokens": n, "batches": nb, "loss": float(mean[0]), "nll": float(mean[1]), "reg": float(mean[2]),
-        "reg_rescaled": float(mean[3]), "beta_first": float(betas[0]), "beta_last": float(betas[-1]),
-        "seconds": secs, "tokens_per_s": n / secs if secs > 0 else float("inf"), "step_ms": 1000 * secs / nb,
-    }
 
 
 def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
@@ -558,42 +363,14 @@ class SDMNetworkTrainer:
         t_start = time.perf_counter()
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
-        if self.dp.writer:
-            est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked above)
-            split = {id_key(r["id"]): "train" for r in train_rows}
-            split.update({id_key(r["id"]): "calibration" for r in cal_rows})
-            write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
-                        [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+        self._write_verifier(est, rows, train_rows, cal_rows)
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
-
-        cache = self.token_cache(pos_rows)
-        self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
-                 f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
-        if len(cache) == 0 and c.epochs > 0:
-            raise InputError("no training tokens: every y=1 training completion lies beyond max_length "
-                             f"{c.max_length} (raise max_length or shorten the prompts)")
-        hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
-        cache.hidden = None  # the device copy is the one used from here on
-        targets = mx.array(cache.targets.astype(np.int32))
-
-        metrics = {"config": strict(c), "base_model": base_model_reference(c.model),
-                   "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
-                   "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
-                   "train_positive_rows": len(pos_rows), "tokens": len(cache), "epochs": []}
-        if self.dp.active:
-            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
-
-        initial = self.calibration_count(est, cal_rows)
+        cache, hidden, targets = self._device_cache(pos_rows)
+        metrics = self._start_metrics(train_rows, cal_rows, pos_rows, len(cache))
+        initial = self._initial_count(est, cal_rows, metrics)
         best, selected = initial["count"], 0
-        self.save(self.verifier_path, 0, best, 0)
-        metrics["initial"] = initial
-        metrics["selected_epoch"], metrics["best_count"] = selected, best
-        self.write_metrics(metrics)
-        self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
-                 f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
-
         optimizer = make_optimizer(c.learning_rate)
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
@@ -607,16 +384,66 @@ class SDMNetworkTrainer:
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise
+        return self._finish(metrics, t_start, initial["count"], best, selected)
+
+    def _write_verifier(self, est, rows, train_rows, cal_rows) -> None:
+        """(a)'s outputs (rank 0): ``verifier/`` and ``verification_rows.jsonl`` with every row's split."""
+        if not self.dp.writer:
+            return
+        est.save(self.verifier_path, overwrite=True)  # inside our own run directory (checked in run)
+        split = {id_key(r["id"]): "train" for r in train_rows}
+        split.update({id_key(r["id"]): "calibration" for r in cal_rows})
+        write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
+                    [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+
+    def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
+        """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
+        c = self.config
+        cache = self.token_cache(pos_rows)
+        self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
+                 f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
+        if len(cache) == 0 and c.epochs > 0:
+            raise InputError("no training tokens: every y=1 training completion lies beyond max_length "
+                             f"{c.max_length} (raise max_length or shorten the prompts)")
+        hidden = mx.array(cache.hidden) if len(cache) else mx.zeros((0, self.heads.hidden_size))
+        cache.hidden = None  # the device copy is the one used from here on
+        return cache, hidden, mx.array(cache.targets.astype(np.int32))
+
+    def _start_metrics(self, train_rows, cal_rows, pos_rows, tokens: int) -> dict:
+        """The run's ``metrics.json`` before any count: config, sizes, data-parallel layout."""
+        c = self.config
+        metrics = {"config": strict(c), "base_model": base_model_reference(c.model),
+                   "vocab_size": self.heads.vocab_size, "hidden_size": self.heads.hidden_size,
+                   "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
+                   "train_positive_rows": len(pos_rows), "tokens": tokens, "epochs": []}
+        if self.dp.active:
+            metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
+        return metrics
+
+    def _initial_count(self, est, cal_rows, metrics: dict) -> dict:
+        """(e) before fine-tuning: the count of the base head, saved as epoch 0 — the bar to beat."""
+        initial = self.calibration_count(est, cal_rows)
+        best = initial["count"]
+        self.save(self.verifier_path, 0, best, 0)
+        metrics["initial"] = initial
+        metrics["selected_epoch"], metrics["best_count"] = 0, best
+        self.write_metrics(metrics)
+        self.log(f"initial calibration count {best} (admitted with prediction 1: {initial['admitted_pred1']}, "
+                 f"task-correct: {initial['task_correct']} of {initial['documents']}) — the bar to beat")
+        return initial
+
+    def _finish(self, metrics: dict, t_start: float, initial: int, best: int, selected: int) -> NetworkTrainResult:
+        """Mark the network finished, write the final metrics and return the run's result."""
+        c = self.config
         if self.dp.writer:
             mark_network_finished(self.network_path, c.epochs)
         metrics.update(finished=True, epochs_completed=c.epochs)
         metrics["total_seconds"] = time.perf_counter() - t_start
         self.write_metrics(metrics)
-        self.log(f"selected epoch {selected} (count {best}; initial {initial['count']}); network at "
-                 f"{self.network_path}")
+        self.log(f"selected epoch {selected} (count {best}; initial {initial}); network at {self.network_path}")
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
                                   metrics_path=self.metrics_path, selected_epoch=selected, best_count=best,
-                                  initial_count=initial["count"], history=metrics["epochs"])
+                                  initial_count=initial, history=metrics["epochs"])
 
 
 def _sum_counts(dp: DataParallel, counts: dict | None) -> dict:

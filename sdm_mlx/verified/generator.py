@@ -314,19 +314,7 @@ class VerifiedGenerator:
         for k in range(1, limit + 1):
             if on_attempt_start is not None:
                 on_attempt_start(k)
-            t0 = time.perf_counter()
-            dec = self.decoder(gen_ids, max_tokens, on_text, **decode_options)
-            # the first attempt's decoding already computed the verifier input; a re-asked attempt is verified
-            # against the original prompt, which its decoding never saw: one feature pass
-            own = (dec.features, dec.feature_info) if gen_ids is base_ids else None
-            verdict = self.verifier(base_ids, dec.token_ids, dec.text, id, **({"features": own} if own else {}))
-            att = Attempt(
-                attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
-                reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
-                prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
-                generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
-                reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
-            )
+            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id, reask_message)
             attempts.append(att)
             if on_attempt is not None:
                 on_attempt(att)
@@ -336,12 +324,29 @@ class VerifiedGenerator:
             if k == limit:
                 stopped = "max_attempts" if on_reject == "reask" else "rejected"
                 break
-            gen_ids, reask_message = reask(dec.text, att.reason, k + 1)
+            gen_ids, reask_message = reask(att.text, att.reason, k + 1)
             if tuple(gen_ids) in used:
                 stopped = "repeated_prompt"
                 break
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
+
+    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, id,
+                 reask_message) -> Attempt:
+        """Attempt ``k``: decode from ``gen_ids`` and verify the output against the original ``base_ids``."""
+        t0 = time.perf_counter()
+        dec = self.decoder(gen_ids, max_tokens, on_text, **decode_options)
+        # the first attempt's decoding already computed the verifier input; a re-asked attempt is verified
+        # against the original prompt, which its decoding never saw: one feature pass
+        own = (dec.features, dec.feature_info) if gen_ids is base_ids else None
+        verdict = self.verifier(base_ids, dec.token_ids, dec.text, id, **({"features": own} if own else {}))
+        return Attempt(
+            attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
+            reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
+            prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
+            generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
+            reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
+        )
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""

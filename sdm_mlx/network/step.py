@@ -1,0 +1,103 @@
+"""One epoch of W_pos (step (d) of Alg. 4, ``alg:sdm-network-training``): the compiled training step.
+
+Adam (bias-corrected), token-level shuffling, mini-batches with β rising linearly from β_min to
+β_max, the loss of ``eq:sdm-network-next-token-training-loss`` (:mod:`.loss`) and one ``mx.eval``
+per step.  With an active :class:`~sdm_mlx.network.data_parallel.DataParallel` each rank runs
+its slice of every global mini-batch (``make_dp_train_step``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from .data_parallel import DataParallel
+from .heads import SDMHeads
+from .loss import beta_schedule, network_loss
+
+
+def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool = True) -> Callable:
+    """``step(h, targets, q, d, beta) -> (total, L, R, R')``: one Adam update of W_pos (compiled by default).
+
+    All arguments are ``mx.array`` (β too, so changing it does not retrace).  The
+    caller evaluates the outputs together with ``heads.state`` and
+    ``optimizer.state`` (one ``mx.eval`` per step).
+    """
+
+    def loss_fn(hd, h, t, q, d, beta):
+        z_ref = hd.ref_logits(h)
+        z_pos = hd.pos_logits(h)
+        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta)
+        return total, parts
+
+    loss_and_grad = nn.value_and_grad(heads, loss_fn)
+
+    def step(h, t, q, d, beta):
+        (total, (nll, reg, reg_r)), grads = loss_and_grad(heads, h, t, q, d, beta)
+        optimizer.update(heads, grads)
+        return total, nll, reg, reg_r
+
+    if not compile:
+        return step
+    state = [heads.state, optimizer.state]
+    return partial(mx.compile, inputs=state, outputs=state)(step)
+
+
+def make_optimizer(learning_rate: float) -> optim.Optimizer:
+    """Adam with PyTorch semantics (betas 0.9/0.999, eps 1e-8, bias correction)."""
+    return optim.Adam(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
+
+
+def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
+                q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
+                rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
+    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
+
+    With an active ``dp`` (:mod:`.data_parallel`) the global mini-batches are the same; this rank
+    runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``.
+    """
+    n = int(targets.shape[0])
+    if n == 0:
+        return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
+                "reg_rescaled": float("nan"), "beta_first": beta_min, "beta_last": beta_min, "seconds": 0.0,
+                "tokens_per_s": 0.0, "step_ms": float("nan")}
+    perm = rng.permutation(n)
+    nb = math.ceil(n / batch_size)
+    betas = beta_schedule(nb, beta_min, beta_max)
+    q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
+    d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
+    sums = np.zeros(4)
+    t0 = time.perf_counter()
+    split = dp is not None and dp.active
+    for b in range(nb):
+        sel = perm[b * batch_size : (b + 1) * batch_size]
+        n_b = len(sel)
+        beta = mx.array(betas[b], dtype=mx.float32)
+        if split:
+            lo, hi = dp.minibatch_slice(n_b)
+            idx = mx.array(sel[lo:hi].astype(np.int32))
+            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta, mx.array(float(n_b)))
+        else:
+            idx = mx.array(sel.astype(np.int32))
+            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta)
+        mx.eval(out, heads.state, optimizer.state)
+        vals = [float(v.item()) for v in out]
+        if not all(math.isfinite(v) for v in vals):
+            raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
+        sums += np.array(vals) * n_b
+        if progress is not None:
+            progress(n_b, loss=f"{vals[0]:.4f}")
+    secs = time.perf_counter() - t0
+    mean = sums / n
+    return {
+        "tokens": n, "batches": nb, "loss": float(mean[0]), "nll": float(mean[1]), "reg": float(mean[2]),
+        "reg_rescaled": float(mean[3]), "beta_first": float(betas[0]), "beta_last": float(betas[-1]),
+        "seconds": secs, "tokens_per_s": n / secs if secs > 0 else float("inf"), "step_ms": 1000 * secs / nb,
+    }

@@ -1,0 +1,128 @@
+"""What SDM-network training learns from: verification rows (step (a)) and the token cache (step (b)).
+
+See :mod:`sdm_mlx.network.trainer` for Alg. 4 (``alg:sdm-network-training``).  Verification rows
+``(id, prompt, completion, label, task_label[, task])`` come from a verification file or are built
+from task rows (:mod:`sdm_mlx.verification_data`); the token cache holds the frozen hidden states
+that predict each y = 1 training completion token, with joint targets ``token + |V|`` (DESIGN #19).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .. import embed as _embed
+from ..callbacks import log, progress_bar as Progress
+from ..data import read_objects
+from ..errors import InputError
+from ..network_config import NetworkConfig
+from ..verification_data import PRESETS, make_verification_rows
+from .heads import SDMHeads, token_hidden_states
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    return [row for _, row in read_objects(path)]
+
+
+def _task_rows(path: str, completions, template, config: NetworkConfig, tokenizer) -> list[dict]:
+    if not completions:
+        raise InputError("give completions (one per task label) or a preset")
+    if template is None:
+        raise InputError("give a prompt_template with a {document} slot (or a preset)")
+    if "{document}" not in template:
+        raise InputError("prompt_template must contain a {document} slot")
+    task_rows = _read_jsonl(path)
+    system = config.system or None
+
+    def prompt_fn(doc):
+        return _embed.chat_text(tokenizer, doc, system=system, prompt_template=template,
+                                use_chat_template=config.use_chat_template)
+
+    return make_verification_rows(task_rows, completions, prompt_fn, seed=config.negatives_seed,
+                                  where=lambda i: f"{path}: row {i + 1}")
+
+
+def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
+    """Verification rows (id, prompt, completion, label, task_label[, task]) from the configured data."""
+    if config.verification_data:
+        rows = _read_jsonl(config.verification_data)
+        for i, r in enumerate(rows):
+            for fld in ("id", "prompt", "completion", "label"):
+                if fld not in r:
+                    raise InputError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
+            if r["label"] not in (0, 1) or isinstance(r["label"], bool):
+                raise InputError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
+        return rows
+    if config.tasks:
+        out = []
+        for t in config.tasks:
+            preset = PRESETS.get(t.get("preset")) if t.get("preset") else None
+            comps = t.get("completions") or (preset or {}).get("completions")
+            template = t.get("prompt_template") or (preset or {}).get("prompt_template")
+            for r in _task_rows(t["data"], comps, template, config, tokenizer):
+                out.append({**r, "id": f"{t['name']}/{r['id']}", "source_id": r["id"], "task": t["name"]})
+        return out
+    return _task_rows(config.data, config.resolved_completions(), config.resolved_template(), config, tokenizer)
+
+
+@dataclass
+class TokenCache:
+    """Frozen hidden states of the y = 1 training completion tokens (DESIGN #19).
+
+    ``hidden`` [N_tok, D] float32 (states predicting each target), ``targets``
+    [N_tok] joint indices (token + |V|), ``doc`` [N_tok] index of the document
+    (into the list of cached documents) each token belongs to.
+    """
+
+    hidden: np.ndarray
+    targets: np.ndarray
+    doc: np.ndarray
+    skipped: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+
+def completion_token_positions(tokenizer, prompt: str, completion: str, delimiter: str, max_length: int):
+    """``(ids, positions, target_ids)`` of the force-decoded ``prompt + completion``.
+
+    Targets are the completion tokens up to and including the token holding the
+    completion's last ``delimiter``; ``positions[k] = index(target_k) − 1`` (the
+    state that predicts it), restricted to positions < ``max_length``.
+    """
+    text = prompt + completion
+    ids = _embed.encode(tokenizer, text)
+    p_ids = _embed.encode(tokenizer, prompt)
+    c = 0
+    while c < min(len(ids), len(p_ids)) and ids[c] == p_ids[c]:
+        c += 1
+    j = _embed.delimiter_token_index_in_text(tokenizer, text, ids, (len(prompt), None), delimiter)
+    if j is None:
+        raise InputError(f"completion {completion!r} holds no closing delimiter {delimiter!r}")
+    c = max(c, 1)
+    targets = list(range(c, j + 1))
+    positions = [t - 1 for t in targets if t - 1 < max_length]
+    return ids, positions, [ids[p + 1] for p in positions]
+
+
+def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
+                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
+    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
+    seqs, poss, tgts, docs, skipped = [], [], [], [], []
+    for i, r in enumerate(rows):
+        ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
+        if not pos:
+            skipped.append(r["id"])
+        seqs.append(ids)
+        poss.append(pos)
+        tgts.extend(tg)
+        docs.extend([i] * len(pos))
+    with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
+        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update)
+    targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
+    if skipped and verbose:
+        log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
+            f"and give no training tokens (e.g. ids {skipped[:5]})")
+    return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
