@@ -80,7 +80,10 @@ def test_data_parallel_step_equals_the_one_process_step(tmp_path):
     assert len(lines) == 1, (res.stdout, res.stderr)  # rank 0 alone prints
     out = json.loads(lines[0])
     assert out["ranks"] == 2
-    for name, tol in (("adam/gradient", 1e-4), ("sgd/gradient", 1e-5), ("adam/factors", 1e-4), ("sgd/factors", 1e-5)):
+    # SGD (step ∝ gradient) is the sharp check of the averaged gradient. Adam's step is ≈ lr·sign(g) per element, so
+    # float-rounding differences in near-zero gradient entries move W by up to ~2·lr per step (lr 0.05, 6 steps):
+    # 2.3e-4 was measured in a clean-clone CI run; 1e-3 is still < 1 % of W_pos's movement.
+    for name, tol in (("adam/gradient", 1e-3), ("sgd/gradient", 1e-5), ("adam/factors", 1e-3), ("sgd/factors", 1e-5)):
         r = out[name]
         assert r["batches"] == [3, 3]  # 23 tokens in batches of 11: the last batch (1 token) leaves a rank empty
         assert r["moved"] > 0.1  # training really moved W_pos
