@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from .errors import InputError
-from .callbacks import progress_bar as Progress
+from .callbacks import progress_bar
 from .results import Estimate, Predictions, Variant
 
 #: Rows scored per chunk by ``SDMEstimator.estimate`` / ``sdm-mlx predict``.
@@ -52,7 +52,7 @@ def iter_estimates(score_chunk, X, ids=None, chunk_rows: int = PREDICT_CHUNK_ROW
     ids = ids if ids is not None else range(n)  # a range: no O(N) list when streaming
     if len(ids) != n:
         raise InputError(f"got {len(ids)} ids for {n} rows")
-    with Progress(n, desc, unit="rows", enabled=progress) as bar:
+    with progress_bar(n, desc, unit="rows", enabled=progress) as bar:
         for a, b in chunk_bounds(n, chunk_rows):
             try:
                 pred = score_chunk(X[a:b], ids[a:b])

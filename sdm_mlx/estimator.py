@@ -35,7 +35,7 @@ from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
-from .estimator_io import ARTIFACT_KIND, ARTIFACT_VERSION, ROBUST_INF_REASON, load_estimator, save_estimator  # noqa: F401
+from .estimator_io import load_estimator, save_estimator
 from .data import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from .distance import distance_quantile
@@ -304,8 +304,8 @@ class SDMEstimator:
     def _prepare_predict(self) -> None:
         """The support index and the batch-invariant forward map, built once per fit / load (so that
         prediction never changes the estimator's state)."""
-        self._index = make_index(self.support_vectors_, self.index_backend, shard=getattr(self, "shard_index", False),
-                                 shard_timeout=getattr(self, "shard_timeout", None))
+        self._index = make_index(self.support_vectors_, self.index_backend, shard=self.shard_index,
+                                 shard_timeout=self.shard_timeout)
         self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
 
     def calibration_at(self, alpha: float) -> Calibration:
@@ -558,9 +558,12 @@ class SDMEstimator:
         save_estimator(self, path, overwrite=overwrite)
 
     @classmethod
-    def load(cls, path) -> "SDMEstimator":
-        """Load an artifact written by :meth:`save` (verifies format version and checksums)."""
-        return load_estimator(cls, path)
+    def load(cls, path, shard_index: bool | None = None) -> "SDMEstimator":
+        """Load an artifact written by :meth:`save` (verifies format version and checksums).
+
+        ``shard_index`` overrides the stored setting (under ``mlx.launch``: split the exact index over the
+        ranks or not); None keeps the model's."""
+        return load_estimator(cls, path, shard_index=shard_index)
 
 
 def _same(a, b) -> bool:

@@ -87,7 +87,7 @@ def _artifact_meta(est, round_meta: list) -> dict:
     }
 
 
-def load_estimator(cls, path):
+def load_estimator(cls, path, shard_index: bool | None = None):
     """An instance of ``cls`` loaded from the artifact at ``path`` (see ``SDMEstimator.load``)."""
     texts: dict = {}
     groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts)
@@ -101,6 +101,8 @@ def load_estimator(cls, path):
     n_train = _check_loaded(est, path, meta, m, d)
     log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
     est._feedback = FeedbackState(est.support_ids_, n_train, log)
+    if shard_index is not None:
+        est.shard_index = bool(shard_index)
     est._prepare_predict()
     est._apply_alpha(est.alpha)
     return est

@@ -192,7 +192,7 @@ def estimator_from_args(args, class_names=None, base: dict | None = None):
 
 def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
     """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
-    from ..estimator import ROBUST_INF_REASON
+    from ..estimator_io import ROBUST_INF_REASON
     from ..io import put_float
 
     best = est.round_summaries_[est.best_round_]

@@ -35,18 +35,19 @@ def run(args) -> int:
 
     from ..chunked import read_jsonl_chunks
     from ..errors import InputError
+    from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
     from ..distributed import is_primary, launched_rank
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
-    est = _load_estimator(args)
-    trained_on = getattr(est, "feature_field_", None)
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
+    est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
+    trained_on = getattr(est, "feature_field_", None)
     # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
     chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
-    kept = {"admitted": [], "prediction": [], "labels": [], "reasons": Counter()}
+    kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter()}
 
     writer = launched_rank() is None or is_primary()  # under mlx.launch rank 0 alone writes the results
     rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet)
@@ -65,18 +66,6 @@ def run(args) -> int:
     return 0
 
 
-def _load_estimator(args):
-    """The ``--model`` estimator, its support index sharded (or not) as ``--shard-index`` asks."""
-    from ..estimator import SDMEstimator
-
-    est = SDMEstimator.load(args.model)
-    est.verbose = False
-    if args.shard_index is not None and args.shard_index != est.shard_index:
-        est.shard_index = args.shard_index
-        est._prepare_predict()  # rebuild the support index sharded (or not)
-    return est
-
-
 def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
     from ..callbacks import progress_bar
@@ -89,11 +78,8 @@ def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
             check_model_width(data, est.input_dim_, trained_on, args.input)
             if data.y is not None:
                 check_labels(data.y, est.num_classes_, args.input)
-                kept["labels"].append(data.y)
             pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
-            kept["admitted"].append(pred.admitted)
-            kept["prediction"].append(pred.prediction)
-            kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+            _count(kept, pred, data.y)
             labels = data.y.tolist() if data.y is not None else None
             for i, row in enumerate(pred.to_dicts()):
                 if labels is not None:
@@ -102,20 +88,27 @@ def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
             bar.update(len(pred))
 
 
+def _count(kept: dict, pred, y) -> None:
+    """Add one chunk's counts to ``kept`` (the summary needs counts only: memory stays bounded)."""
+    kept["admitted"] += int(pred.admitted.sum())
+    kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
+    if y is not None:
+        right = pred.prediction == y
+        kept["labelled"] += len(y)
+        kept["correct"] += int(right.sum())
+        kept["admitted_correct"] += int(right[pred.admitted].sum())
+
+
 def _summary(n_rows: int, kept: dict, alpha: float) -> dict:
     """The ``--summary`` counts: rows, admitted (fraction), rejection reasons, accuracies when labelled."""
-    import numpy as np
-
-    admitted, prediction = np.concatenate(kept["admitted"]), np.concatenate(kept["prediction"])
     summary = {
         "rows": n_rows,
-        "admitted": int(admitted.sum()),
-        "admitted_fraction": float(admitted.mean()),
+        "admitted": kept["admitted"],
+        "admitted_fraction": kept["admitted"] / n_rows,
         "rejection_reasons": dict(kept["reasons"]),
         "alpha": alpha,
     }
-    if kept["labels"]:
-        y, adm = np.concatenate(kept["labels"]), admitted
-        summary["accuracy"] = float((prediction == y).mean())
-        summary["admitted_accuracy"] = float((prediction[adm] == y[adm]).mean()) if adm.any() else None
+    if kept["labelled"]:
+        summary["accuracy"] = kept["correct"] / kept["labelled"]
+        summary["admitted_accuracy"] = kept["admitted_correct"] / kept["admitted"] if kept["admitted"] else None
     return summary
