@@ -23,6 +23,13 @@ class EstimatorConfig:
     """SDM estimator settings (Alg. 1 training, Alg. 2 rescaler, Alg. 3 calibration)."""
 
     alpha: float = option(0.95, "target conditional accuracy α'")
+    alpha_grid: list[float] | None = option(
+        None, "nested calibration: the α levels every row's α region is read on (--alpha is always added; "
+              "DESIGN #25)", none_means="0.99 0.98 ... 0.80")
+    alpha_allow: float | None = option(None, "decision policy: allow a row whose α region is ≥ this",
+                                       none_means="--alpha")
+    alpha_review: float | None = option(None, "decision policy: review a row whose α region is ≥ this (below: "
+                                              "reject)", none_means="the lowest grid level")
     iterations: int = option(10, "J: rounds over re-splits of train+calibration")
     epochs: int = option(50, "epochs per round; a cap when --patience is on")
     exemplar_dim: int = option(1000, "M: exemplar vector width")

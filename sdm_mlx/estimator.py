@@ -29,7 +29,8 @@ import numpy as np
 
 from .adaptor import InvariantForward
 from . import validation
-from .calibration import Calibration, calibrate_round, estimate, exact_one_minus
+from .calibration import Calibration, NestedCalibration, calibrate_round, estimate_nested, exact_one_minus
+from .calibration.nested import alpha_grid, decision_policy
 from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
@@ -59,7 +60,9 @@ class SDMEstimator:
 
     Defaults: :class:`sdm_mlx.defaults.EstimatorConfig` (evidence in ``docs/defaults.md``);
     ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
-    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
+    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``alpha_grid`` the levels of the nested
+    calibration (None: 0.99, 0.98, …, 0.80; α' is always added) and ``alpha_allow`` / ``alpha_review`` the
+    decision policy over each row's α region (None: α' / the lowest level; DESIGN #25); ``iterations`` J;
     ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
     end a round after this many epochs without a better balanced median calibration q (None: run
     every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
@@ -78,6 +81,9 @@ class SDMEstimator:
     def __init__(
         self,
         alpha: float = _D.alpha,
+        alpha_grid: list | None = _D.alpha_grid,
+        alpha_allow: float | None = _D.alpha_allow,
+        alpha_review: float | None = _D.alpha_review,
         iterations: int = _D.iterations,
         epochs: int = _D.epochs,
         exemplar_dim: int = _D.exemplar_dim,
@@ -100,6 +106,9 @@ class SDMEstimator:
         shard_timeout: float = _D.shard_timeout,
     ):
         self.alpha = alpha
+        self.alpha_grid = alpha_grid
+        self.alpha_allow = alpha_allow
+        self.alpha_review = alpha_review
         self.iterations = iterations
         self.epochs = epochs
         self.exemplar_dim = exemplar_dim
@@ -215,6 +224,8 @@ class SDMEstimator:
                 "class needs rows in both the training and the calibration half"
             )
         alpha = validation.alpha(self.alpha, C)
+        levels = alpha_grid(self.alpha_grid, alpha, C)  # checked before training (DESIGN #25)
+        decision_policy(levels, alpha, self.alpha_allow, self.alpha_review)
         min_cal = math.ceil(1 / exact_one_minus(alpha))  # smallest n with a quantile index ≥ 1 (exact)
         if (counts // 2 < min_cal).any():
             warnings.warn(
@@ -294,6 +305,7 @@ class SDMEstimator:
         self.support_labels_ = y[best.train_idx]
         self.support_predictions_ = best.train.y_hat
         self.support_ids_ = [ids[i] for i in best.train_idx]
+        self.support_documents_ = {}  # texts kept by keep_documents (a new fit forgets the old support's)
         self.calibration_ids_ = [ids[i] for i in best.cal_idx]
         self.calibration_logits_ = np.asarray(best.calibration.z, dtype=np.float32)  # z' of calibration_ids_ rows
         self.calibration_labels_ = y[best.cal_idx]
@@ -319,6 +331,16 @@ class SDMEstimator:
             warnings.warn(w.message, stacklevel=3)
         return cal
 
+    def nested_at(self, alpha: float) -> NestedCalibration:
+        """Every level of ``alpha_grid`` (plus α') calibrated from the stored rounds, with the decision policy
+        (DESIGN #25); est unchanged.  The levels' Cauchy warnings are not repeated (the admission report has them)."""
+        self._check_fitted()
+        alpha = validation.alpha(alpha, self.num_classes_)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return NestedCalibration.from_rounds(self.rounds_, self.best_round_, alpha, self.alpha_grid,
+                                                 allow=self.alpha_allow, review=self.alpha_review)
+
     def _apply_alpha(self, alpha: float) -> None:
         """Store the calibration at α' and the admission diagnosis (a warning when nothing can be admitted)."""
         with warnings.catch_warnings(record=True) as caught:
@@ -326,6 +348,7 @@ class SDMEstimator:
             cal = self.calibration_at(alpha)
         self.alpha = cal.alpha
         self.calibration_ = cal
+        self.nested_ = self.nested_at(cal.alpha)
         self.robust_min_valid_, self.offsets_ = cal.robust_min_valid, cal.offsets
         summaries = getattr(self, "round_summaries_", None) or []
         best_summary = summaries[self.best_round_] if len(summaries) > self.best_round_ else {}
@@ -337,12 +360,21 @@ class SDMEstimator:
         if not self.admission_["can_admit"]:
             warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
 
-    def recalibrate(self, alpha: float):
-        """Store a new α' in this model (Alg. 3 + Cauchy over the stored rounds, no retraining); returns self.
+    def recalibrate(self, alpha: float | None = None, alpha_grid=None, alpha_allow=None, alpha_review=None):
+        """Store a new α' and / or α grid and decision policy in this model (Alg. 3 + Cauchy over the stored
+        rounds, no retraining; DESIGN #25); returns self.  None keeps the model's setting.
 
         To estimate at another α' without changing the model, use ``estimate(X, alpha=...)``."""
         self._check_fitted()
-        self._apply_alpha(alpha)
+        old = (self.alpha_grid, self.alpha_allow, self.alpha_review)
+        for name, value in (("alpha_grid", alpha_grid), ("alpha_allow", alpha_allow), ("alpha_review", alpha_review)):
+            if value is not None:
+                setattr(self, name, list(value) if name == "alpha_grid" else value)
+        try:
+            self._apply_alpha(self.alpha if alpha is None else alpha)
+        except Exception:
+            self.alpha_grid, self.alpha_allow, self.alpha_review = old
+            raise
         return self
 
     # -- predict -----------------------------------------------------------------------------
@@ -425,7 +457,7 @@ class SDMEstimator:
         n = X.shape[0] if hasattr(X, "shape") and len(X.shape) else len(X)
         if ids is not None and len(ids) != n:
             raise InputError(f"got {len(ids)} ids for {n} rows")
-        cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
+        cal = self.nested_ if alpha is None else self.nested_at(alpha)
 
         def score(rows, row_ids):
             return self._estimate_rows(rows, row_ids, n_exemplars, cal)
@@ -433,23 +465,38 @@ class SDMEstimator:
         return iter_estimates(score, X, ids, chunk_rows, progress)
 
     def _estimate_rows(self, X, ids, n_exemplars, alpha) -> Predictions:
-        """:meth:`estimate` of one batch (``alpha``: None, an α' or a :class:`Calibration`)."""
+        """:meth:`estimate` of one batch (``alpha``: None, an α' or a :class:`NestedCalibration`)."""
         n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
         z, q, d0, d, s, ex_d, ex_i = self._scores(X, n_ex)
         n = z.shape[0]
         ids = list(ids) if ids is not None else list(range(n))
         if len(ids) != n:
             raise InputError(f"got {len(ids)} ids for {n} rows")
-        if isinstance(alpha, Calibration):
+        if isinstance(alpha, NestedCalibration):
             cal = alpha
         else:
-            cal = self.calibration_ if alpha is None else self.calibration_at(alpha)
+            cal = self.nested_ if alpha is None else self.nested_at(alpha)
         return Predictions(
-            ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate(cal, z, q, d, s),
+            ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate_nested(cal, z, q, d, s),
             exemplar_index=ex_i, exemplar_distance=ex_d, support_ids=self.support_ids_,
             support_labels=self.support_labels_, support_predictions=self.support_predictions_,
             class_names=self.class_names,
         )
+
+    def keep_documents(self, ids, documents) -> int:
+        """Keep the texts of the support rows among ``ids`` (None: no text), to show exemplars with their
+        document (``sdm-mlx predict --html``); saved with the model.  Returns how many were kept."""
+        if len(ids) != len(documents):
+            raise InputError(f"got {len(documents)} documents for {len(ids)} ids")
+        self._check_fitted()
+        support = {id_key(i) for i in self.support_ids_}
+        kept = {id_key(i): str(d) for i, d in zip(ids, documents) if d is not None and id_key(i) in support}
+        self.support_documents_ = {**getattr(self, "support_documents_", {}), **kept}
+        return len(kept)
+
+    def exemplar_document(self, support_id):
+        """The kept document text of a support row (None: not kept)."""
+        return getattr(self, "support_documents_", {}).get(id_key(support_id))
 
     # -- feedback: support-set updates (sdm_mlx.feedback) -------------------------------------
     @property

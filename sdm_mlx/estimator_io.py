@@ -9,6 +9,7 @@ and the JSON metadata; writes are atomic and only rank 0 writes under a sharded 
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -24,6 +25,9 @@ from .io import put_float
 #: why a stored robust min valid q~ is null (+inf): every prediction is rejected
 ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "
                      "threshold reach the median, or a non-finite MAD), so every prediction is rejected")
+
+#: the support rows' document texts ({id key: text}), kept for showing exemplars (sdm_mlx.verdict_html)
+DOCUMENTS_FILE = "support_documents.json"
 
 ARTIFACT_KIND = "sdm_estimator"
 ARTIFACT_VERSION = 1
@@ -42,6 +46,9 @@ def save_estimator(est, path, overwrite: bool = False) -> None:
     if state.log:
         meta["n_training_support"] = state.n_training
         texts[FEEDBACK_LOG] = dump_log(state.log)
+    documents = getattr(est, "support_documents_", None)
+    if documents:
+        texts[DOCUMENTS_FILE] = json.dumps(documents, ensure_ascii=False, sort_keys=True)
     put_float(meta, "robust_min_valid", est.robust_min_valid_, ROBUST_INF_REASON)
     save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
                   overwrite=overwrite, texts=texts)
@@ -101,6 +108,7 @@ def load_estimator(cls, path, shard_index: bool | None = None):
     n_train = _check_loaded(est, path, meta, m, d)
     log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
     est._feedback = FeedbackState(est.support_ids_, n_train, log)
+    est.support_documents_ = _documents(texts.get(DOCUMENTS_FILE), path)
     if shard_index is not None:
         est.shard_index = bool(shard_index)
     est._prepare_predict()
@@ -157,3 +165,16 @@ def _check_loaded(est, path, meta: dict, m: int, d: int) -> int:
         raise ArtifactError(
             f"{path}: n_training_support {n_train!r} does not fit {len(est.support_ids_)} support rows")
     return n_train
+
+
+def _documents(text, path) -> dict:
+    """The stored {id key: document} (empty when the model keeps none)."""
+    if not text:
+        return {}
+    try:
+        docs = json.loads(text)
+    except ValueError:
+        docs = None
+    if not isinstance(docs, dict) or not all(isinstance(v, str) for v in docs.values()):
+        raise ArtifactError(f"{path}: {DOCUMENTS_FILE} is not a mapping of ids to document texts")
+    return docs

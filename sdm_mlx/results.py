@@ -31,6 +31,12 @@ def _reason(value) -> str | None:
     return value or None
 
 
+def _region(value) -> float | None:
+    """An α region (NaN: admitted at no grid level) as a JSON number or null."""
+    value = float(value)
+    return None if value != value else value
+
+
 @dataclass(frozen=True)
 class Variant:
     """One of the three estimators (centroid, lower, upper) for N rows; arrays are not copied."""
@@ -58,6 +64,12 @@ class Estimate:
     n_hat: np.ndarray = field(metadata=_col("n_hat", None))  #: effective sample size n̂ per class [N, C] (−1: none)
     sdm_flip: np.ndarray  #: the SDM output has no unique argmax equal to ŷ
     epsilon: np.ndarray  #: DKW ε per class [N, C]
+    #: largest grid α whose (nested) region holds the row by the lower estimator, NaN: none (DESIGN #25)
+    alpha_region_lower: np.ndarray = field(metadata=_col("alpha_region_lower", _region, verdict=True))
+    #: the same by the centroid estimator (DESIGN #25)
+    alpha_region_centroid: np.ndarray = field(metadata=_col("alpha_region_centroid", _region, verdict=True))
+    #: "allow" / "review" / "reject" from the region and the decision policy (DESIGN #25)
+    decision: np.ndarray = field(metadata=_col("decision", str, verdict=True))
 
     @property
     def p_hat(self) -> np.ndarray:

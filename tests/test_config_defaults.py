@@ -121,7 +121,7 @@ def test_mlx_lm_names_and_old_spellings_share_one_destination(verb, flags):
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
-@pytest.mark.parametrize("verb, flags", [("predict", ["--model", "--input"]), ("recalibrate", ["--model", "--alpha"]),
+@pytest.mark.parametrize("verb, flags", [("predict", ["--model", "--input"]), ("recalibrate", ["--model"]),
                                          ("train", ["--train", "--output"])])
 def test_required_options_say_so_and_are_checked_from_one_declaration(verb, flags, tmp_path):
     text = subprocess.run([sys.executable, "-m", "sdm_mlx", verb, "--help"], capture_output=True, text=True).stdout

@@ -14,6 +14,8 @@ from sdm_mlx.verified.verification import VERIFIER_FIELDS
 PUBLISHED_KEYS = {"id", "prediction", "admitted", "rejection_reason", "p_lower", "p_centroid", "p_upper", "q", "d0",
                   "d", "logits", "sdm", "q_tilde", "hard_bin", "q_tilde_lower", "hard_bin_lower", "q_tilde_upper",
                   "hard_bin_upper", "n_hat", "offset"}
+#: the nested calibration's per-row keys (DESIGN #25)
+NESTED_KEYS = {"alpha_region_lower", "alpha_region_centroid", "decision"}
 
 
 def _estimate(n=3, C=2):
@@ -28,14 +30,14 @@ def _estimate(n=3, C=2):
 
 def test_schema_is_derived_from_the_fields():
     keys = [c.key for c in ROW_COLUMNS]
-    assert len(keys) == len(set(keys)) and set(keys) == PUBLISHED_KEYS
+    assert len(keys) == len(set(keys)) and set(keys) == PUBLISHED_KEYS | NESTED_KEYS
     # every exported field of Variant appears once per exporting variant, with the variant's key
     exported = [f for f in dataclasses.fields(Variant) if "json" in f.metadata]
     assert {"p", "q_tilde", "hard_bin", "offset"} == {f.name for f in exported}
     assert {c.path for c in ROW_COLUMNS if c.key == "q_tilde_upper"} == {("estimate", "upper", "q_tilde")}
     assert VERIFIER_FIELDS == VERDICT_KEYS
     assert set(VERDICT_KEYS) == {"prediction", "admitted", "rejection_reason", "p_lower", "p_centroid", "p_upper",
-                                 "q", "d0", "d", "q_tilde_lower", "hard_bin_lower"}
+                                 "q", "d0", "d", "q_tilde_lower", "hard_bin_lower"} | NESTED_KEYS
     assert set(VERDICT_FLOAT_KEYS) == {"p_lower", "p_centroid", "p_upper", "d0", "d", "q_tilde_lower"}
 
 

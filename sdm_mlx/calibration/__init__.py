@@ -7,6 +7,7 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.threshold`   Alg. 3, min valid q~ and ψ (``alg:estimate-soft-q-bin``)
 * :mod:`.cauchy`      per-bin medians and the Cauchy robust estimates over J rounds
 * :mod:`.conditional` the index-conditional estimator at test time and its rejection reasons
+* :mod:`.nested`      every level of an α grid from the same rounds, α regions, decisions (DESIGN #25)
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
 
@@ -68,9 +69,18 @@ from .bounds import dkw_bounds, dkw_epsilon, effective_sample_size, sample_size_
 from .cauchy import cauchy_factor, cauchy_offsets, cauchy_robust_min, lookup_offsets, mad, magnitude_medians
 from .conditional import REJECTION_REASONS, estimate
 from .rounds import Calibration, RoundCalibration, aggregate_rounds, calibrate_round
+from .nested import (DEFAULT_ALPHA_GRID, DecisionPolicy, NestedCalibration, alpha_grid, anchored_region,
+                     estimate_nested, nested_admissions)
 from .threshold import exact_one_minus, min_valid_qbin
 
 __all__ = [
+    "DEFAULT_ALPHA_GRID",
+    "DecisionPolicy",
+    "NestedCalibration",
+    "alpha_grid",
+    "anchored_region",
+    "estimate_nested",
+    "nested_admissions",
     "REJECTION_REASONS",
     "Calibration",
     "RoundCalibration",

@@ -148,5 +148,10 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
     admitted = low[0].valid
     # the reasons are exhaustive for the conditions of `valid`
     assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"
+    # a one-level grid {α'}; sdm_mlx.calibration.nested fills these over a grid of levels (DESIGN #25)
+    a = float(calibration.alpha)
     return Estimate(prediction=y_hat, admitted=admitted, rejection_reason=reason, sdm_flip=sdm_flip, n_hat=n_hat,
-                    epsilon=eps, centroid=cen[0], lower=low[0], upper=up[0])
+                    epsilon=eps, centroid=cen[0], lower=low[0], upper=up[0],
+                    alpha_region_lower=np.where(admitted, a, np.nan),
+                    alpha_region_centroid=np.where(cen[0].valid, a, np.nan),
+                    decision=np.where(admitted, "allow", "reject").astype(object))

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-HELP = "Re-threshold a trained SDM estimator at a new alpha (Alg. 3 + Cauchy offsets), no retraining."
+HELP = ("Re-threshold a trained SDM estimator at a new alpha and / or alpha grid (Alg. 3 + Cauchy offsets), "
+        "no retraining.")
 
 
 #: Options without a usable default (``--help`` marks them; the CLI checks them before ``run``).
-REQUIRED = ("model", "alpha")
+REQUIRED = ("model",)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
-    p.add_argument("--alpha", type=float, help="the new target conditional accuracy α'")
+    p.add_argument("--alpha", type=float, default=None, help="the new target conditional accuracy α' (default: keep)")
+    p.add_argument("--alpha-grid", type=float, nargs="+", default=None,
+                   help="the new levels of the nested calibration, any resolution (α' is always added; default: "
+                        "keep the model's; DESIGN #25)")
+    p.add_argument("--alpha-allow", type=float, default=None,
+                   help="decision policy: allow a row whose α region is ≥ this (default: keep; unset: α')")
+    p.add_argument("--alpha-review", type=float, default=None,
+                   help="decision policy: review a row whose α region is ≥ this (default: keep; unset: lowest level)")
     p.add_argument("--output", default=None,
                    help="where to write the recalibrated model (new or empty directory; default: the --model "
                         "directory itself, which needs --overwrite)")
@@ -24,18 +32,25 @@ def run(args) -> int:
     import sys
 
     from ..artifact import check_artifact_output
+    from ..errors import CLIError
     from ..estimator import SDMEstimator
 
+    if all(getattr(args, k) is None for k in ("alpha", "alpha_grid", "alpha_allow", "alpha_review")):
+        raise CLIError("nothing to change: give --alpha and / or --alpha-grid, --alpha-allow, --alpha-review")
     out = args.output or args.model
     check_artifact_output(out, args.overwrite)
     est = SDMEstimator.load(args.model)
     est.verbose = False
     old = est.alpha
-    est.recalibrate(args.alpha)
+    est.recalibrate(args.alpha, alpha_grid=args.alpha_grid, alpha_allow=args.alpha_allow,
+                    alpha_review=args.alpha_review)
     est.save(out, overwrite=args.overwrite)
+    policy = est.nested_.policy
     print(
         f"alpha {old} -> {est.alpha}: min valid q~ {est.calibration_.min_valid:.3f}, psi "
         f"{[round(float(x), 4) for x in est.calibration_.psi]}, robust min valid q~ {est.robust_min_valid_:.3f}\n"
+        f"alpha grid ({len(est.nested_.grid)} levels): {' '.join(f'{a:g}' for a in est.nested_.grid)}; "
+        f"allow >= {policy.allow:g}, review >= {policy.review:g}\n"
         f"model: {out}",
         file=sys.stdout,
     )

@@ -115,6 +115,10 @@ def run(args) -> int:
         raise
     seconds = time.perf_counter() - t0
     est.feature_field_ = train.features
+    kept = est.keep_documents(train.ids + ([] if cal is None else cal.ids),
+                              train.documents + ([] if cal is None else cal.documents))
+    if kept:
+        log(f"kept the documents of {kept} support rows (shown with the exemplars: predict --html)", not args.quiet)
     if distributed_run and not is_primary():
         return 0  # rank 0 alone writes the model and the report
     est.save(args.output, overwrite=args.overwrite)
