@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
                    help="row field(s) to use; auto = the field the model was trained on when the row has it")
     p.add_argument("--n-exemplars", type=int, default=None, help="nearest training exemplars per row (default: model's)")
     p.add_argument("--summary", default=None, help="also write a JSON summary (counts, admitted fraction) here")
+    p.add_argument("--html", default=None, metavar="DIR",
+                   help="also write one self-contained HTML verdict page per row (DIR/rows/) and DIR/index.html "
+                        "sorted by p_lower (no script, no network)")
     import argparse
 
     p.add_argument("--shard-index", action=argparse.BooleanOptionalAction, default=None,
@@ -39,18 +42,28 @@ def run(args) -> int:
     from ..io import refuse_same_files, write_json, write_jsonl
     from ..distributed import is_primary, launched_rank
 
+    from ..io import refuse_inputs_inside
+
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
+    if args.html:
+        refuse_inputs_inside("--html", args.html, [("--input", args.input), ("--model", args.model)])
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
     trained_on = getattr(est, "feature_field_", None)
     # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
     chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
-    kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter()}
+    kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter(),
+            "decisions": Counter()}
 
     writer = launched_rank() is None or is_primary()  # under mlx.launch rank 0 alone writes the results
-    rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet)
+    pages = None
+    if args.html and writer:
+        from ..verdict_html import PageWriter, context_of
+
+        pages = PageWriter(args.html, context_of(est))
+    rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet, pages=pages)
     if not writer:  # every rank scores every chunk: the sharded index's collectives run in step
         for _ in rows:
             pass
@@ -58,6 +71,8 @@ def run(args) -> int:
     summary = _summary(write_jsonl(args.output, rows), kept, est.alpha)
     if args.summary:
         write_json(args.summary, summary)
+    if pages is not None:
+        print(f"html: {pages.finish(f'Verdicts: {args.input}')} ({len(pages.hrefs)} row pages)", file=sys.stderr)
     print(
         f"{summary['rows']} rows, {summary['admitted']} admitted ({summary['admitted_fraction']:.1%}) at "
         f"alpha={est.alpha}" + (f", output: {args.output}" if args.output != "-" else ""),
@@ -66,8 +81,9 @@ def run(args) -> int:
     return 0
 
 
-def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
-    """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
+def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool, pages=None):
+    """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs;
+    ``pages`` (a :class:`~sdm_mlx.verdict_html.PageWriter`) gets each row's verdict page."""
     from ..callbacks import progress_bar
     from ..chunked import count_lines
     from ..data import check_labels, check_model_width
@@ -84,6 +100,8 @@ def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
             for i, row in enumerate(pred.to_dicts()):
                 if labels is not None:
                     row["label"] = labels[i]
+                if pages is not None:
+                    pages.add(row, data.documents[i])
                 yield row
             bar.update(len(pred))
 
@@ -91,6 +109,7 @@ def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
 def _count(kept: dict, pred, y) -> None:
     """Add one chunk's counts to ``kept`` (the summary needs counts only: memory stays bounded)."""
     kept["admitted"] += int(pred.admitted.sum())
+    kept["decisions"].update(pred.estimate.decision.tolist())
     kept["reasons"].update(r for r in pred.rejection_reason.tolist() if r)
     if y is not None:
         right = pred.prediction == y
@@ -106,6 +125,7 @@ def _summary(n_rows: int, kept: dict, alpha: float) -> dict:
         "admitted": kept["admitted"],
         "admitted_fraction": kept["admitted"] / n_rows,
         "rejection_reasons": dict(kept["reasons"]),
+        "decisions": {d: kept["decisions"].get(d, 0) for d in ("allow", "review", "reject")},
         "alpha": alpha,
     }
     if kept["labelled"]:
