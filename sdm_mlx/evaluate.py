@@ -58,8 +58,13 @@ Report schema (JSON-serialisable; ``None`` = N/A or not finite)::
                         "admitted_lower": [counts], "rejected_lower": [counts]},
           "rejection_reasons": {reason: count},
           "label_errors": int,                            # admitted (p_lower) rows with y != ŷ
+          "decisions": {"allow": int, "review": int, "reject": int},
+          "ladder": [{"alpha", "n_admitted", "admitted_fraction", "min_conditional_accuracy",
+                      "marginal_accuracy", "index_conditional_calibrated", "n_admitted_centroid",
+                      "n_paper", "lifted", "dropped"}, ...],  # every grid level, α descending (DESIGN #25)
         }, ...
       },
+      "grid": [float, ...], "decision_policy": {"allow": float, "review": float},
       "warnings": [str, ...],
     }
 """
@@ -75,7 +80,8 @@ from typing import Any
 import numpy as np
 
 from .baselines import BASELINES, make_baseline
-from .calibration import check_alpha, estimate
+from .calibration import check_alpha, estimate, nested_admissions
+from .calibration.nested import level_admissions
 from .data import Dataset
 from .evaluate_output import format_evaluation, label_error_records, write_plots  # re-exported
 from .metrics import index_conditional_report
@@ -93,6 +99,7 @@ __all__ = [
     "evaluate",
     "predict_datasets",
     "sdm_admissions",
+    "admission_ladder",
     "format_evaluation",
     "label_error_records",
     "write_plots",
@@ -190,6 +197,24 @@ def sdm_sweep(estimator, predictions: Mapping[str, Any], alphas: Sequence[float]
         cal = _calibration_quietly(estimator, a, notes)
         out[a] = {n: sdm_admissions(SimpleNamespace(estimate=estimate(cal, p.logits, p.q, p.d, p.sdm)))
                   for n, p in predictions.items()}
+    return out
+
+
+def admission_ladder(nested, pred, y: np.ndarray, C: int) -> list[dict]:
+    """The admission report at every grid level (DESIGN #25): the nested ladder (admitted at α iff the row's
+    lower region ≥ α) with its index-conditional accuracy, the paper's per-level rule (``n_paper``) and how
+    many rows nesting adds (``lifted``) or removes (``dropped``) at that level."""
+    est = pred.estimate
+    y_hat = np.asarray(pred.prediction, dtype=np.int64)
+    _, paper, _ = level_admissions(nested, pred.logits, pred.q, pred.d, pred.sdm)
+    ladder = nested_admissions(est.alpha_region_lower, nested.grid)
+    centroid = nested_admissions(est.alpha_region_centroid, nested.grid)
+    out = []
+    for j, a in enumerate(nested.grid):
+        point = _sweep_point(index_conditional_report(y, y_hat, ladder[:, j], C, a))
+        point.update(n_admitted_centroid=int(centroid[:, j].sum()), n_paper=int(paper[:, j].sum()),
+                     lifted=int((ladder[:, j] & ~paper[:, j]).sum()), dropped=int((paper[:, j] & ~ladder[:, j]).sum()))
+        out.append(point)
     return out
 
 
@@ -326,6 +351,7 @@ def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baseline
         },
         "rejection_reasons": dict(sorted(reasons.items())),
         "label_errors": int((adm & (y != y_hat)).sum()),
+        "decisions": {d: int((np.asarray(pred.estimate.decision) == d).sum()) for d in ("allow", "review", "reject")},
     }
 
 
@@ -363,6 +389,8 @@ def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, ru
             "params": params,
         },
         "datasets": out_sets,
+        "grid": list(estimator.nested_.grid),
+        "decision_policy": {"allow": estimator.nested_.policy.allow, "review": estimator.nested_.policy.review},
         "warnings": notes,
     }
 
@@ -444,6 +472,9 @@ def evaluate(
     # step 3: reports
     out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
                                   z_cal, y_cal, C, options, callback) for name, ds in datasets.items()}
+    nested = estimator.nested_
+    for name, ds in datasets.items():
+        out_sets[name]["ladder"] = admission_ladder(nested, predictions[name], np.asarray(ds.y, dtype=np.int64), C)
     report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
                        out_sets, notes)
     return strict(report)

@@ -10,7 +10,26 @@ import numpy as np
 from .data import Dataset
 from .metrics import format_results_table, label_error_rows
 
-__all__ = ["format_evaluation", "label_error_records", "write_plots"]
+__all__ = ["format_evaluation", "format_ladder", "label_error_records", "write_html", "write_plots"]
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "N/A" if x is None else format(x, spec)
+
+
+def format_ladder(ladder: Sequence[Mapping[str, Any]], n: int) -> str:
+    """The admission report at every grid level (nested ladder of the lower estimator; DESIGN #25)."""
+    head = ("   alpha  admitted  fraction  min cond. acc  accuracy  holds  centroid  paper  lifted  dropped")
+    lines = ["admission at every alpha level (nested: admitted at alpha iff alpha_region_lower >= alpha; "
+             "'paper' = the per-level rule, 'lifted'/'dropped' = what nesting changes):", head, "-" * len(head)]
+    for p in ladder:
+        acc = _fmt(p["min_conditional_accuracy"])
+        if p["min_conditional_accuracy"] is not None and not p["index_conditional_calibrated"]:
+            acc += "*"
+        lines.append(f"{p['alpha']:8.4g}  {p['n_admitted']:>4}/{n:<4}  {_fmt(p['admitted_fraction']):>8}  {acc:>13}  "
+                     f"{_fmt(p['marginal_accuracy']):>8}  {'yes' if p['index_conditional_calibrated'] else 'no':>5}  "
+                     f"{p['n_admitted_centroid']:>8}  {p['n_paper']:>5}  {p['lifted']:>6}  {p['dropped']:>7}")
+    return "\n".join(lines)
 
 
 def format_evaluation(report: Mapping[str, Any]) -> str:
@@ -30,6 +49,13 @@ def format_evaluation(report: Mapping[str, Any]) -> str:
         lines.append(f"index-conditional calibration at alpha'={report['alpha']:g} holds for: "
                      + (", ".join(ok) if ok else "none"))
         lines.append("violated by: " + (", ".join(ds["violated"]) if ds["violated"] else "none"))
+        if ds.get("ladder"):
+            lines.append(format_ladder(ds["ladder"], ds["n"]))
+        if ds.get("decisions"):
+            policy = report.get("decision_policy") or {}
+            lines.append("decisions: " + ", ".join(f"{k} {v}" for k, v in ds["decisions"].items())
+                         + (f" (allow: region >= {policy['allow']:g}, review: >= {policy['review']:g})"
+                            if policy else ""))
         blocks.append("\n".join(lines))
     skipped = report.get("baselines", {}).get("skipped") or {}
     if skipped:
@@ -107,3 +133,43 @@ def write_plots(report: Mapping[str, Any], directory) -> list[str]:
             np.repeat(bins, hb["admitted"]), np.repeat(bins, hb["rejected"]), base + "_hard_bins.png",
             title=f"{name}: sdm_p_lower at alpha'={report['alpha']:g}"))
     return paths
+
+
+def _ladder_html(ladder: Sequence[Mapping[str, Any]], n: int) -> str:
+    """The admission report at every level as an HTML table (numbers only: nothing to escape but the title)."""
+    from .verdict_html import num
+
+    head = ("<h2>Admission at every α level</h2><table><tr><th>α</th><th>admitted</th><th>fraction</th>"
+            "<th>min conditional accuracy</th><th>accuracy</th><th>holds</th><th>centroid</th><th>paper</th>"
+            "<th>lifted</th><th>dropped</th></tr>")
+    rows = "".join(
+        f"<tr><td>{p['alpha']:g}</td><td>{p['n_admitted']}/{n}</td><td>{num(p['admitted_fraction'], '.3f')}</td>"
+        f"<td>{num(p['min_conditional_accuracy'], '.3f')}</td><td>{num(p['marginal_accuracy'], '.3f')}</td>"
+        f"<td>{'yes' if p['index_conditional_calibrated'] else 'no'}</td><td>{p['n_admitted_centroid']}</td>"
+        f"<td>{p['n_paper']}</td><td>{p['lifted']}</td><td>{p['dropped']}</td></tr>" for p in ladder)
+    return head + rows + "</table><h2>Rows</h2>"
+
+
+def write_html(report: Mapping[str, Any], directory, datasets: Mapping[str, Dataset], predictions: Mapping[str, Any],
+               context) -> list[str]:
+    """Verdict pages of every evaluated row (``DIR/<set>/rows/``), one index per set with its admission ladder
+    (``DIR/<set>/index.html``) and ``DIR/index.html`` linking the sets; returns the index paths."""
+    import os
+
+    from .io import make_dirs, write_text
+    from .verdict_html import PageWriter, _page, esc
+
+    make_dirs(directory)
+    links, paths = [], []
+    for name, ds in datasets.items():
+        sub = _safe_name(name)
+        pages = PageWriter(os.path.join(directory, sub), context)
+        for i, row in enumerate(predictions[name].to_dicts()):
+            row["label"] = int(ds.y[i])
+            pages.add(row, ds.documents[i])
+        rep = report["datasets"][name]
+        paths.append(pages.finish(f"Evaluation: {name}", _ladder_html(rep.get("ladder") or [], rep["n"])))
+        links.append(f"<li><a href=\"{esc(sub)}/index.html\">{esc(name)}</a> ({rep['n']} rows)</li>")
+    top = os.path.join(directory, "index.html")
+    write_text(top, _page("Evaluation", f"<h1>Evaluation</h1><ul>{''.join(links)}</ul>"))
+    return [top] + paths

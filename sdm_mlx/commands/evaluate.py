@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
                         "only the plot files are (re)written")
     p.add_argument("--label-errors", default=None,
                    help="JSONL of admitted rows whose label differs from the prediction, by p_lower descending")
+    p.add_argument("--html", default=None, metavar="DIR",
+                   help="also write a self-contained HTML verdict page per evaluated row and an index per input with "
+                        "its admission ladder (no script, no network)")
     p.add_argument("--alpha", type=float, default=None, help="evaluate at this alpha' (default: the model's)")
     p.add_argument("--alphas", type=float, nargs="+", default=None,
                    help="alpha' sweep for the curves (default: 0.6 0.7 0.8 0.85 0.9 0.95 0.97 0.99 where valid)")
@@ -99,6 +102,10 @@ def run(args) -> int:
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
     refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)
+    if args.html:
+        from ..io import refuse_inputs_inside
+
+        refuse_inputs_inside("--html", args.html, in_flags)
     callback = cli_callback(args.quiet)
     est = SDMEstimator.load(args.model)
     est.verbose = False
@@ -111,10 +118,16 @@ def run(args) -> int:
         datasets[name] = ds
         callback.message(f"{name}: {len(ds)} rows from {path}")
     z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, callback)
-    predictions = predict_datasets(est, datasets)
+    predictions = predict_datasets(est, datasets, n_exemplars=est.n_exemplars if args.html else 0)
     report = evaluate(est, datasets, z_cal, y_cal, alphas=args.alphas, baselines=args.baselines,
                       predictions=predictions, callback=callback, options=baseline_options(args.conformal))
     report["model_path"] = os.fspath(args.model)
     report["inputs"] = dict(zip(datasets, inputs))
     emit(report, args, datasets, predictions, est.class_names)
+    if args.html:
+        from ..callbacks import note
+        from ..evaluate_output import write_html
+        from ..verdict_html import context_of
+
+        note(f"html: {write_html(report, args.html, datasets, predictions, context_of(est))[0]}")
     return 0
