@@ -64,6 +64,22 @@ def verify_summary(verification: dict) -> dict[str, Any]:
     }
 
 
+def _page_of(engine: Engine, verdict_id: str, how: str) -> dict:
+    """``{"html_content": page}`` or ``{"html_path": file}`` of a verdict's page (sdm_mlx.verdict_html); the
+    files go to one private temporary directory per engine."""
+    from .verdict_html import verdict_page, verdict_page_path
+
+    record, estimator = engine.verdicts.get(verdict_id), engine.gen.estimator
+    if how == "content":
+        return {"html_content": verdict_page(record, verdict_id, estimator)}
+    directory = engine.__dict__.get("_html_dir")
+    if directory is None:
+        import tempfile
+
+        directory = engine._html_dir = tempfile.mkdtemp(prefix="sdm-mlx-verdicts-")
+    return {"html_path": verdict_page_path(record, verdict_id, estimator, directory)}
+
+
 def create_server(engine: Engine):
     """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``."""
     from mcp.server.mcpserver import MCPServer
@@ -103,12 +119,20 @@ def create_server(engine: Engine):
             raise ToolError(str(e.args[0] if isinstance(e, LookupError) and e.args else e)) from None
 
     @server.tool(structured_output=True)
-    async def explain(verdict_id: str) -> dict[str, Any]:
-        """The full per-row quantities of a verdict returned by verify (q, d0, d, SDM output, bins, p_lower, ...)."""
+    async def explain(verdict_id: str, html: str = "none") -> dict[str, Any]:
+        """The full per-row quantities of a verdict returned by verify (q, d0, d, SDM output, bins, p_lower, ...).
+
+        html: "none" (default), "content" (add the verdict's self-contained HTML page as html_content) or
+        "path" (write the page to a file and add its path as html_path) — a page a person can look at.
+        """
+        if html not in ("none", "content", "path"):
+            raise ToolError(f"html must be 'none', 'content' or 'path', got {html!r}")
         out = engine.explain(verdict_id)
         if out is None:
             raise ToolError(f"no verdict {verdict_id!r}: unknown, or evicted (the last "
                             f"{engine.verdicts.capacity} verdicts are kept)")
+        if html != "none":
+            out.update(_page_of(engine, verdict_id, html))
         return out
 
     return server

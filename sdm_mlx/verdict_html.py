@@ -296,3 +296,23 @@ class PageWriter:
         index = os.path.join(self.directory, "index.html")
         write_text(index, render_index(self.entries, self.hrefs, self.ctx, title, summary_html))
         return index
+
+
+def verdict_page(record: dict, verdict_id: str, estimator) -> str:
+    """The page of a stored verdict of ``sdm-mlx serve`` / ``mcp`` (its prompt, answer, verifier row and
+    exemplars; ``estimator``: the verifier's :class:`~sdm_mlx.estimator.SDMEstimator`)."""
+    row = {**(record.get("verifier") or {}), "id": verdict_id, "exemplars": record.get("exemplars") or []}
+    if record.get("reason") and not row.get("rejection_reason"):
+        row["rejection_reason"] = record["reason"]  # parse failure / predicted unverified: the verdict's reason
+    return render_page(row, context_of(estimator), prompt=record.get("prompt"), answer=record.get("answer"))
+
+
+def verdict_page_path(record: dict, verdict_id: str, estimator, directory: str) -> str:
+    """Write :func:`verdict_page` to ``directory/<verdict id>.html`` (atomically); returns the path."""
+    from .io import make_dirs, write_text
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in verdict_id)
+    make_dirs(directory)
+    path = os.path.join(directory, f"{safe}.html")
+    write_text(path, verdict_page(record, verdict_id, estimator))
+    return path

@@ -7,7 +7,8 @@ Routes::
     POST /v1/chat/completions       verified chat completion (stream or not)
     POST /v1/completions            verified text completion (stream or not)
     POST /v1/verify                 {prompt | messages, completion} -> verdict, no generation
-    GET  /v1/verdicts/{verdict_id}  the full per-row quantities of a verdict (as MCP ``explain``)
+    GET  /v1/verdicts/{verdict_id}  the full per-row quantities of a verdict (as MCP ``explain``); with
+                                    ``Accept: text/html`` (or ``/v1/verdicts/{verdict_id}.html``) its verdict page
     POST /v1/feedback               {verdict_id, label} -> the verdict's row joins the support set (no retraining)
 
 Every error is an OpenAI error object (:class:`~.schema.APIError`).  Model work
@@ -25,7 +26,7 @@ import threading
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import responses as R
@@ -127,6 +128,23 @@ def _explained(engine: Engine, vid: str) -> dict:
     return out
 
 
+def _wants_html(request: Request) -> bool:
+    """True when the client's Accept header prefers text/html to JSON (a browser)."""
+    accept = request.headers.get("accept", "").lower()
+    return "text/html" in accept and "application/json" not in accept.split("text/html")[0]
+
+
+def _verdict_page(engine: Engine, vid: str) -> HTMLResponse:
+    """The verdict page of ``vid`` (sdm_mlx.verdict_html), or a 404 naming the id."""
+    from ..verdict_html import verdict_page
+
+    _explained(engine, vid)  # the 404 of an unknown id
+    record = engine.verdicts.get(vid)
+    page = verdict_page(record, vid, engine.gen.estimator)
+    return HTMLResponse(page, headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
+                                       "X-Content-Type-Options": "nosniff"})
+
+
 def _feedback_request(body: dict) -> tuple[str, object]:
     """``(verdict_id, label)`` of a ``/v1/feedback`` body (400 naming the field at fault)."""
     unknown = sorted(set(body) - {"verdict_id", "label"})
@@ -170,7 +188,12 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
     async def verdict(request: Request):
+        if _wants_html(request):
+            return _verdict_page(engine, request.path_params["verdict_id"])
         return JSONResponse(_explained(engine, request.path_params["verdict_id"]))
+
+    async def verdict_html(request: Request):
+        return _verdict_page(engine, request.path_params["verdict_id"])
 
     async def feedback(request: Request):
         vid, label = _feedback_request(await read_json(request, max_body_bytes))
@@ -192,6 +215,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", text, methods=["POST"]),
         Route("/v1/verify", verify, methods=["POST"]),
+        Route("/v1/verdicts/{verdict_id}.html", verdict_html, methods=["GET"]),
         Route("/v1/verdicts/{verdict_id}", verdict, methods=["GET"]),
         Route("/v1/feedback", feedback, methods=["POST"]),
     ]
