@@ -138,8 +138,9 @@ def _verdict_page(engine: Engine, vid: str) -> HTMLResponse:
     """The verdict page of ``vid`` (sdm_mlx.verdict_html), or a 404 naming the id."""
     from ..verdict_html import verdict_page
 
-    _explained(engine, vid)  # the 404 of an unknown id
     record = engine.verdicts.get(vid)
+    if record is None:
+        _explained(engine, vid)  # the 404 naming the unknown (or evicted) id
     page = verdict_page(record, vid, engine.gen.estimator)
     return HTMLResponse(page, headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
                                        "X-Content-Type-Options": "nosniff"})
