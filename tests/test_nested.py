@@ -67,6 +67,19 @@ def test_factcheck_ladder_is_nested_and_agrees_with_admission(fitted):
     assert paper.shape == (len(test.ids), len(est.nested_.grid))
 
 
+def test_shared_row_work_gives_each_level_the_full_estimator(fitted):
+    from sdm_mlx.calibration import estimate
+
+    est, _, test = fitted
+    pred = est.estimate(test.X)
+    main, lower, centroid = level_admissions(est.nested_, pred.logits, pred.q, pred.d, pred.sdm)
+    for j, cal in enumerate(est.nested_.levels):
+        full = estimate(cal, pred.logits, pred.q, pred.d, pred.sdm)
+        np.testing.assert_array_equal(lower[:, j], full.admitted)
+        np.testing.assert_array_equal(centroid[:, j], full.centroid.valid)
+    np.testing.assert_array_equal(main.lower.p, estimate(est.calibration_, pred.logits, pred.q, pred.d, pred.sdm).lower.p)
+
+
 def test_adversarial_rows_keep_the_invariants(fitted):
     est, train, test = fitted
     rng = np.random.default_rng(1)

@@ -33,11 +33,9 @@ REJECTION_REASONS = (
 )
 
 
-def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, robust_min):
-    """Process one of centroid / lower / upper: q~, o, flip rule, offset, validity.
-
-    Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ):
-    the last two feed the rejection reasons."""
+def _geometry(W, v_var, log_base, y_hat, sdm_flip) -> tuple:
+    """The thresholds-free part of one variant: (v, q~ processed, hard bin, OOD, o, floor(q~) > 0 before
+    processing, o has no unique argmax ŷ)."""
     rows = np.arange(v_var.shape[0])
     q_raw = np.where(sdm_flip, 0.0, v_var[rows, y_hat] * log_base)
     o = rescaled_output(W, v_var, q_raw)
@@ -45,6 +43,16 @@ def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, r
     o_flip = ~unique_argmax_is(o, y_hat)
     ood = sdm_flip | ~floor_ok | o_flip
     q_proc, bins = apply_ood(q_raw, ood)
+    return v_var, q_proc, bins, ood, o, floor_ok, o_flip
+
+
+def _variant(geometry: tuple, y_hat, offsets, psi, min_valid_own, robust_min):
+    """Process one of centroid / lower / upper at one level: offset, p, validity.
+
+    Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ,
+    singleton): the last three feed the rejection reasons."""
+    v_var, q_proc, bins, ood, o, floor_ok, o_flip = geometry
+    rows = np.arange(v_var.shape[0])
     offset = lookup_offsets(offsets, y_hat, bins)
     p = np.clip(o[rows, y_hat] - offset, 0.0, 1.0)
     o_adj = o.copy()
@@ -108,20 +116,10 @@ def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low) -> n
     return np.select(conditions, choices, default="").astype(object)
 
 
-def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray) -> Estimate:
-    """Index-conditional SDM estimator p̂_lower with ⊥ (``eq:index-conditional-sdm-estimator``), vectorised over rows.
-
-    Inputs per row: logits z' [N, C] (ŷ = argmax z'), Similarity q [N] (≥ 0), Distance quantile d [N]
-    (validated only: d = 0 makes the SDM output uniform, which the flip rule catches), SDM output
-    [N, C].  The model is a :class:`Calibration` (W'', ψ, min valid q~ at α', robust min valid q~,
-    offsets, output eCDFs for v, sample-size arrays for n̂).
-
-    Returns an :class:`~sdm_mlx.results.Estimate`: ŷ, the SDM flip, n̂ [N, C] (−1 for a class without
-    calibration rows), DKW ε, admission and the rejection reason (order :data:`REJECTION_REASONS`), and
-    for each variant (centroid / lower / upper) v, processed q~ (0 when OOD), hard bin, OOD, o (before
-    the offset), offset m[ŷ][bin], p = clip(o_ŷ − offset, 0, 1) and validity (lower: ``admitted``).
-    """
-    W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays = _check_calibration(calibration)
+def _rows(calibration: "Calibration", z, q, d, sdm) -> dict:
+    """The per-row quantities no threshold changes: validated inputs, v, ŷ, the SDM flip, log(2+q), the
+    centroid's geometry and n̂ (valid for every level of one model: the same W'', eCDFs and sample sizes)."""
+    W, _, _, _, _, ecdfs, arrays = _check_calibration(calibration)
     C = W.shape[0]
     z = _matrix("z", z, c=C)
     n = z.shape[0]
@@ -133,18 +131,52 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
     if np.any(d < 0):
         raise InputError("d must be ≥ 0")
     v = _v_of(sdm, ecdfs).astype(np.float64)
-
     y_hat = z.argmax(axis=1).astype(np.int64)
     sdm_flip = ~unique_argmax_is(sdm, y_hat)
-    common = dict(W=W, log_base=np.log(2.0 + q), y_hat=y_hat, sdm_flip=sdm_flip, offsets=offsets, psi=psi,
-                  min_valid_own=min_valid_own, robust_min=robust_min)
-    cen = _variant(v_var=v, **common)
-    n_hat = _n_hat_of(cen[0].q_tilde, arrays)
+    log_base = np.log(2.0 + q)
+    centroid = _geometry(W, v, log_base, y_hat, sdm_flip)
+    return dict(n=n, d=d, v=v, y_hat=y_hat, sdm_flip=sdm_flip, log_base=log_base, centroid=centroid,
+                n_hat=_n_hat_of(centroid[1], arrays))
+
+
+def level_validity(calibration: "Calibration", rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(lower valid = admitted, centroid valid) at one level from :func:`_rows` of the same model: the
+    lower variant's geometry at this level's ε and the thresholds of this level (no upper variant, no
+    reasons: what the nested ladder needs, DESIGN #25)."""
+    W, psi, min_valid_own, robust_min, offsets, _, _ = _check_calibration(calibration)
+    y_hat = rows["y_hat"]
+    eps = dkw_epsilon(rows["n_hat"], calibration.alpha)
+    v_lower, _ = dkw_bounds(rows["v"], eps, y_hat)
+    lower = _geometry(W, v_lower, rows["log_base"], y_hat, rows["sdm_flip"])
+    thresholds = (offsets, psi, min_valid_own, robust_min)
+    return _variant(lower, y_hat, *thresholds)[0].valid, _variant(rows["centroid"], y_hat, *thresholds)[0].valid
+
+
+def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray,
+             rows: dict | None = None) -> Estimate:
+    """Index-conditional SDM estimator p̂_lower with ⊥ (``eq:index-conditional-sdm-estimator``), vectorised over rows.
+
+    Inputs per row: logits z' [N, C] (ŷ = argmax z'), Similarity q [N] (≥ 0), Distance quantile d [N]
+    (validated only: d = 0 makes the SDM output uniform, which the flip rule catches), SDM output
+    [N, C].  The model is a :class:`Calibration` (W'', ψ, min valid q~ at α', robust min valid q~,
+    offsets, output eCDFs for v, sample-size arrays for n̂).
+
+    Returns an :class:`~sdm_mlx.results.Estimate`: ŷ, the SDM flip, n̂ [N, C] (−1 for a class without
+    calibration rows), DKW ε, admission and the rejection reason (order :data:`REJECTION_REASONS`), and
+    for each variant (centroid / lower / upper) v, processed q~ (0 when OOD), hard bin, OOD, o (before
+    the offset), offset m[ŷ][bin], p = clip(o_ŷ − offset, 0, 1) and validity (lower: ``admitted``).
+    ``rows``: :func:`_rows` of these inputs, already computed for another level of the same model.
+    """
+    W, psi, min_valid_own, robust_min, offsets, _, _ = _check_calibration(calibration)
+    r = _rows(calibration, z, q, d, sdm) if rows is None else rows
+    n, y_hat, sdm_flip, v, n_hat = r["n"], r["y_hat"], r["sdm_flip"], r["v"], r["n_hat"]
+    thresholds = (offsets, psi, min_valid_own, robust_min)
+    cen = _variant(r["centroid"], y_hat, *thresholds)
     eps = dkw_epsilon(n_hat, calibration.alpha)
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
-    low = _variant(v_var=v_lower, **common)
-    up = _variant(v_var=v_upper, **common)
-    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low)
+    low = _variant(_geometry(W, v_lower, r["log_base"], y_hat, sdm_flip), y_hat, *thresholds)
+    up = _variant(_geometry(W, v_upper, r["log_base"], y_hat, sdm_flip), y_hat, *thresholds)
+    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, r["d"], cen, low)
     admitted = low[0].valid
     # the reasons are exhaustive for the conditions of `valid`
     assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"

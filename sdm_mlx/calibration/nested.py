@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import InputError
 from ..results import Estimate
 from ._checks import check_alpha
-from .conditional import estimate
+from .conditional import _rows, estimate, level_validity
 from .rounds import Calibration
 
 #: The default grid: 0.99, 0.98, …, 0.80 (the model's α' is always added).
@@ -154,11 +154,20 @@ def decisions(region: np.ndarray, policy: DecisionPolicy) -> np.ndarray:
 
 
 def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate, np.ndarray, np.ndarray]:
-    """(the estimate at α', paper admissions of the lower and of the centroid estimator, bool [N, L] each)."""
-    ests = [estimate(c, z, q, d, sdm) for c in nested.levels]
-    lower = np.stack([e.admitted for e in ests], axis=1)
-    centroid = np.stack([e.centroid.valid for e in ests], axis=1)
-    return ests[nested.anchor], lower, centroid
+    """(the estimate at α', paper admissions of the lower and of the centroid estimator, bool [N, L] each).
+
+    The threshold-free per-row work (v, the centroid's rescaled output, n̂) is done once for all levels;
+    each other level adds the lower variant at its ε and its thresholds."""
+    rows = _rows(nested.levels[nested.anchor], z, q, d, sdm)
+    main = estimate(nested.levels[nested.anchor], z, q, d, sdm, rows=rows)
+    n, L = main.prediction.shape[0], len(nested.levels)
+    lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
+    for j, cal in enumerate(nested.levels):
+        if j == nested.anchor:
+            lower[:, j], centroid[:, j] = main.admitted, main.centroid.valid
+        else:
+            lower[:, j], centroid[:, j] = level_validity(cal, rows)
+    return main, lower, centroid
 
 
 def estimate_nested(nested: NestedCalibration, z, q, d, sdm) -> Estimate:
