@@ -279,7 +279,10 @@ class SDMEstimator:
             from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint
 
             check_checkpoint_path(checkpoint)
-            fp = fingerprint({**self.get_params(), "alpha": alpha}, X, y, ids, C)
+            # the grid and the decision policy do not change training (DESIGN #25): not part of the fingerprint
+            params = {k: v for k, v in self.get_params().items()
+                      if k not in ("alpha_grid", "alpha_allow", "alpha_review")}
+            fp = fingerprint({**params, "alpha": alpha}, X, y, ids, C)
             saver = Checkpointer(checkpoint, fp, calibrator.rounds, callback)
             progress = saver.resume(config.iterations)
         self.resumed_rounds_ = 0 if progress is None else progress.next_round

@@ -14,7 +14,8 @@ Tools:
 * ``explain(verdict_id)`` — the full per-row quantities of that verdict: the
   estimator's row (q, d0, d, logits, SDM output, q̃ and its bins, n̂, offset,
   p̂_lower / centroid / upper), the features' bookkeeping (kept positions,
-  delimiter index, truncation), the exemplars, the prompt and answer tokens.
+  delimiter index, truncation), the exemplars, the prompt and answer tokens;
+  with ``html="content"`` or ``"path"`` also the verdict's self-contained HTML page (or its file).
 
 Verdicts are kept in memory by id (``--max-verdicts``, oldest dropped).  All
 model work runs on the engine's single thread (:mod:`sdm_mlx.serve.engine`).

@@ -81,7 +81,7 @@ def run(args) -> int:
     return 0
 
 
-def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool, pages=None):
+def _scored_rows(args, est, chunks, trained_on, kept: dict, *, show: bool, pages=None):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs;
     ``pages`` (a :class:`~sdm_mlx.verdict_html.PageWriter`) gets each row's verdict page."""
     from ..callbacks import progress_bar

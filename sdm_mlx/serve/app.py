@@ -188,13 +188,10 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         body = {"object": "verification", "model": engine.model_id, "verification": verification, "usage": usage}
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
-    async def verdict(request: Request):
-        if _wants_html(request):
+    async def verdict(request: Request):  # ids are "vd-<hex>": a path ending in .html asks for the page
+        if request.url.path.endswith(".html") or _wants_html(request):
             return _verdict_page(engine, request.path_params["verdict_id"])
         return JSONResponse(_explained(engine, request.path_params["verdict_id"]))
-
-    async def verdict_html(request: Request):
-        return _verdict_page(engine, request.path_params["verdict_id"])
 
     async def feedback(request: Request):
         vid, label = _feedback_request(await read_json(request, max_body_bytes))
@@ -216,7 +213,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", text, methods=["POST"]),
         Route("/v1/verify", verify, methods=["POST"]),
-        Route("/v1/verdicts/{verdict_id}.html", verdict_html, methods=["GET"]),
+        Route("/v1/verdicts/{verdict_id}.html", verdict, methods=["GET"]),
         Route("/v1/verdicts/{verdict_id}", verdict, methods=["GET"]),
         Route("/v1/feedback", feedback, methods=["POST"]),
     ]
