@@ -126,7 +126,7 @@ def _reason(row: dict) -> str:
     reason = row.get("rejection_reason")
     if not reason:
         return "admitted: every condition of the index-conditional estimator holds"
-    return f"{REASON_WORDS.get(reason, reason)} <span class=muted>({esc(reason)})</span>"
+    return f"{esc(REASON_WORDS.get(reason, reason))} <span class=muted>({esc(reason)})</span>"
 
 
 def _statistics(row: dict, ctx: PageContext) -> str:

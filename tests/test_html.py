@@ -50,6 +50,8 @@ def test_every_user_string_is_escaped_and_nothing_is_external():
     reject = render_page(_evil_row(admitted=False, decision="reject", rejection_reason="below_threshold_psi",
                                    alpha_region_lower=None), _context(), document="doc")
     assert "REJECT" in reject and "threshold ψ for exactly the predicted class" in reject
+    odd = render_page(_evil_row(admitted=False, decision="reject", rejection_reason="<u>new</u>"), _context())
+    assert "<u>" not in odd and "&lt;u&gt;new&lt;/u&gt;" in odd
 
 
 @pytest.fixture(scope="module")
