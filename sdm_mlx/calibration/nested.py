@@ -64,7 +64,8 @@ class DecisionPolicy:
             raise InputError(f"decision region must be 'lower' or 'centroid', got {self.region!r}")
         if not (0.0 < self.review <= self.allow < 1.0):
             raise InputError(f"decision levels must satisfy 0 < review <= allow < 1, got review={self.review!r}, "
-                             f"allow={self.allow!r}")
+                             f"allow={self.allow!r}: give alpha_review (--alpha-review) at most alpha_allow "
+                             "(--alpha-allow, default alpha')")
 
 
 @dataclass(frozen=True)
