@@ -33,6 +33,11 @@ class InputNotFoundError(InputError, FileNotFoundError):
     """An input path that does not exist (also a ``FileNotFoundError`` for callers that catch that)."""
 
 
+class ModelNotFoundError(InputNotFoundError):
+    """An LLM ``--model`` that is neither an existing directory nor a reachable hub id (see
+    :mod:`sdm_mlx.model_path`)."""
+
+
 class NotFittedError(SDMError, AttributeError):
     """An estimator used before ``fit`` / ``load`` (also an ``AttributeError``, as scikit-learn's is)."""
 
