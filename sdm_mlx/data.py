@@ -238,8 +238,17 @@ def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer
 
 
 def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path) -> None:
-    """A dataset read for a model must have the model's feature width; the error names the file, the
-    field(s) used and the field the model was trained on, and suggests ``--features``."""
+    """A dataset read for a model must have the model's feature field and width; the error names the file,
+    the field(s) used and the field the model was trained on (stored in the model), and suggests ``--features``.
+
+    Features under another field than the model's are refused even at the same width (``embedding`` rows for a
+    model trained on ``attributes`` would be scored as if they were attributes)."""
+    recorded = trained_on not in (None, "auto")
+    if recorded and ds.features is not None and ds.features != trained_on:
+        raise InputError(f"{path}: features come from the field {ds.features!r} ({ds.X.shape[1]} values), but the "
+                         f"model was trained on {trained_on!r} and expects {input_dim}; give the rows a "
+                         f"{trained_on!r} field and choose it with --features {trained_on}, or train a model on "
+                         f"{ds.features!r}")
     if ds.X.shape[1] == input_dim:
         return
     trained = f"trained on {trained_on!r}" if trained_on else "trained on an unrecorded field"
