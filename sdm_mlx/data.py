@@ -46,6 +46,40 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def to_dicts(self, field: str | None = None) -> list[dict]:
+        """The rows as the JSONL dicts ``sdm-mlx`` reads: ``id``, ``label`` (when ``y`` is set), the features
+        under ``field`` (default: the field they were read from, else ``"embedding"``) and ``document`` (when
+        set)."""
+        field = field or (self.features if self.features in ("embedding", "attributes") else None)
+        if field is None and self.features == "embedding+attributes":
+            raise InputError("these features concatenate 'embedding' and 'attributes': give field='embedding' or "
+                             "field='attributes' to write them under one field")
+        field = field or "embedding"
+        if field not in ("embedding", "attributes"):
+            raise InputError(f"field must be 'embedding' or 'attributes', got {field!r}")
+        labels = None if self.y is None else np.asarray(self.y).tolist()
+        rows = []
+        for i, (rid, x, doc) in enumerate(zip(self.ids, np.asarray(self.X, dtype=np.float32).tolist(),
+                                              self.documents)):
+            row = {"id": rid}
+            if labels is not None:
+                row["label"] = int(labels[i])
+            row[field] = x
+            if doc is not None:
+                row["document"] = doc
+            rows.append(row)
+        return rows
+
+    def to_jsonl(self, path, field: str | None = None) -> int:
+        """Write the rows to ``path`` as JSONL for ``sdm-mlx train`` / ``predict`` / ``evaluate`` (see
+        :meth:`to_dicts`; ``-`` = stdout; the file is replaced atomically); returns the row count.
+        ``read_jsonl(path)`` gives the same ids, labels, features (float32) and documents back."""
+        from .io import make_parent, write_jsonl
+
+        if os.fspath(path) != "-":
+            make_parent(os.fspath(path))
+        return write_jsonl(path, self.to_dicts(field))
+
     def subset(self, index) -> "Dataset":
         index = np.asarray(index, dtype=np.int64)
         return Dataset(

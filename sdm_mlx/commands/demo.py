@@ -83,22 +83,13 @@ def settings(args) -> dict:
     return {"mode": mode, **{key: getattr(cfg, key) for key in MODES[mode]}}
 
 
-def _rows(ds) -> list[dict]:
-    return [
-        {"id": i, "label": int(y), "attributes": [float(v) for v in x], "document": doc}
-        for i, y, x, doc in zip(ds.ids, ds.y.tolist(), ds.X, ds.documents)
-    ]
-
-
 def _write_splits(splits: dict, out: str) -> dict:
-    """The three splits as JSONL under ``out/data`` (to re-run the evaluation with the CLI); their paths."""
-    from ..io import make_parent, write_jsonl
-
+    """The three splits as JSONL under ``out/data`` (id, label, attributes, document: the input of ``sdm-mlx
+    train`` / ``predict`` / ``evaluate``, README "Your own data in three commands"); their paths."""
     paths = {}
     for name, ds in splits.items():
         paths[name] = os.path.join(out, "data", f"{name}.jsonl")
-        make_parent(paths[name])
-        write_jsonl(paths[name], _rows(ds))
+        ds.to_jsonl(paths[name], field="attributes")
     return paths
 
 
