@@ -32,7 +32,7 @@ def rejection_reason_lines(ds: Mapping[str, Any]) -> list[str]:
     if not reasons:
         return []
     total = sum(reasons.values())
-    lines = [f"sdm_p_lower rejected {total} of {ds['n']} rows (first failing condition per row):"]
+    lines = [f"rejected by sdm_p_lower: {total} of {ds['n']} rows, by reason (the first failing condition):"]
     width = len(str(max(reasons.values())))
     for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  {count:>{width}}  {reason}: {REASON_GLOSS.get(reason, '')}".rstrip(": "))
