@@ -90,8 +90,8 @@ def settings_line(cfg: dict, alpha: float) -> str:
     train = ESTIMATOR_DEFAULTS
     why = {
         "default": f"the demo's settings; `sdm-mlx train` defaults to J={train['iterations']} rounds of up to "
-                   f"{train['epochs']} epochs: the demo runs fewer so that it ends in about a minute on 2 CPU "
-                   "cores; --paper runs the paper's settings",
+                   f"{train['epochs']} epochs: the demo runs fewer so that it ends in minutes on 2 CPU cores; "
+                   "--paper runs the paper's settings",
         "quick": "a smoke run: too few rounds and epochs for meaningful numbers",
         "paper": "the paper's settings (Alg. 1: J=10 rounds of 50 epochs, lr 1e-5, no early stopping)",
     }[cfg["mode"]]
