@@ -52,9 +52,12 @@ MAX_FLIPPED_ROWS = 3  #: rows per set whose decision may flip (each one near a b
 DISCRETE_KEYS = ("prediction", "admitted", "rejection_reason", "q", "hard_bin", "hard_bin_lower", "hard_bin_upper")
 
 
-def fit_fixture_estimator() -> SDMEstimator:
+def fit_fixture_estimator(every: int = 1, **extra) -> SDMEstimator:
+    """The fixture's estimator fitted on the pool (``every``: keep every n-th pool row, a smaller same-run
+    reference for tests that need no stored file; ``extra``: more estimator settings)."""
     pool, _, _ = factcheck_splits()
-    return SDMEstimator(**SETTINGS).fit(pool.X, pool.y, ids_train=pool.ids)
+    pool = pool.subset(range(0, len(pool), every))
+    return SDMEstimator(**SETTINGS, **extra).fit(pool.X, pool.y, ids_train=pool.ids)
 
 
 def fixture_results(est: SDMEstimator | None = None) -> dict:

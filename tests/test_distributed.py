@@ -29,7 +29,7 @@ SCRIPT = HERE / "distributed_script.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 sys.path.insert(0, str(HERE))
-from distributed_script import index_results, random_case, tiny_case  # noqa: E402
+from distributed_script import POOL_EVERY, index_results, random_case, tiny_case  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")
 
@@ -156,10 +156,11 @@ def test_fit_and_estimate_on_factcheck_equal_the_single_process_run(tmp_path):
     assert r0["index"] == "ShardedExactIndex"
     assert r0["adaptor"] == r1["adaptor"]  # the replicated adaptor training is bit-identical across ranks
     assert r0["history"] == r1["history"] and r0["round_summaries"] == r1["round_summaries"]
-    single = fit_fixture_estimator()
+    single = fit_fixture_estimator(POOL_EVERY)
     expected = canonical(fixture_results(single))
     assert r0["history"] == json.loads(json.dumps(single.history_))
     assert r0["results"] == expected and r1["results"] == expected
+    assert any(r["admitted"] for r in json.loads(expected)["heldout"])  # the compared estimates admit rows
     # rank 0 alone wrote the model; a single process loads it and answers as the distributed run
     est = SDMEstimator.load(tmp_path / "model")
     assert type(est.index_) is ExactIndex
