@@ -123,3 +123,14 @@ def test_a_closed_stdout_pipe_ends_quietly(box):
                             "train.jsonl --output - --quiet | head -c 1 >/dev/null", shell=True, cwd=box,
                             timeout=180, executable="/bin/bash", capture_output=True, text=True)
     assert status.returncode == 0 and status.stderr == "", status.stderr
+
+
+def test_a_document_without_its_delimiter_and_a_malformed_api_row_are_user_errors(tmp_path, tiny_phi3_path):
+    """DocumentError and APIFeatureError (SDMErrors) end the CLI with exit 2 naming the line, never exit 1."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"id": "x", "document": "b", "completion": "positive"}) + "\n")
+    r = cli("embed", "--model", tiny_phi3_path, "--input", "docs.jsonl", "--output", "f.jsonl", "--completion-field",
+            "completion", cwd=tmp_path)
+    user_error(r, "line 1 (id 'x'): no closing delimiter")
+    (tmp_path / "api.jsonl").write_text(json.dumps({"id": "z", "label": 1, "response": "{oops"}) + "\n")
+    r = cli("api-features", "--input", "api.jsonl", "--output", "o.jsonl", cwd=tmp_path)
+    user_error(r, "api.jsonl: line 1 (id 'z')")
