@@ -6,6 +6,7 @@ the data-parallel step (the last global batch holds one token, so a rank gets an
 Adam (the trainer's) and plain SGD (which, unlike Adam, is not blind to a wrong gradient scale), each
 with both gradient exchanges (the dense all_sum and the all-gathered factors).
 Rank 0 prints one JSON line: per optimizer/exchange the max |ΔW_pos| and both runs' per-epoch losses.
+``python dp_step_check.py TMP [adam,sgd]``: the optimizers to compare (default both).
 """
 
 import json
@@ -54,15 +55,15 @@ def compare(model, dp: DataParallel, optimizer: str, exchange: str) -> dict:
     }
 
 
-def main(tmp: str) -> None:
+def main(tmp: str, optimizers: tuple = ("adam", "sgd")) -> None:
     dp = DataParallel()
     path = make_tiny_model(os.path.join(tmp, f"rank{dp.rank}"), "phi3", seed=0)
     model, _ = load_model(path)
     out = {"ranks": dp.size, **{f"{name}/{ex}": compare(model, dp, name, ex)
-                                for name in ("adam", "sgd") for ex in ("gradient", "factors")}}
+                                for name in optimizers for ex in ("gradient", "factors")}}
     if dp.writer:
         print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("adam", "sgd"))

@@ -193,14 +193,14 @@ def test_selective_scorer_lets_grid_search_tune_alpha():
     cv = StratifiedKFold(n_splits=2, shuffle=True, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small calibration halves: the estimator may warn
-        plain = GridSearchCV(SDMEstimator(**settings), grid, cv=cv).fit(X, y)
         scorer = make_scorer(selective_score, response_method=("predict_selective",), min_accuracy=0.7)
         search = GridSearchCV(SDMEstimator(**settings), grid, cv=cv, scoring=scorer).fit(X, y)
-    assert len(set(plain.cv_results_["mean_test_score"])) == 1  # accuracy cannot tell the alphas apart
+    best = search.best_estimator_
+    # alpha changes what is admitted, never predict (ŷ = argmax z'): accuracy-based `score` cannot rank alphas
+    assert len({int(best.estimate(X, alpha=a).admitted.sum()) for a in grid["alpha"]}) > 1
     scores = search.cv_results_["mean_test_score"]
     assert len(set(np.round(scores, 6))) > 1 and search.best_params_["alpha"] in grid["alpha"]
     assert scores.max() > 0  # some alpha admits rows at accuracy ≥ 0.7
-    best = search.best_estimator_
     sel = best.predict_selective(X)
     admitted = np.array([v is not None for v in sel])
     assert 0 < admitted.sum() < len(X) and set(sel[admitted]) <= {"false", "true"}
