@@ -375,6 +375,14 @@ def test_cli_unknown_flag_is_reported_against_the_verb_with_a_suggestion():
     assert exit_.value.code == 2
 
 
+def test_chat_takes_the_same_sampling_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--temp TEMP, --temperature TEMP" in out and "--seed SEED" in out
+
+
 def test_cli_head_on_another_base_model_is_a_user_error(setup, tiny_qwen2_path):
     """HeadShapeError (a head trained on another base model) is the user's mistake: exit 2, not "internal error"."""
     r = _cli("generate", "--head", setup.head_dir, "--model", tiny_qwen2_path, "--prompt", "x")
