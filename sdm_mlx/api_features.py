@@ -50,13 +50,15 @@ from __future__ import annotations
 import json
 import math
 
+from .errors import InputError
+
 KEYS = ("answer_letter", "confidence_in_answer_letter", "short_explanation_for_answer_confidence")
 LETTERS = "ABCD"
 _STRIP = " \t\n\r$()[]{}*.:'\"`"
 
 
-class APIFeatureError(ValueError):
-    """A malformed answer row (the message names the problem)."""
+class APIFeatureError(InputError):
+    """A malformed answer row (the message names the problem); a user error (``SDMError``, ``ValueError``)."""
 
 
 def value_spans(text: str) -> dict[str, tuple[int, int, object]]:

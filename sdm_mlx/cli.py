@@ -56,6 +56,25 @@ def user_message(e: BaseException) -> str:
     return str(e)
 
 
+def stdout_closed() -> bool:
+    """True if the reader of stdout went away (a pipe closed by ``head``); stdout is then pointed at
+    /dev/null so that the interpreter's final flush does not report the broken pipe again."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        closed = any(event & select.POLLERR for _, event in poller.poll(0))  # a pipe without a reader
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured): not a closed pipe
+        return False
+    if closed:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return closed
+
+
 def _settings_classes(mod) -> tuple:
     """The settings dataclasses whose fields are ``mod``'s options (``SETTINGS`` of a command module)."""
     return tuple(getattr(mod, "SETTINGS", ()))
@@ -167,6 +186,32 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, subparsers
 
 
+def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """"unrecognized arguments: ..." with a "did you mean" for each unknown flag close to one of the verb's."""
+    import difflib
+
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+    hints = []
+    for extra in extras:
+        flag = extra.split("=", 1)[0]
+        if not flag.startswith("-") or flag in known:
+            continue
+        close = difflib.get_close_matches(flag, known, n=2, cutoff=0.6)
+        if close:
+            hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def parse_verb_arguments(parser: argparse.ArgumentParser, subparsers: dict, argv: list[str]):
+    """``parser.parse_args(argv)``, but unknown arguments are reported against the verb (its usage, its
+    name, a "did you mean" for a close flag) instead of the top-level usage."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        verb_parser = subparsers[args.verb][0] if getattr(args, "verb", None) in subparsers else parser
+        verb_parser.error(unknown_arguments_message(verb_parser, extras))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     import warnings
@@ -176,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parse_verb_arguments(parser, subparsers, argv)
     if args.verb is None:
         parser.print_help(sys.stderr)
         return 2
@@ -184,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.config:
             sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
-            args = parser.parse_args(argv)
+            args = parse_verb_arguments(parser, subparsers, argv)
         from .blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
@@ -197,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"sdm-mlx {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError as e:
+        if not stdout_closed():
+            print(f"sdm-mlx {args.verb}: error: {user_message(e)}", file=sys.stderr)
+            return 2
+        return 0  # `sdm-mlx predict ... | head`: the reader has what it wanted; end quietly, as Unix tools do
     except (SDMError, OSError) as e:  # user errors: SDMError and the OSErrors of user paths
         if os.environ.get("SDM_MLX_DEBUG"):
             raise

@@ -46,6 +46,40 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def to_dicts(self, field: str | None = None) -> list[dict]:
+        """The rows as the JSONL dicts ``sdm-mlx`` reads: ``id``, ``label`` (when ``y`` is set), the features
+        under ``field`` (default: the field they were read from, else ``"embedding"``) and ``document`` (when
+        set)."""
+        field = field or (self.features if self.features in ("embedding", "attributes") else None)
+        if field is None and self.features == "embedding+attributes":
+            raise InputError("these features concatenate 'embedding' and 'attributes': give field='embedding' or "
+                             "field='attributes' to write them under one field")
+        field = field or "embedding"
+        if field not in ("embedding", "attributes"):
+            raise InputError(f"field must be 'embedding' or 'attributes', got {field!r}")
+        labels = None if self.y is None else np.asarray(self.y).tolist()
+        rows = []
+        for i, (rid, x, doc) in enumerate(zip(self.ids, np.asarray(self.X, dtype=np.float32).tolist(),
+                                              self.documents)):
+            row = {"id": rid}
+            if labels is not None:
+                row["label"] = int(labels[i])
+            row[field] = x
+            if doc is not None:
+                row["document"] = doc
+            rows.append(row)
+        return rows
+
+    def to_jsonl(self, path, field: str | None = None) -> int:
+        """Write the rows to ``path`` as JSONL for ``sdm-mlx train`` / ``predict`` / ``evaluate`` (see
+        :meth:`to_dicts`; ``-`` = stdout; the file is replaced atomically); returns the row count.
+        ``read_jsonl(path)`` gives the same ids, labels, features (float32) and documents back."""
+        from .io import make_parent, write_jsonl
+
+        if os.fspath(path) != "-":
+            make_parent(os.fspath(path))
+        return write_jsonl(path, self.to_dicts(field))
+
     def subset(self, index) -> "Dataset":
         index = np.asarray(index, dtype=np.int64)
         return Dataset(
@@ -238,8 +272,17 @@ def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer
 
 
 def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path) -> None:
-    """A dataset read for a model must have the model's feature width; the error names the file, the
-    field(s) used and the field the model was trained on, and suggests ``--features``."""
+    """A dataset read for a model must have the model's feature field and width; the error names the file,
+    the field(s) used and the field the model was trained on (stored in the model), and suggests ``--features``.
+
+    Features under another field than the model's are refused even at the same width (``embedding`` rows for a
+    model trained on ``attributes`` would be scored as if they were attributes)."""
+    recorded = trained_on not in (None, "auto")
+    if recorded and ds.features is not None and ds.features != trained_on:
+        raise InputError(f"{path}: features come from the field {ds.features!r} ({ds.X.shape[1]} values), but the "
+                         f"model was trained on {trained_on!r} and expects {input_dim}; give the rows a "
+                         f"{trained_on!r} field and choose it with --features {trained_on}, or train a model on "
+                         f"{ds.features!r}")
     if ds.X.shape[1] == input_dim:
         return
     trained = f"trained on {trained_on!r}" if trained_on else "trained on an unrecorded field"

@@ -103,16 +103,17 @@ ON_MISSING = ("error", "last", "prompt")
 def load_model(path_or_id: str, **kwargs):
     """``(model, tokenizer)`` from a local mlx-lm directory or a Hugging Face hub id (via ``mlx_lm.load``).
 
-    A path that looks local (``/``, ``.``, ``~`` prefix) but does not exist raises
-    ``FileNotFoundError`` instead of being sent to the hub.
+    A reference that is neither an existing directory nor a reachable hub id raises
+    :class:`~sdm_mlx.errors.ModelNotFoundError` (a ``FileNotFoundError``; see :mod:`sdm_mlx.model_path`).
     """
+    from .model_path import check_model_reference, hub_errors_as_not_found
+
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    expanded = os.path.expanduser(str(path_or_id))
-    if not os.path.exists(expanded) and str(path_or_id).startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model directory not found: {path_or_id}")
+    reference = check_model_reference(path_or_id)
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(expanded if os.path.exists(expanded) else str(path_or_id), **kwargs)
+    with hub_errors_as_not_found(str(path_or_id)):
+        model, tokenizer = mlx_lm.load(reference, **kwargs)
     trunk(model)  # validate early
     return model, tokenizer
 
@@ -121,15 +122,16 @@ def load_tokenizer(path_or_id: str):
     """Only the (mlx-lm wrapped) tokenizer of a local model directory or hub id; no weights are loaded."""
     from pathlib import Path
 
+    from .model_path import check_model_reference, hub_errors_as_not_found
+
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    path = Path(os.path.expanduser(str(path_or_id)))
+    path = Path(check_model_reference(path_or_id))
     if not path.exists():
-        if str(path_or_id).startswith(("/", ".", "~")):
-            raise FileNotFoundError(f"model directory not found: {path_or_id}")
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-        path = Path(snapshot_download(str(path_or_id), allow_patterns=patterns))
+        with hub_errors_as_not_found(str(path_or_id)):
+            path = Path(snapshot_download(str(path_or_id), allow_patterns=patterns))
     from mlx_lm.utils import load_tokenizer as _load
 
     return _load(path)
@@ -257,8 +259,9 @@ def pool_hidden(hidden, n_kept: int) -> np.ndarray:
 # --------------------------------------------------------------------------- batched features
 
 
-class DocumentError(ValueError):
-    """A problem with one document of a batch; ``index`` is its position in the input list."""
+class DocumentError(InputError):
+    """A problem with one document of a batch; ``index`` is its position in the input list (a user error:
+    ``SDMError``, ``ValueError``)."""
 
     def __init__(self, index: int, reason: str):
         super().__init__(f"document {index}: {reason}")

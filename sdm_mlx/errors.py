@@ -33,8 +33,38 @@ class InputNotFoundError(InputError, FileNotFoundError):
     """An input path that does not exist (also a ``FileNotFoundError`` for callers that catch that)."""
 
 
+class ModelNotFoundError(InputNotFoundError):
+    """An LLM ``--model`` that is neither an existing directory nor a reachable hub id (see
+    :mod:`sdm_mlx.model_path`)."""
+
+
 class NotFittedError(SDMError, AttributeError):
-    """An estimator used before ``fit`` / ``load`` (also an ``AttributeError``, as scikit-learn's is)."""
+    """An estimator used before ``fit`` / ``load``: a ``ValueError`` and an ``AttributeError``, exactly the bases
+    of scikit-learn's ``NotFittedError``.
+
+    scikit-learn is not a runtime dependency (importing it would cost every CLI call a second or more), so
+    this class cannot derive from scikit-learn's.  What is raised is :func:`not_fitted_error`'s: when
+    scikit-learn is imported in the process (as it is wherever ``except sklearn.exceptions.NotFittedError``
+    can be written), an instance of a subclass of BOTH this class and ``sklearn.exceptions.NotFittedError``,
+    so either ``except`` catches it; otherwise an instance of this class.
+    """
+
+
+_SKLEARN_NOT_FITTED: list = []  #: the subclass that also derives from scikit-learn's, made on first use
+
+
+def not_fitted_error(message: str) -> NotFittedError:
+    """A :class:`NotFittedError`, also a ``sklearn.exceptions.NotFittedError`` when scikit-learn is imported."""
+    import sys
+
+    if "sklearn" not in sys.modules:
+        return NotFittedError(message)
+    if not _SKLEARN_NOT_FITTED:
+        from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+
+        _SKLEARN_NOT_FITTED.append(type("NotFittedError", (NotFittedError, SklearnNotFittedError),
+                                        {"__module__": __name__, "__doc__": NotFittedError.__doc__}))
+    return _SKLEARN_NOT_FITTED[0](message)
 
 
 class CLIError(SDMError):

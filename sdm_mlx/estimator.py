@@ -35,7 +35,7 @@ from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
-from .errors import InputError, NotFittedError
+from .errors import InputError, not_fitted_error
 from .estimator_io import load_estimator, save_estimator
 from .data import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
@@ -182,7 +182,7 @@ class SDMEstimator:
 
     def _check_fitted(self) -> None:
         if not self.is_fitted:
-            raise NotFittedError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
+            raise not_fitted_error("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
     def _pooled_data(self, X, y, X_cal, y_cal, ids_train, ids_cal, num_classes):
@@ -422,6 +422,13 @@ class SDMEstimator:
         """Class labels ŷ = argmax z' [N], in the label space ``fit`` was given (``classes_``)."""
         self._check_fitted()
         return self.classes_[self.logits(X).argmax(axis=1)]
+
+    def predict_selective(self, X, alpha: float | None = None) -> np.ndarray:
+        """Class labels where admitted, ``None`` where rejected (⊥) [N] (object array): what
+        :func:`sdm_mlx.selective.selective_score` scores (``make_scorer(..., response_method=("predict_selective",))``)."""
+        est = self.estimate(X, n_exemplars=0, alpha=alpha)
+        labels = np.asarray(self.classes_, dtype=object)[np.asarray(est.prediction)]
+        return np.where(np.asarray(est.admitted, dtype=bool), labels, None)
 
     def predict_proba(self, X) -> np.ndarray:
         """The SDM activation output sdm(z', q, d) [N, C] (rows sum to 1), columns in ``classes_`` order."""

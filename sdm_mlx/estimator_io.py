@@ -50,8 +50,36 @@ def save_estimator(est, path, overwrite: bool = False) -> None:
     if documents:
         texts[DOCUMENTS_FILE] = json.dumps(documents, ensure_ascii=False, sort_keys=True)
     put_float(meta, "robust_min_valid", est.robust_min_valid_, ROBUST_INF_REASON)
+    kept = _kept_training_report(path, meta) if overwrite else None
     save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
                   overwrite=overwrite, texts=texts)
+    if kept is not None:  # beside the artifact, not in its manifest (``sdm-mlx train`` rewrites it)
+        from .io import atomic_write
+
+        with atomic_write(os.path.join(os.fspath(path), TRAINING_REPORT)) as f:
+            f.write(kept)
+
+
+TRAINING_REPORT = "training_report.json"  #: written by ``sdm-mlx train`` next to the artifact
+
+
+def _kept_training_report(path, meta: dict) -> str | None:
+    """The ``training_report.json`` text of the artifact being replaced when it describes the same training (the
+    same history and round summaries: e.g. a save after ``add_support``), so ``save(path, overwrite=True)`` keeps
+    it; else None (a report of another training would mislead)."""
+    import json
+
+    folder = os.fspath(path)
+    try:
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            old = json.load(f).get("meta", {})
+        with open(os.path.join(folder, TRAINING_REPORT), encoding="utf-8") as f:
+            report = f.read()
+    except (OSError, ValueError, AttributeError):
+        return None
+    same = all(json.dumps(old.get(k), sort_keys=True) == json.dumps(meta.get(k), sort_keys=True)
+               for k in ("history", "round_summaries", "best_round"))
+    return report if same else None
 
 
 def _artifact_groups(est, round_arrays: list) -> dict:

@@ -162,7 +162,8 @@ def summary(est) -> dict:
     out = {
         "num_classes": C,
         "input_dim": int(est.input_dim_),
-        "exemplar_dim": int(est.support_vectors_.shape[1]),
+        "exemplar_dim": int(np.asarray(est.model_.projection.weight).shape[0]),  # M, the adaptor's exemplar width
+        "support_coordinate_dim": int(est.support_vectors_.shape[1]),  # min(D, M): exact coordinates of width M
         "index_backend": est.index_backend,
         "alpha": est.alpha,
         "k": int(est.k_),

@@ -161,6 +161,10 @@ def atomic_write(path, binary: bool = False):
         else:
             with _replace_file(path, binary) as f:
                 yield f
+    except BrokenPipeError:
+        if path == STDIO:
+            raise  # the reader of stdout went away (``| head``): the CLI ends quietly, as Unix tools do
+        raise OutputError(f"cannot write {path}: the reader of this pipe or FIFO went away") from None
     except OSError as e:
         raise OutputError(f"cannot write {describe_os_error(e, path)}") from None
 
@@ -225,6 +229,10 @@ def open_append(path):
             make_parent(path)
         with open(path, "a", encoding="utf-8") as f:
             yield f
+    except BrokenPipeError:
+        if path == STDIO:
+            raise  # the reader of stdout went away: the CLI ends quietly
+        raise OutputError(f"cannot write {path}: the reader of this pipe or FIFO went away") from None
     except OSError as e:
         raise OutputError(f"cannot write {describe_os_error(e, path)}") from None
 
@@ -325,6 +333,18 @@ def _open_input(path):
         raise InputError(f"cannot read {describe_os_error(e, path)}") from None
 
 
+def malformed_json_message(source: str, line_no: int, line: str, e: json.JSONDecodeError) -> str:
+    """What is wrong with a line that is not JSON: CSV/TSV text (a header or comma-separated values), or a
+    truncated / malformed JSON line."""
+    text = line.strip()
+    if not text.startswith(("{", "[", '"')) and ("," in text or "\t" in text):
+        return (f"{source}:{line_no}: not JSON ({e.msg}): JSONL is expected, one JSON object per line such as "
+                '{"id": "r1", "label": 0, "embedding": [0.1, 0.2]}; this looks like CSV (comma- or tab-separated '
+                "values): write one object per row, the features as a list under 'embedding' or 'attributes' "
+                "(sdm_mlx.data.Dataset.to_jsonl does this; docs/cli.md)")
+    return f"{source}:{line_no}: malformed JSON ({e.msg}); is the file truncated?"
+
+
 def iter_jsonl(path_or_lines, source: str | None = None):
     """Yield (line_number, parsed value) for the non-blank lines of a JSONL file, ``-`` (stdin) or an
     iterable of lines.  A UTF-8 BOM at the start is skipped; malformed JSON or bad UTF-8 raises
@@ -345,7 +365,7 @@ def iter_jsonl(path_or_lines, source: str | None = None):
             try:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{source}:{line_no}: malformed JSON ({e.msg}); is the file truncated?") from None
+                raise InputError(malformed_json_message(source, line_no, line, e)) from None
     except UnicodeDecodeError as e:
         raise InputError(f"{source}:{line_no + 1}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:

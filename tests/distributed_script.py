@@ -3,8 +3,8 @@
 
 * ``index``   — the sharded index on random data with ties, duplicates and self-exclusion; writes
   ``rank<r>.npz`` with every result (compared to a single-process ExactIndex by the test).
-* ``fixture`` — ``SDMEstimator.fit`` with the behaviour fixture's settings on the embedded factcheck
-  data, then ``estimate``; writes ``rank<r>.json`` (results, training history, adaptor fingerprint)
+* ``fixture`` — ``SDMEstimator.fit`` with the behaviour fixture's settings on every second row of the
+  embedded factcheck pool, then ``estimate``; writes ``rank<r>.json`` (results, training history, adaptor fingerprint)
   and saves the model to ``out_dir/model`` (rank 0 alone writes it).
 * ``loop``    — builds a sharded index, prints ``ready``, then queries it forever (killed by the test).
 * ``selfkill`` — like ``loop``, but rank 1 kills itself (SIGKILL) after the first query.
@@ -80,20 +80,17 @@ def run_index(out: Path) -> None:
              **{f"tiny_{k}": v for k, v in small.items()})
 
 
+POOL_EVERY = 2  #: the distributed fit uses every second pool row (compared with a same-run single-process fit)
+
+
 def run_fixture(out: Path) -> None:
     from mlx.utils import tree_flatten
 
-    from behaviour_fixture import RETHRESHOLD_ALPHA, ROWS, SETTINGS, canonical
-    from sdm_mlx.data import factcheck_splits
-    from sdm_mlx.estimator import SDMEstimator
+    from behaviour_fixture import canonical, fit_fixture_estimator, fixture_results
 
-    pool, heldout, generated = factcheck_splits()  # as behaviour_fixture.fixture_results, keeping the estimator
-    est = SDMEstimator(**SETTINGS, shard_index=True).fit(pool.X, pool.y, ids_train=pool.ids)
-    results = {}
-    for name, ds in (("heldout", heldout), ("generated", generated)):
-        results[name] = est.estimate(ds.X[:ROWS], ids=ds.ids[:ROWS]).to_dicts()
-        results[f"{name}@{RETHRESHOLD_ALPHA}"] = est.estimate(ds.X[:ROWS], ids=ds.ids[:ROWS],
-                                                              alpha=RETHRESHOLD_ALPHA).to_dicts()
+    # the behaviour fixture's settings on every POOL_EVERY-th pool row; the test fits the same in one process
+    est = fit_fixture_estimator(POOL_EVERY, shard_index=True)
+    results = fixture_results(est)
     est.save(out / "model")
     params = [np.array(v) for _, v in tree_flatten(est.model_.parameters())]
     record = {

@@ -6,6 +6,7 @@ the data-parallel step (the last global batch holds one token, so a rank gets an
 Adam (the trainer's) and plain SGD (which, unlike Adam, is not blind to a wrong gradient scale), each
 with both gradient exchanges (the dense all_sum and the all-gathered factors).
 Rank 0 prints one JSON line: per optimizer/exchange the max |ΔW_pos| and both runs' per-epoch losses.
+``python dp_step_check.py TMP [adam,sgd]``: the optimizers to compare (default both).
 """
 
 import json
@@ -25,10 +26,11 @@ from sdm_mlx.network.heads import SDMHeads  # noqa: E402
 from sdm_mlx.network.trainer import make_optimizer, make_train_step, train_epoch  # noqa: E402
 
 
-def compare(path: str, dp: DataParallel, optimizer: str, exchange: str) -> dict:
+def compare(model, dp: DataParallel, optimizer: str, exchange: str) -> dict:
+    """``model`` is loaded once: training moves only the heads' own W_pos, never the base model (the tests of
+    the trainer check that gradients reach W_pos alone), so every run starts from the same weights."""
     runs = {}
     for mode in ("single", "data_parallel"):
-        model, _ = load_model(path)
         heads = SDMHeads(model)
         rng = np.random.default_rng(0)
         n, D, V = 23, heads.hidden_size, heads.vocab_size
@@ -47,20 +49,21 @@ def compare(path: str, dp: DataParallel, optimizer: str, exchange: str) -> dict:
     return {
         "max_abs_diff": float(np.abs(a["w"] - b["w"]).max()),
         "max_abs_weight": float(np.abs(a["w"]).max()),
-        "moved": float(np.abs(a["w"] - np.array(SDMHeads(load_model(path)[0]).pos.weight)).max()),
+        "moved": float(np.abs(a["w"] - np.array(SDMHeads(model).pos.weight)).max()),
         "losses": [[e[k] for e in r["epochs"] for k in ("loss", "nll", "reg", "reg_rescaled")] for r in (a, b)],
         "batches": [e["batches"] for e in b["epochs"]],
     }
 
 
-def main(tmp: str) -> None:
+def main(tmp: str, optimizers: tuple = ("adam", "sgd")) -> None:
     dp = DataParallel()
     path = make_tiny_model(os.path.join(tmp, f"rank{dp.rank}"), "phi3", seed=0)
-    out = {"ranks": dp.size, **{f"{name}/{ex}": compare(path, dp, name, ex)
-                                for name in ("adam", "sgd") for ex in ("gradient", "factors")}}
+    model, _ = load_model(path)
+    out = {"ranks": dp.size, **{f"{name}/{ex}": compare(model, dp, name, ex)
+                                for name in optimizers for ex in ("gradient", "factors")}}
     if dp.writer:
         print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("adam", "sgd"))

@@ -26,6 +26,9 @@ Conventions:
   for what truly cannot run here; every such block is named in :data:`NOT_RUN` below, with the reason
   shown in the page.
 - ``<!-- doc-test: slow: REASON -->`` anywhere in a page: the page runs only with ``-m slow``.
+- :data:`QUICK_RUNS`: a page whose long command has a quick mode runs it in that mode in the default run
+  (``sdm-mlx demo`` of README.md as ``sdm-mlx demo --quick``: the same files, in ~10 s instead of ~1 min); the
+  page also runs exactly as written under ``-m slow`` (the ``README.md-as-written`` case).
 """
 
 from __future__ import annotations
@@ -56,14 +59,32 @@ NOT_RUN = {
 }
 
 
+#: page -> [(pattern, replacement)] applied to its commands in the default run (see the module docstring);
+#: ``sdm-mlx demo`` writes the same runs/demo/data/ files in every mode, which the page's later blocks read.
+QUICK_RUNS = {
+    "README.md": [(re.compile(r"^(\s*sdm-mlx demo)(?![^\n]*--(?:quick|paper))([^\n]*)$", re.M), r"\1 --quick\2")],
+}
+
+
 def _docs() -> list:
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     out = []
     for doc in docs:
         slow = [m for line in doc.read_text(encoding="utf-8").splitlines()  # a marker on a line of its own
                 if (m := MARKER.fullmatch(line.strip())) and m.group(1) == "slow"]
-        out.append(pytest.param(doc, id=doc.name, marks=[pytest.mark.slow] if slow else []))
+        out.append(pytest.param(doc, False, id=doc.name, marks=[pytest.mark.slow] if slow else []))
+        if doc.name in QUICK_RUNS and not slow:
+            out.append(pytest.param(doc, True, id=f"{doc.name}-as-written", marks=[pytest.mark.slow]))
     return out
+
+
+def _quick(doc: pathlib.Path, code: str, as_written: bool) -> str:
+    """``code`` with :data:`QUICK_RUNS`' substitutions of ``doc`` (none when running it as written)."""
+    if as_written:
+        return code
+    for pattern, replacement in QUICK_RUNS.get(doc.name, []):
+        code = pattern.sub(replacement, code)
+    return code
 
 
 def blocks(path: pathlib.Path) -> list[tuple[str, str, str | None]]:
@@ -207,8 +228,8 @@ def _check_not_run(doc: pathlib.Path, found) -> None:
         f"{doc.name}: not-run blocks {skipped} differ from the ones named in NOT_RUN ({named})"
 
 
-@pytest.mark.parametrize("doc", _docs())
-def test_code_blocks_run(doc, tmp_path, request):
+@pytest.mark.parametrize("doc, as_written", _docs())
+def test_code_blocks_run(doc, as_written, tmp_path, request):
     found = blocks(doc)
     _check_not_run(doc, found)
     runnable = [(lang, code) for lang, code, reason in found
@@ -236,7 +257,7 @@ def test_code_blocks_run(doc, tmp_path, request):
                 first, _, body = code.partition("\n")
                 (tmp_path / first[len("# file: "):].strip()).write_text(body, encoding="utf-8")
             elif lang in EXECUTED:
-                code = _strip_setup(code, ci_text, where) if lang != "python" else code
+                code = _quick(doc, _strip_setup(code, ci_text, where), as_written) if lang != "python" else code
                 code = servers.ported(_with_model(lang, code, model) if model else code)
                 if lang != "python":
                     code = servers.start(code, tmp_path, env, where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import pickle
 import stat
 from types import SimpleNamespace
@@ -370,6 +371,13 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     for e in list(DEFAULT_BASELINES) + list(SDM_ESTIMATORS):
         assert out.count(f"\n{e} ") == 2
     assert "sdm-mlx evaluate --model" in out
+    # the settings used, and why they differ from `sdm-mlx train`'s; the rejection reasons under each table
+    assert "settings: J=2 rounds of up to 4 epochs, M=256" in out and "a smoke run" in out
+    for name, block in zip(("heldout_topics", "generated"), out.split("\n== ")[1:]):
+        reasons = loads_strict((out_dir / "report.json").read_text())["datasets"][name]["rejection_reasons"]
+        assert f"rejected by sdm_p_lower: {sum(reasons.values())} of " in block
+        for reason, count in reasons.items():
+            assert re.search(rf"^ +{count}  {reason}: ", block, re.M), (reason, count, block)
     rep = loads_strict((out_dir / "report.json").read_text())  # strict JSON: no NaN / Infinity
     loads_strict((out_dir / "model" / "manifest.json").read_text())
     assert list(rep["datasets"]) == ["heldout_topics", "generated"]

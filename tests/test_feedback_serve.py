@@ -80,6 +80,9 @@ def test_server_feedback_route(setup, head_copy):  # noqa: F811
         for body, status, message in cases:
             st, err = _request(port, "POST", "/v1/feedback", body)
             assert st == status and message in err["error"]["message"], (body, st, err)
+        st, err = _request(port, "POST", "/v1/feedback", {"verdict_id": v1["verdict_id"], "label": False})
+        assert st == 400 and err["error"]["code"] == "already_labelled" and err["error"]["param"] == "verdict_id"
+        assert "is already labelled" in err["error"]["message"] and "--undo" in err["error"]["message"]
         st, err = _request(port, "POST", "/v1/feedback", raw=b"{not json")
         assert st == 400 and err["error"]
         assert _request(port, "GET", "/health")[0] == 200
@@ -124,5 +127,5 @@ def test_mcp_add_feedback(setup):  # noqa: F811
     assert again["exemplars"][0].startswith(f"id={out['support_id']} label=1") and "d²=0" in again["exemplars"][0]
     assert first["exemplars"][0] != again["exemplars"][0]
     assert unknown.is_error and "vd-nope" in unknown.content[0].text
-    assert twice.is_error and "already" in twice.content[0].text
+    assert twice.is_error and "already labelled" in twice.content[0].text
     assert not os.path.exists(os.path.join(setup.head_dir, "verifier", LOG_FILE))  # in memory without --persist

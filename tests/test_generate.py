@@ -335,6 +335,61 @@ def test_chat_non_interactive(setup, monkeypatch, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["status"] == "verified"
 
 
+def _cli(*args, timeout=180):
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "sdm_mlx", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_temp_and_seed_as_mlx_lm_spells_them(setup, capsys):
+    """``--temp`` (mlx-lm's spelling; ``--temperature`` too) samples with plain decoding, ``--seed`` repeats a
+    sample; joint decoding (``--head``) is greedy, so ``--temp > 0`` with it is a clear usage error."""
+    base = ["generate", "--model", setup.model_path, "--verifier", setup.verifier_dir, "--prompt", "Hello",
+            "--max-tokens", "12", "--on-reject", "return", "--quiet", "--system", SYSTEM,
+            "--prompt-template", TEMPLATE]
+    hot = _cli(*base, "--temp", "5", "--seed", "3")  # as a user types it
+    assert hot.returncode == 0, hot.stderr
+    texts = [json.loads(hot.stdout)["text"]]
+    for extra in ([], ["--temperature", "5", "--seed", "3"]):  # in-process: the same entry point, no start-up
+        assert main(base + extra) == 0
+        texts.append(json.loads(capsys.readouterr().out)["text"])
+    assert texts[2] == texts[0]  # same seed, same sample (across processes)
+    assert texts[1] != texts[0]  # temperature 5 over a random tiny model's vocabulary does not pick the argmax
+    assert main(["generate", "--head", setup.head_dir, "--prompt", "x", "--temp", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "joint" in err and "greedy" in err, err
+
+
+def test_cli_unknown_flag_is_reported_against_the_verb_with_a_suggestion():
+    r = _cli("generate", "--tmep", "0.7", "--prompt", "x")
+    assert r.returncode == 2
+    assert "usage: sdm-mlx generate" in r.stderr and "sdm-mlx generate: error: unrecognized arguments: --tmep" \
+        in r.stderr and "did you mean --temp" in r.stderr, r.stderr
+    r = _cli("predict", "--modle", "m", "--input", "x.jsonl")
+    assert r.returncode == 2 and "usage: sdm-mlx predict" in r.stderr and "did you mean --model?" in r.stderr
+    with pytest.raises(SystemExit) as exit_:  # in-process: argparse exits with the verb's usage
+        main(["predict", "--model", "m", "--zzz"])
+    assert exit_.value.code == 2
+
+
+def test_chat_takes_the_same_sampling_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["chat", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--temp TEMP, --temperature TEMP" in out and "--seed SEED" in out
+
+
+def test_cli_head_on_another_base_model_is_a_user_error(setup, tiny_qwen2_path):
+    """HeadShapeError (a head trained on another base model) is the user's mistake: exit 2, not "internal error"."""
+    r = _cli("generate", "--head", setup.head_dir, "--model", tiny_qwen2_path, "--prompt", "x")
+    assert r.returncode == 2, r.stderr
+    assert "wrong base model" in r.stderr and "internal error" not in r.stderr
+
+
 # --------------------------------------------------------------------------- verifier features from the decoding
 
 

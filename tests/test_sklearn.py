@@ -28,9 +28,6 @@ SMALL = dict(alpha=0.9, iterations=1, epochs=2, exemplar_dim=8, batch_size=10, l
 
 #: the checks that cannot apply to SDM, and why
 EXPECTED_FAILED_CHECKS = {
-    "check_estimators_unfitted": (
-        "predict before fit raises sdm_mlx.errors.NotFittedError (an AttributeError and ValueError, like "
-        "scikit-learn's), not sklearn.exceptions.NotFittedError: scikit-learn is not a runtime dependency"),
     "check_classifiers_train": (
         "predict is ŷ = argmax z' (the paper's prediction) while predict_proba is the SDM output, which is "
         "uniform (a tie) for rows beyond the support (d = 0): there argmax predict_proba ≠ predict; SDM rejects "
@@ -160,3 +157,57 @@ def test_fit_labels_any_sortable_type_but_not_continuous():
     est = SDMEstimator(**SMALL).fit(X, np.where(y == 1, 7, -3))  # any integers: classes_ = sorted distinct
     assert est.classes_.tolist() == [-3, 7] and set(est.predict(X)) <= {-3, 7}
     assert dataclasses.is_dataclass(est.estimate(X[:2]).estimate)
+
+
+def test_not_fitted_error_is_caught_as_scikit_learns():
+    """With scikit-learn imported, predict before fit raises an error that both ``except`` clauses catch."""
+    from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+
+    for call in (SDMEstimator().predict, SDMEstimator().predict_proba, SDMEstimator().predict_selective):
+        with pytest.raises(SklearnNotFittedError, match="not fitted") as caught:
+            call(np.zeros((2, 6)))
+        assert isinstance(caught.value, (NotFittedError, ValueError, AttributeError))
+        assert isinstance(caught.value, NotFittedError) and isinstance(caught.value, AttributeError)
+    # without scikit-learn in the process, the same class without scikit-learn's base (a subprocess)
+    code = ("import numpy as np, sys; from sdm_mlx import SDMEstimator; from sdm_mlx.errors import NotFittedError\n"
+            "try: SDMEstimator().predict(np.zeros((1, 2)))\n"
+            "except NotFittedError as e: print(type(e).__mro__[1].__name__, 'sklearn' in sys.modules, "
+            "isinstance(e, ValueError) and isinstance(e, AttributeError))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["SDMError", "False", "True"], out.stderr
+
+
+def test_selective_scorer_lets_grid_search_tune_alpha():
+    """``score`` is accuracy and ignores rejection (equal for every alpha); the documented selective scorer
+    (admitted fraction subject to accuracy ≥ min_accuracy) ranks the alphas and GridSearchCV picks one."""
+    from sklearn.metrics import make_scorer
+    from sklearn.model_selection import GridSearchCV, StratifiedKFold
+
+    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.selective import selective_score, selective_scorer
+
+    pool = factcheck_splits()[0]
+    X, y = pool.X[:1600], np.asarray(["false", "true"], dtype=object)[pool.y[:1600]]
+    grid = {"alpha": [0.6, 0.7, 0.8]}
+    settings = dict(iterations=1, epochs=3, exemplar_dim=64, learning_rate=1e-3, rescaler_max_epochs=40)
+    cv = StratifiedKFold(n_splits=2, shuffle=True, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small calibration halves: the estimator may warn
+        scorer = make_scorer(selective_score, response_method=("predict_selective",), min_accuracy=0.7)
+        search = GridSearchCV(SDMEstimator(**settings), grid, cv=cv, scoring=scorer).fit(X, y)
+    best = search.best_estimator_
+    # alpha changes what is admitted, never predict (ŷ = argmax z'): accuracy-based `score` cannot rank alphas
+    assert len({int(best.estimate(X, alpha=a).admitted.sum()) for a in grid["alpha"]}) > 1
+    scores = search.cv_results_["mean_test_score"]
+    assert len(set(np.round(scores, 6))) > 1 and search.best_params_["alpha"] in grid["alpha"]
+    assert scores.max() > 0  # some alpha admits rows at accuracy ≥ 0.7
+    sel = best.predict_selective(X)
+    admitted = np.array([v is not None for v in sel])
+    assert 0 < admitted.sum() < len(X) and set(sel[admitted]) <= {"false", "true"}
+    assert admitted.tolist() == best.estimate(X).admitted.tolist()
+    if (sel[admitted] == y[admitted]).mean() >= 0.7:
+        assert selective_score(y, sel, min_accuracy=0.7) == pytest.approx(admitted.mean())
+    assert selective_score(y, np.full(len(y), None, dtype=object)) == 0.0
+    wrong = np.where(admitted, np.where(y == "true", "false", "true"), None)  # every admitted row wrong
+    assert selective_score(y, wrong, min_accuracy=0.9) == pytest.approx(-0.9)
+    assert selective_scorer(0.7)(best, X, y) == pytest.approx(selective_score(y, sel, min_accuracy=0.7))

@@ -77,6 +77,30 @@ def add_stream_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
 
 
+def add_sampling_arguments(p) -> None:
+    """mlx-lm's sampling options of ``generate`` and ``chat``: ``--temp`` (0 = greedy) and ``--seed``."""
+    g = p.add_argument_group("sampling (spelled as mlx-lm spells it)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
+                   help="sampling temperature (mlx-lm's --temp); 0 = greedy. Plain decoding only: joint neg+pos "
+                        "decoding with --head is greedy")
+    g.add_argument("--seed", type=int, default=None, help="random seed of the sampler (with --temp > 0)")
+
+
+def sampling_options(args, gen) -> dict:
+    """The ``generate`` keyword options of ``--temp`` / ``--seed`` (CLIError for a temperature the decoder
+    cannot use); seeds MLX's random generator when ``--seed`` is given."""
+    temp = float(getattr(args, "temp", 0.0) or 0.0)
+    if not temp >= 0:
+        raise CLIError(f"--temp must be >= 0, got {temp}")
+    if temp > 0 and gen.decoding == "joint":
+        raise CLIError("--temp > 0 needs plain decoding: joint neg+pos decoding with --head is greedy")
+    if getattr(args, "seed", None) is not None:
+        import mlx.core as mx
+
+        mx.random.seed(int(args.seed))
+    return {"temperature": temp} if temp > 0 else {}
+
+
 def verdict_line(att) -> str:
     """A short human-readable verdict for one attempt."""
     p = "n/a" if att.p_lower is None else f"{att.p_lower:.3f}"

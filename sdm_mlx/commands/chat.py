@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from ._common import SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, verdict_line
+from ._common import (SETTINGS, add_generation_arguments, add_sampling_arguments, add_stream_arguments,
+                      build_generator, sampling_options, verdict_line)
 
 HELP = "interactive verified generation: prompts from stdin, streamed answers with their verdicts"
 
@@ -25,6 +26,7 @@ __all__ = ["HELP", "SETTINGS", "add_arguments", "run"]
 
 def add_arguments(p) -> None:
     add_generation_arguments(p)
+    add_sampling_arguments(p)
     add_stream_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON result per prompt instead of text")
     p.add_argument("--output", default=None, help="also append the JSON results to this JSONL file")
@@ -32,6 +34,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     gen = build_generator(args)
+    options = sampling_options(args, gen)
     interactive = sys.stdin.isatty()
     stream = args.stream is not False and not args.json
     from contextlib import nullcontext
@@ -71,13 +74,13 @@ def run(args) -> int:
             turn += 1
             if stream:
                 result = gen.generate(prompt, id=turn, on_text=on_text, on_attempt_start=on_start,
-                                      on_attempt=on_attempt)
+                                      on_attempt=on_attempt, **options)
                 if result.status == "abstained":
                     w(result.text + "\n")
                 elif result.status == "unverified":
                     w(f"UNVERIFIED ({result.reason}): the answer above is returned without verification\n")
             else:
-                result = gen.generate(prompt, id=turn)
+                result = gen.generate(prompt, id=turn, **options)
                 if args.json:
                     w(dumps(result.to_dict()) + "\n")
                 else:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import CLIError, InputError, require_options
-from ._common import (SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, say_to_stderr,
-                      verdict_line)
+from ._common import (SETTINGS, add_generation_arguments, add_sampling_arguments, add_stream_arguments,
+                      build_generator, sampling_options, say_to_stderr, verdict_line)
 
 HELP = "verified generation: greedy decoding (joint neg+pos with --head), SDM verification, abstain/re-ask/return"
 
@@ -29,6 +29,7 @@ __all__ = ["HELP", "SETTINGS", "add_arguments", "run", "verdict_line"]
 
 def add_arguments(p) -> None:
     add_generation_arguments(p)
+    add_sampling_arguments(p)
     add_stream_arguments(p)
     p.add_argument("-p", "--prompt", default=None, help="one prompt (the user message / {document}); result on stdout")
     p.add_argument("--input", default=None, help="JSONL prompts: {id, <document-field>, ...} per line")
@@ -65,7 +66,7 @@ def _pending(args, say) -> list:
     return pending_rows(rows, args.output, lambda row: "verified" in row and "attempts" in row, say)
 
 
-def _one(gen, args, say) -> None:
+def _one(gen, args, say, options: dict) -> None:
     """``--prompt``: one result object on stdout, the streamed answer and verdicts on stderr."""
     from ..io import dumps
 
@@ -77,13 +78,13 @@ def _one(gen, args, say) -> None:
             sys.stderr.write(" " + verdict_line(att) + "\n")
             sys.stderr.flush()
 
-    result = gen.generate(args.prompt, on_text=on_text, on_attempt_start=on_start, on_attempt=on_attempt)
+    result = gen.generate(args.prompt, on_text=on_text, on_attempt_start=on_start, on_attempt=on_attempt, **options)
     sys.stdout.write(dumps(result.to_dict()) + "\n")
     sys.stdout.flush()
     say(f"{result.status} ({result.reason or 'admitted'}) after {len(result.attempts)} attempt(s)")
 
 
-def _batch(gen, todo: list, args, say) -> None:
+def _batch(gen, todo: list, args, say, options: dict) -> None:
     """``--input``: one result per pending row appended to ``--output``, a line of progress per row."""
     from ..io import dumps, open_append
 
@@ -96,7 +97,7 @@ def _batch(gen, todo: list, args, say) -> None:
             if stream:
                 sys.stderr.write(f"[{i}/{len(todo)}] id={row['id']!r}\n")
             result = gen.generate(row[args.document_field], id=row["id"], on_text=on_text,
-                                  on_attempt_start=on_start, on_attempt=on_attempt)
+                                  on_attempt_start=on_start, on_attempt=on_attempt, **options)
             out.write(dumps(result.to_dict()) + "\n")
             out.flush()
             counts[result.status] = counts.get(result.status, 0) + 1
@@ -127,8 +128,9 @@ def run(args) -> int:
         say("nothing to do")
         return 0
     gen = build_generator(args)
+    options = sampling_options(args, gen)
     if args.prompt is not None:
-        _one(gen, args, say)
+        _one(gen, args, say, options)
     else:
-        _batch(gen, todo, args, say)
+        _batch(gen, todo, args, say, options)
     return 0

@@ -17,8 +17,11 @@ def add_arguments(p) -> None:
 def _text(s: dict) -> str:
     sources = ", ".join(f"{k} {v}" for k, v in sorted(s["added_by_source"].items())) or "none"
     lines = [
-        f"classes: {s['num_classes']}   input dim: {s['input_dim']}   exemplar dim: {s['exemplar_dim']}   "
+        f"classes: {s['num_classes']}   input dim: {s['input_dim']}   exemplar dim (M): {s['exemplar_dim']}   "
         f"index: {s['index_backend']}   alpha: {s['alpha']}   k: {s['k']}",
+        *([f"the support index stores {s['support_coordinate_dim']} coordinates per row: the distances of the "
+           f"{s['exemplar_dim']}-wide exemplar vectors, exactly (a change of basis, since input dim < M)"]
+          if s["support_coordinate_dim"] != s["exemplar_dim"] else []),
         f"training support: {s['training_support_rows']} rows (by class {s['training_support_by_class']})",
         f"calibration rows: {s['calibration_rows']}",
         f"support now: {s['support_rows']} rows",

@@ -24,8 +24,15 @@ def jsonl_num_classes(args, train, cal) -> int:
 
     if args.num_classes is not None:
         return args.num_classes
-    labels = [train.y] + ([] if cal is None else [cal.y])
-    return 1 + max(int(np.max(y, initial=0)) for y in labels)
+    labels = np.concatenate([train.y] + ([] if cal is None else [cal.y]))
+    found = np.unique(labels)
+    if found.size and found.min() >= 0 and found.size < found.max() + 1:  # negatives: validation names them
+        missing = sorted(set(range(int(found.max()) + 1)) - set(found.tolist()))
+        shown = found.tolist()[:10]
+        raise InputError(f"labels must be class indices 0..C-1 (start at 0, no gaps); found the values {shown}, "
+                         f"so class(es) {missing[:10]} have no rows. Relabel (e.g. {shown[0]} -> 0, {shown[-1]} -> "
+                         f"{min(len(found), 10) - 1}), or pass --num-classes if a class truly has no rows")
+    return 1 + int(np.max(labels, initial=0))
 
 
 def add_arguments(p) -> None:

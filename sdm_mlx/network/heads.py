@@ -26,11 +26,12 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import embed as _embed
-from ..errors import InputError
+from ..errors import ArtifactError, InputError
 
 
-class HeadShapeError(ValueError):
-    """A positive head whose shape does not match the base model's vocabulary / hidden size."""
+class HeadShapeError(ArtifactError):
+    """A positive head whose shape does not match the base model's vocabulary / hidden size (a user error:
+    usually a head trained on another base model; also a ``ValueError``)."""
 
 
 class PositiveHead(nn.Module):

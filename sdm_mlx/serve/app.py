@@ -68,11 +68,12 @@ def check_decoding(engine: Engine, req: GenerationRequest) -> None:
 
 
 async def run_on_model(engine: Engine, fn, *args):
-    """Await ``fn(*args)`` on the model thread (ValueError -> 400, Cancelled -> 503)."""
+    """Await ``fn(*args)`` on the model thread (ValueError -> 400 with the error's ``api_code`` / ``api_param``
+    when it has them, Cancelled -> 503)."""
     try:
         return await asyncio.wrap_future(engine.submit(fn, *args))
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=getattr(e, "api_param", None), code=getattr(e, "api_code", None)) from None
     except Cancelled:
         raise APIError(503, "the server is shutting down", code="shutting_down") from None
 

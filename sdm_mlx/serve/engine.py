@@ -58,6 +58,12 @@ class UnknownVerdict(LookupError):
     """A verdict id that was never issued, or was evicted from the store."""
 
 
+class AlreadyLabelled(InputError):
+    """Feedback for a verdict that already has its label (a verdict takes one label): HTTP 400 with this code."""
+
+    api_code, api_param = "already_labelled", "verdict_id"
+
+
 def feedback_class(label, verified_label: int, num_classes: int) -> int:
     """The verifier's class for a feedback ``label``.
 
@@ -296,6 +302,10 @@ class Engine:
         cls = feedback_class(label, verifier.verified_label, est.num_classes_)
         X, _ = verifier.features(rec["prompt_ids"], rec["answer_ids"])
         rid = f"feedback-{verdict_id}"
+        if rid in est.support_ids_:
+            raise AlreadyLabelled(f"verdict {verdict_id!r} is already labelled (support row {rid!r}); a verdict "
+                                  f"takes one label: to change it, remove that row first (sdm-mlx add-support "
+                                  f"--undo {rid}) and label a new verification")
         n_log = len(est.feedback_state_.log)
         entry = est.add_support(X, est.classes_[[cls]], ids=[rid], source=source)[0]
         if self.persist_feedback:
