@@ -6,10 +6,10 @@ Layout of an artifact directory::
     <group>.safetensors    named float/int arrays (one file per group)
 
 No pickle anywhere.  A save writes a hidden sibling temporary directory
-(``.<name>.<pid>.*.sdm-tmp``), fsyncs it and swaps it into place, so a crash (even
-``kill -9``) mid-save leaves the previous artifact intact (an interrupted swap is
-repaired on the next load; temporaries of dead processes are removed by the next
-save).  What may be replaced: a missing path, an empty directory, or — only with
+(``.<name>.<pid>.*.sdm-tmp``), fsyncs it and publishes it by one atomic exchange under
+the artifact's lock (:mod:`sdm_mlx.writer`), so a crash (even ``kill -9``) mid-save leaves
+the previous artifact intact and a reader sees one complete version, old or new
+(temporaries of dead processes are removed by the next save).  What may be replaced: a missing path, an empty directory, or — only with
 ``overwrite`` — an sdm_mlx artifact; never a file, a foreign directory, the working
 directory or a directory holding an input.  Files are 0644 and directories 0755
 whatever the umask.  Loading verifies the format, version and every file's SHA-256
@@ -22,6 +22,7 @@ with ``overwrite``; nothing else in them is touched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -39,6 +40,7 @@ from .io import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
 )
+from .writer import artifact_lock, exchange, owner_cannot_write
 
 FORMAT = "sdm_mlx"
 MANIFEST = "manifest.json"
@@ -112,6 +114,9 @@ def _check_replaceable(path: str, shown: str, overwrite: bool, error) -> None:
         if not overwrite:
             raise error(f"{shown} already holds an sdm_mlx artifact; pass --overwrite (Python: overwrite=True) "
                         "to replace it")
+        if owner_cannot_write(path):
+            raise error(f"cannot write {shown}: the directory is write-protected (its permissions do not allow "
+                        f"writing); refusing to replace it — make it writable (chmod u+w {shown}) to update it")
         return
     try:
         entries = os.listdir(path)
@@ -160,15 +165,17 @@ def _fsync_tree(root: str) -> None:
 
 
 @contextmanager
-def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
+def atomic_directory(path, error=ArtifactError, overwrite: bool = False, expected_digest: str | None = None):
     """``with atomic_directory(path) as tmp:`` write into ``tmp``; on success it replaces ``path``.
 
-    ``path`` may be missing, an empty directory, or (only with ``overwrite``) an sdm_mlx artifact;
-    anything else (a file, a non-empty foreign directory, the working directory) is refused with
-    ``error`` before anything is written.  A symlink is followed (the artifact lands at its target).
-    The new directory (0755, files 0644) is fsynced and swapped in with two renames (the old one
-    is moved aside to a hidden name first and deleted last; an interrupted swap is repaired by
-    :func:`recover_interrupted_save`); an exception leaves ``path`` untouched and removes ``tmp``.
+    ``path`` may be missing, an empty directory, or (only with ``overwrite``) an sdm_mlx artifact whose
+    directory its owner may write; anything else (a file, a non-empty foreign directory, a write-protected
+    directory, the working directory) is refused with ``error`` before anything is written.  A symlink is
+    followed (the artifact lands at its target).  The new directory (0755, files 0644) is fsynced and
+    published under :func:`~sdm_mlx.writer.artifact_lock` by one atomic exchange of directory entries
+    (:mod:`sdm_mlx.writer`); the previous version is deleted after.  ``expected_digest``: the manifest
+    digest of the version the data were loaded from — refused if another writer replaced it meanwhile
+    (no lost update).  An exception leaves ``path`` untouched and removes ``tmp``.
     """
     shown = os.fspath(path)
     real = os.path.realpath(shown)
@@ -176,7 +183,6 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
         refuse_inputs_inside("output directory", shown, [])
     except OutputError as e:
         raise error(str(e)) from None
-    recover_interrupted_save(real)
     _check_replaceable(real, shown, overwrite, error)
     parent, base = os.path.split(real)
     try:
@@ -189,19 +195,45 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
         yield tmp
         set_modes(tmp)
         _fsync_tree(tmp)
-        _check_replaceable(real, shown, overwrite, error)  # again: it may have changed while we wrote
-        _swap_in(tmp, real)
+        replacing = os.path.isdir(real) and artifact_kind(real) is not None
+        with artifact_lock(real, error) if replacing else contextlib.nullcontext():
+            _check_replaceable(real, shown, overwrite, error)  # again, under the lock: it may have changed
+            _check_unchanged(real, shown, expected_digest, error)
+            _swap_in(tmp, real)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             raise error(f"cannot write {describe_os_error(e, shown)}") from None
+        if isinstance(e, SafetensorError):
+            raise error(f"cannot write {shown}: {e}") from None
         raise
     fsync_dir(parent)
 
 
+def manifest_digest(path) -> str | None:
+    """SHA-256 of the artifact directory's manifest (identifies one saved version), or None."""
+    try:
+        return sha256_file(os.path.join(path, MANIFEST))
+    except OSError:
+        return None
+
+
+def _check_unchanged(real: str, shown: str, expected_digest: str | None, error) -> None:
+    if expected_digest is None or not os.path.isdir(real):
+        return
+    if manifest_digest(real) != expected_digest:
+        raise error(f"{shown} was changed by another writer since this model was loaded (e.g. rows added by "
+                    "add-support or a server's feedback); refusing to overwrite those changes — load it again, "
+                    "apply the change and save (or use sdm_mlx.feedback.update_model, which does so under the lock)")
+
+
 def _swap_in(tmp: str, real: str) -> None:
-    backup = _backup_path(real)
+    """Publish ``tmp`` at ``real`` (under the lock): one atomic exchange, then the old version is deleted."""
     if os.path.isdir(real) and artifact_kind(real) is not None:
+        if exchange(tmp, real):
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous version, now at the temporary name
+            return
+        backup = _backup_path(real)  # no exchange on this file system: two renames, under the lock
         shutil.rmtree(backup, ignore_errors=True)
         os.rename(real, backup)
         os.rename(tmp, real)
@@ -211,15 +243,20 @@ def _swap_in(tmp: str, real: str) -> None:
 
 
 def recover_interrupted_save(path) -> str:
-    """Absolute ``path``; restores the previous directory if a save died between its two renames."""
-    path = os.path.abspath(os.fspath(path))
+    """Absolute ``path``.  Nothing is renamed by a reader: a missing directory is never revived from a
+    backup (the user may have moved it on purpose); see :func:`interrupted_save_hint`."""
+    return os.path.abspath(os.fspath(path))
+
+
+def interrupted_save_hint(path: str) -> str:
+    """A sentence naming the previous version left by a save interrupted between two renames (file systems
+    without an atomic exchange, or an older sdm_mlx), or ``""``."""
     real = os.path.realpath(path)
-    if not os.path.exists(real):
-        for backup in (_backup_path(real), real + _LEGACY_BACKUP_SUFFIX):
-            if os.path.isdir(backup) and artifact_kind(backup) is not None:
-                os.rename(backup, real)
-                break
-    return path
+    for backup in (_backup_path(real), real + _LEGACY_BACKUP_SUFFIX):
+        if os.path.isdir(backup) and artifact_kind(backup) is not None:
+            return (f" (an interrupted update left the previous version at {backup}; rename it back to "
+                    f"{path} to use it)")
+    return ""
 
 
 def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str = "--output",
@@ -266,15 +303,18 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
 
 
 def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict,
-                  overwrite: bool = False, texts: dict[str, str] | None = None) -> None:
+                  overwrite: bool = False, texts: dict[str, str] | None = None,
+                  expected_digest: str | None = None) -> str:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.
 
     ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.io.put_float`).
     ``texts`` ({file name: UTF-8 text}, e.g. an update log) are written beside the arrays and
     checksummed in the manifest's ``texts``.
-    An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`."""
+    An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`
+    (``expected_digest``: refuse if the directory is no longer that version).  Returns the manifest
+    digest of the version written."""
     meta = strict(meta)
-    with atomic_directory(path, overwrite=overwrite) as tmp:
+    with atomic_directory(path, overwrite=overwrite, expected_digest=expected_digest) as tmp:
         files = {}
         for group, arrays in groups.items():
             name = f"{group}.safetensors"
@@ -301,6 +341,8 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
             manifest["texts"] = text_files
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             f.write(dumps(manifest, indent=1) + "\n")
+        written = sha256_file(os.path.join(tmp, MANIFEST))
+    return written
 
 
 def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=ArtifactError) -> tuple[str, dict]:
@@ -309,58 +351,33 @@ def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=
     or version).  Repairs a save interrupted between its two renames first."""
     path = recover_interrupted_save(path)
     if not os.path.isdir(path):
-        raise error(f"no {what} at {path} (expected a directory with {filename})")
+        raise error(f"no {what} at {path} (expected a directory with {filename}){interrupted_save_hint(path)}")
     mpath = os.path.join(path, filename)
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
         raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise error(f"{mpath} is corrupt: {e}") from None
+    except OSError as e:
+        raise error(f"cannot read {describe_os_error(e, mpath)}") from None
+    return path, check_manifest(manifest, mpath, fmt, version, what, error)
+
+
+def check_manifest(manifest, mpath: str, fmt: str, version: int, what: str, error=ArtifactError) -> dict:
+    """``manifest`` if it is a JSON object of ``format`` ``fmt`` and ``format_version`` ``version``."""
     if not isinstance(manifest, dict):
         raise error(f"{mpath} is corrupt: expected a JSON object")
     if manifest.get("format") != fmt:
         raise error(f"{mpath} is not an sdm_mlx {what} (format {manifest.get('format')!r}, expected {fmt!r})")
-    if manifest.get("format_version") != version:
-        raise error(f"{mpath} has format version {manifest.get('format_version')}; this sdm_mlx reads version {version}")
-    return path, manifest
+    found = manifest.get("format_version")
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise error(f"{mpath}: format_version must be the integer {version}, found {json.dumps(found)[:40]} "
+                    f"(a {type(found).__name__}); the manifest was edited or written by another tool")
+    if found != version:
+        raise error(f"{mpath} has format version {found}; this sdm_mlx reads version {version}")
+    return manifest
 
 
-def load_artifact(path, kind: str, version: int, texts: dict | None = None) -> tuple[dict[str, dict], dict]:
-    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta).
-
-    The checksummed text files (see :func:`save_artifact`) are verified too and, when a dict
-    ``texts`` is given, put into it ({name: text})."""
-    path, manifest = read_manifest(path, MANIFEST, FORMAT, version, "model artifact")
-    mpath = os.path.join(path, MANIFEST)
-    if manifest.get("kind") != kind:
-        raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}")
-    meta = manifest.get("meta", {})
-    if manifest.get("meta_sha256") != _meta_digest(meta):
-        raise ArtifactError(f"{mpath}: checksum mismatch for the metadata (the manifest was modified)")
-    groups = {}
-    for name, digest in manifest.get("files", {}).items():
-        fpath = os.path.join(path, name)
-        if not os.path.exists(fpath):
-            raise ArtifactError(f"{path}: file {name} is missing")
-        if sha256_file(fpath) != digest:
-            raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
-        try:
-            loaded = load_file(fpath)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
-        groups[name[: -len(".safetensors")]] = loaded
-    for name, digest in (manifest.get("texts") or {}).items():
-        fpath = os.path.join(path, name)
-        if os.path.basename(name) != name or not os.path.isfile(fpath):
-            raise ArtifactError(f"{path}: file {name} is missing")
-        if sha256_file(fpath) != digest:
-            raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
-        if texts is not None:
-            try:
-                with open(fpath, encoding="utf-8") as f:
-                    texts[name] = f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
-    return groups, meta
+from .artifact_load import load_artifact  # noqa: E402  (re-exported; it reads what this module writes)

@@ -43,8 +43,13 @@ def save_estimator(est, path, overwrite: bool = False) -> None:
         meta["n_training_support"] = state.n_training
         texts[FEEDBACK_LOG] = dump_log(state.log)
     put_float(meta, "robust_min_valid", est.robust_min_valid_, ROBUST_INF_REASON)
-    save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
-                  overwrite=overwrite, texts=texts)
+    # saving back over the version it was loaded from: refused if another writer replaced it meanwhile
+    origin = getattr(est, "_artifact_origin", None)
+    real = os.path.realpath(os.fspath(path))
+    expected = origin[1] if overwrite and origin is not None and origin[0] == real else None
+    digest = save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
+                           overwrite=overwrite, texts=texts, expected_digest=expected)
+    est._artifact_origin = (real, digest)
 
 
 def _artifact_groups(est, round_arrays: list) -> dict:
@@ -89,8 +94,8 @@ def _artifact_meta(est, round_meta: list) -> dict:
 
 def load_estimator(cls, path, shard_index: bool | None = None):
     """An instance of ``cls`` loaded from the artifact at ``path`` (see ``SDMEstimator.load``)."""
-    texts: dict = {}
-    groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts)
+    texts, info = {}, {}
+    groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts, info=info)
     try:
         est = cls(**meta["params"])
         m, d = _restore(est, groups, meta)
@@ -101,6 +106,7 @@ def load_estimator(cls, path, shard_index: bool | None = None):
     n_train = _check_loaded(est, path, meta, m, d)
     log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
     est._feedback = FeedbackState(est.support_ids_, n_train, log)
+    est._artifact_origin = (os.path.realpath(os.fspath(path)), info.get("manifest_digest"))
     if shard_index is not None:
         est.shard_index = bool(shard_index)
     est._prepare_predict()
