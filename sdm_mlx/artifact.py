@@ -302,7 +302,7 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
     return real
 
 
-def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict,
+def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict, *,
                   overwrite: bool = False, texts: dict[str, str] | None = None,
                   expected_digest: str | None = None) -> str:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.

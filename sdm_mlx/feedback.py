@@ -46,7 +46,7 @@ import numpy as np
 
 from .data import id_key
 from .errors import ArtifactError, InputError, SDMError
-from .writer import artifact_lock  # noqa: F401  (the update lock, re-exported)
+from .writer import artifact_lock, owner_cannot_write  # noqa: F401  (artifact_lock re-exported)
 
 #: retraining is recommended once feedback rows exceed this fraction of the training support (overall or of a class)
 RETRAIN_FRACTION = 0.10
@@ -216,6 +216,9 @@ def update_model(path, change):
 
     if artifact_kind(os.fspath(path)) is None:
         SDMEstimator.load(path)  # not a model: the clear "no model artifact at ..." error before any lock file
+    if owner_cannot_write(os.path.realpath(os.fspath(path))):
+        raise ArtifactError(f"cannot write {os.fspath(path)}: the directory is write-protected (its permissions do "
+                            f"not allow writing); make it writable (chmod u+w {os.fspath(path)}) to update it")
     with artifact_lock(path):
         est = SDMEstimator.load(path)
         est.verbose = False
@@ -262,7 +265,7 @@ def feedback_class(label, verified_label: int, num_classes: int) -> int:
                      f"0..{num_classes - 1}, got {shown[:40]}")
 
 
-def apply_verdict_feedback(gen, prompt_ids, answer_ids, verdict_id: str, label, source: str,
+def apply_verdict_feedback(gen, prompt_ids, answer_ids, verdict_id: str, label, *, source: str,
                            persist_path=None) -> dict:
     """Add a verdict's feature row, labelled by the user, to the support set of ``gen``'s verifier.
 

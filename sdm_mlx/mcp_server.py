@@ -76,10 +76,16 @@ def verify_summary(verification: dict) -> dict[str, Any]:
     }
 
 
-def create_server(engine: Engine):
-    """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``."""
+def create_server(engine: Engine, max_prompt_tokens: int | None = None):
+    """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``
+    (``verify`` refuses question + answer longer than ``max_prompt_tokens``, default the model's context)."""
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
+
+    from .serve.limits import PromptCounter, context_length
+
+    counter = PromptCounter(engine)
+    max_prompt_tokens = max_prompt_tokens or context_length(engine.gen.model)
 
     server = MCPServer("sdm-mlx", instructions=(
         "SDM verification of answers: call verify(question, answer) to get a calibrated verdict "
@@ -96,6 +102,10 @@ def create_server(engine: Engine):
         """
         if not question.strip() or not answer.strip():
             raise ToolError("question and answer must be non-empty strings")
+        n = await asyncio.get_running_loop().run_in_executor(
+            None, counter.count, [{"role": "user", "content": question}], None, answer)
+        if n > max_prompt_tokens:  # refused before any forward pass
+            raise ToolError(f"prompt too long ({n} tokens, limit {max_prompt_tokens})")
         try:
             verification, _ = await asyncio.wrap_future(engine.submit(engine.verify_question, question, answer))
         except ValueError as e:

@@ -198,26 +198,27 @@ def _feedback_request(body: dict) -> tuple[str, object]:
     return vid, body["label"]
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
-               policy: AccessPolicy | None = None) -> Starlette:
-    """The Starlette app serving ``engine`` behind :class:`~.guard.AccessGuard` (``policy``; default: loopback
-    Hosts, no CORS, feedback refused without an API key) with the per-request caps ``limits`` (default: prompt
-    tokens up to the model's context, body up to ``max_body_bytes``)."""
-    limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
-    counter = PromptCounter(engine)
+class Routes:
+    """The route handlers of one app: ``engine`` behind the per-request caps ``limits``."""
 
-    async def body_of(request: Request) -> dict:
-        return await read_json(request, limits.max_body_bytes, limits.body_timeout)
+    def __init__(self, engine: Engine, limits: RequestLimits):
+        self.engine, self.limits, self.counter = engine, limits, PromptCounter(engine)
 
-    async def count(messages, prompt, extra: str = "") -> int:
-        return await asyncio.get_running_loop().run_in_executor(None, counter.count, messages, prompt, extra)
+    async def body_of(self, request: Request) -> dict:
+        return await read_json(request, self.limits.max_body_bytes, self.limits.body_timeout)
 
-    async def completions(request: Request, kind: str):
-        req = parse_generation(await body_of(request), kind)
+    async def count(self, messages, prompt, extra: str = "") -> int:
+        """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.counter.count, messages, prompt, extra)
+
+    async def completions(self, request: Request, kind: str):
+        engine = self.engine
+        req = parse_generation(await self.body_of(request), kind)
         check_model(engine, req.model)
         check_decoding(engine, req)
-        check_max_tokens(limits, req.max_tokens)
-        check_prompt_tokens(limits, await count(req.messages, req.prompt), "messages" if req.messages else "prompt")
+        check_max_tokens(self.limits, req.max_tokens)
+        n = await self.count(req.messages, req.prompt)
+        check_prompt_tokens(self.limits, n, "messages" if req.messages else "prompt")
         cid = R.new_id(kind)
         if req.stream:
             return StreamingResponse(stream_events(engine, req, cid), media_type="text/event-stream",
@@ -228,45 +229,54 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
         body = R.completion_body(kind, cid, engine.model_id, result, verification, n_prompt)
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
-    async def chat(request: Request):
-        return await completions(request, "chat")
+    async def chat(self, request: Request):
+        return await self.completions(request, "chat")
 
-    async def text(request: Request):
-        return await completions(request, "text")
+    async def text(self, request: Request):
+        return await self.completions(request, "text")
 
-    async def verify(request: Request):
-        req = parse_verify(await body_of(request))
+    async def verify(self, request: Request):
+        engine = self.engine
+        req = parse_verify(await self.body_of(request))
         check_model(engine, req.model)
-        n = await count(req.messages, req.prompt, req.completion)
-        check_prompt_tokens(limits, n, "completion")
+        check_prompt_tokens(self.limits, await self.count(req.messages, req.prompt, req.completion), "completion")
         verification, usage = await run_on_model(engine, engine.verify, req)
         body = {"object": "verification", "model": engine.model_id, "verification": verification, "usage": usage}
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
-    async def verdict(request: Request):
-        return JSONResponse(_explained(engine, request.path_params["verdict_id"]))
+    async def verdict(self, request: Request):
+        return JSONResponse(_explained(self.engine, request.path_params["verdict_id"]))
 
-    async def feedback(request: Request):
-        vid, label = _feedback_request(await body_of(request))
-        out = await run_on_model(engine, engine.add_feedback, vid, label, "server")
+    async def feedback(self, request: Request):
+        vid, label = _feedback_request(await self.body_of(request))
+        out = await run_on_model(self.engine, self.engine.add_feedback, vid, label, "server")
         return JSONResponse({"object": "feedback", **out})
 
-    async def models(request: Request):
-        return JSONResponse(R.models_body(engine.model_id, engine.created))
+    async def models(self, request: Request):
+        return JSONResponse(R.models_body(self.engine.model_id, self.engine.created))
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": engine.model_id})
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "model": self.engine.model_id})
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", text, methods=["POST"]),
-        Route("/v1/verify", verify, methods=["POST"]),
-        Route("/v1/verdicts/{verdict_id}", verdict, methods=["GET"]),
-        Route("/v1/feedback", feedback, methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, exception_handlers={
+    def table(self) -> list:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.text, methods=["POST"]),
+            Route("/v1/verify", self.verify, methods=["POST"]),
+            Route("/v1/verdicts/{verdict_id}", self.verdict, methods=["GET"]),
+            Route("/v1/feedback", self.feedback, methods=["POST"]),
+        ]
+
+
+def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
+               policy: AccessPolicy | None = None):
+    """The Starlette app serving ``engine`` behind :class:`~.guard.AccessGuard` (``policy``; default: loopback
+    Hosts, no CORS, feedback refused without an API key) with the per-request caps ``limits`` (default: prompt
+    tokens up to the model's context, body up to ``max_body_bytes``)."""
+    limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
+    app = Starlette(routes=Routes(engine, limits).table(), exception_handlers={
         APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, Exception: _server_error})
     app.state.limits = limits
     return AccessGuard(app, policy or AccessPolicy())

@@ -225,7 +225,8 @@ class Engine:
 
     def _store(self, source: str, prompt_ids: list, answer_ids: list, text: str, v, row: dict) -> str:
         """Keep one verdict (``v``: a Verdict or an Attempt) with the ids it was computed from (bounded store)."""
-        return self.verdicts.put(verdict_record(self.gen.tokenizer, source, prompt_ids, answer_ids, text, v, row))
+        return self.verdicts.put(verdict_record(self.gen.tokenizer, source, prompt_ids, answer_ids, text=text,
+                                                  verdict=v, row=row))
 
     def add_feedback(self, verdict_id: str, label, source: str) -> dict:
         """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread);
@@ -237,7 +238,7 @@ class Engine:
             raise UnknownVerdict(f"no verdict {verdict_id!r} (unknown, or evicted from the last "
                                  f"{self.verdicts.capacity} verdicts)")
         return apply_verdict_feedback(self.gen, rec["prompt_ids"].tolist(), rec["answer_ids"].tolist(), verdict_id,
-                                      label, source, self.persist_feedback)
+                                      label, source=source, persist_path=self.persist_feedback)
 
     def explain(self, verdict_id: str) -> dict | None:
         """The full per-row quantities of a stored verdict (None: unknown or evicted id); no model work."""

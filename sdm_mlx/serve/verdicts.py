@@ -44,8 +44,9 @@ def prompt_excerpt(tokenizer, prompt_ids) -> str:
     return f"{tokenizer.decode(ids[:k])}…[{len(ids) - 2 * k} tokens not kept]…{tokenizer.decode(ids[-k:])}"
 
 
-def verdict_record(tokenizer, source: str, prompt_ids, answer_ids, text: str, v, row: dict) -> dict:
-    """The stored record of one verdict (``v``: a Verdict or an Attempt); run on the model thread."""
+def verdict_record(tokenizer, source: str, prompt_ids, answer_ids, *, text: str, verdict, row: dict) -> dict:
+    """The stored record of one ``verdict`` (a Verdict or an Attempt); run on the model thread."""
+    v = verdict
     return {
         "source": source, "created": time.time(),
         "prompt_ids": np.asarray(list(prompt_ids), dtype=np.int32),
