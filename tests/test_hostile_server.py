@@ -89,6 +89,7 @@ HOSTILE = [  # (name, method, path, raw body, extra headers, expected status, ex
      "completion"),
     ("lone surrogate in a key", "POST", "/v1/completions", b'{"prompt":"x","\\ud800":1}', {}, 400, None),
     ("bad UTF-8", "POST", "/v1/completions", b'{"prompt":"\xff\xfe"}', {}, 400, None),
+    ("NaN literal", "POST", "/v1/completions", b'{"prompt":"x","temperature":NaN}', {}, 400, None),
     ("huge integer", "POST", "/v1/completions", b'{"prompt":"x","max_tokens":' + b"9" * 5000 + b"}", {}, 400, None),
     ("max_tokens over the cap", "POST", "/v1/completions", b'{"prompt":"x","max_tokens":1000000000}', {}, 400,
      "max_tokens"),

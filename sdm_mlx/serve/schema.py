@@ -99,7 +99,7 @@ def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object (400 ``invalid_json`` otherwise: not UTF-8, not JSON, nested
     deeper than :data:`MAX_DEPTH`, or holding a string that is not Unicode text — a lone surrogate)."""
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as e:
         raise bad(f"request body is not UTF-8 (invalid byte at position {e.start})", code="invalid_json") from None
     except json.JSONDecodeError as e:
@@ -113,6 +113,10 @@ def parse_json(raw: bytes) -> dict:
         raise bad("request body must be a JSON object", code="invalid_json")
     check_values(body)
     return body
+
+
+def _no_constant(name: str):
+    raise bad(f"request body is not valid JSON: {name} is not a JSON number (RFC 8259)", code="invalid_json")
 
 
 def check_values(body: dict) -> None:
