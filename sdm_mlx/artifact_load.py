@@ -1,8 +1,10 @@
-"""Reading artifact directories written by :mod:`sdm_mlx.artifact`: one version, every file checked.
+"""Reading artifact directories (:mod:`sdm_mlx.artifact` writes them): manifests, one pinned version, every file checked.
 
-Every file is read relative to one open directory (:class:`~sdm_mlx.writer.PinnedDirectory`), so a
-load never mixes the manifest of one version with the files of another while a writer publishes a
-new one; a version deleted under the reader is read again from the new one.
+:func:`load_artifact` reads every file relative to one open directory (:class:`PinnedDirectory`), so a load never
+mixes the manifest of one version with the files of another while a writer publishes a new one (by an atomic
+exchange of directories, :func:`sdm_mlx.artifact.atomic_directory`); a version deleted under the reader is read
+again from the new one (:func:`read_consistently`).  A reader never renames anything: a missing directory is not
+revived from a backup (the user may have moved it on purpose).
 """
 
 from __future__ import annotations
@@ -14,17 +16,169 @@ import os
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from .artifact import FORMAT, MANIFEST, _meta_digest, check_manifest, read_manifest
 from .errors import ArtifactError
 from .io import describe_os_error
-from .writer import read_consistently
+
+FORMAT = "sdm_mlx"
+MANIFEST = "manifest.json"
+#: (manifest file, format) of every kind of artifact directory sdm_mlx writes
+ARTIFACT_MANIFESTS = ((MANIFEST, FORMAT), ("network_config.json", "sdm_mlx_network"))
+_LEGACY_BACKUP_SUFFIX = ".previous"
+#: times a reader starts again when the version it was reading was replaced under it
+READ_ATTEMPTS = 20
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    # allow_nan: artifacts written before strict JSON hold Infinity in their metadata
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def artifact_kind(path) -> str | None:
+    """The format of the sdm_mlx artifact in directory ``path`` (``"sdm_mlx"``, ``"sdm_mlx_network"``) or None."""
+    for name, fmt in ARTIFACT_MANIFESTS:
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("format") == fmt:
+            return fmt
+    return None
+
+
+def _backup_path(real: str) -> str:
+    parent, base = os.path.split(real)
+    return os.path.join(parent, f".{base}.sdm-previous")
+
+
+def recover_interrupted_save(path) -> str:
+    """Absolute ``path``.  Nothing is renamed by a reader: a missing directory is never revived from a
+    backup (the user may have moved it on purpose); see :func:`interrupted_save_hint`."""
+    return os.path.abspath(os.fspath(path))
+
+
+def interrupted_save_hint(path: str) -> str:
+    """A sentence naming the previous version left by a save interrupted between two renames (file systems
+    without an atomic exchange, or an older sdm_mlx), or ``""``."""
+    real = os.path.realpath(path)
+    for backup in (_backup_path(real), real + _LEGACY_BACKUP_SUFFIX):
+        if os.path.isdir(backup) and artifact_kind(backup) is not None:
+            return (f" (an interrupted update left the previous version at {backup}; rename it back to "
+                    f"{path} to use it)")
+    return ""
+
+
+def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=ArtifactError) -> tuple[str, dict]:
+    """(absolute path, parsed ``filename``) of an artifact directory whose JSON manifest has the given
+    ``format`` and ``format_version``; ``error`` names the problem otherwise (missing, corrupt, wrong format
+    or version).  Repairs a save interrupted between its two renames first."""
+    path = recover_interrupted_save(path)
+    if not os.path.isdir(path):
+        raise error(f"no {what} at {path} (expected a directory with {filename}){interrupted_save_hint(path)}")
+    mpath = os.path.join(path, filename)
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise error(f"{mpath} is corrupt: {e}") from None
+    except OSError as e:
+        raise error(f"cannot read {describe_os_error(e, mpath)}") from None
+    return path, check_manifest(manifest, mpath, fmt, version, what, error)
+
+
+def check_manifest(manifest, mpath: str, fmt: str, version: int, what: str, error=ArtifactError) -> dict:
+    """``manifest`` if it is a JSON object of ``format`` ``fmt`` and ``format_version`` ``version``."""
+    if not isinstance(manifest, dict):
+        raise error(f"{mpath} is corrupt: expected a JSON object")
+    if manifest.get("format") != fmt:
+        raise error(f"{mpath} is not an sdm_mlx {what} (format {manifest.get('format')!r}, expected {fmt!r})")
+    found = manifest.get("format_version")
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise error(f"{mpath}: format_version must be the integer {version}, found {json.dumps(found)[:40]} "
+                    f"(a {type(found).__name__}); the manifest was edited or written by another tool")
+    if found != version:
+        raise error(f"{mpath} has format version {found}; this sdm_mlx reads version {version}")
+    return manifest
+
+
+class VersionReplaced(Exception):
+    """The directory version being read was replaced (and deleted) by a writer: read again."""
+
+
+class PinnedDirectory:
+    """One version of a directory: opened once, every file opened relative to it.
+
+    ``open(name)`` returns a binary file of this version; a file missing because a writer deleted
+    this version meanwhile raises :class:`VersionReplaced` (a file missing from a version that is still
+    current raises ``FileNotFoundError``: the artifact is incomplete).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        self._id = _identity(os.fstat(self.fd))
+
+    def replaced(self) -> bool:
+        """True when ``path`` no longer names the opened version."""
+        try:
+            return _identity(os.stat(self.path)) != self._id
+        except OSError:
+            return True
+
+    def open(self, name: str):
+        try:
+            return open(name, "rb", opener=lambda n, flags: os.open(n, flags, dir_fd=self.fd))
+        except FileNotFoundError:
+            if self.replaced():
+                raise VersionReplaced(name) from None
+            raise
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _identity(st) -> tuple:
+    return st.st_dev, st.st_ino
+
+
+def read_consistently(path: str, read):
+    """``read(PinnedDirectory)`` on one version of ``path``; started again on the new version when a writer
+    replaced the one being read (``read`` raises :class:`VersionReplaced`, or any error while the
+    version it read is no longer current)."""
+    for attempt in range(READ_ATTEMPTS):
+        with PinnedDirectory(path) as pinned:
+            try:
+                return read(pinned)
+            except VersionReplaced:
+                continue
+            except (ArtifactError, OSError, ValueError):
+                if attempt + 1 < READ_ATTEMPTS and pinned.replaced():
+                    continue
+                raise
+    raise ArtifactError(f"{path} was replaced {READ_ATTEMPTS} times while it was being read; try again")
 
 
 def load_artifact(path, kind: str, version: int, texts: dict | None = None,
                   info: dict | None = None) -> tuple[dict[str, dict], dict]:
     """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta).
 
-    Every file is read from one version of the directory (:class:`~sdm_mlx.writer.PinnedDirectory`; a
+    Every file is read from one version of the directory (:class:`PinnedDirectory`; a
     version replaced by a writer while being read is read again from the new one) and checked against
     the manifest read from that same version.  The checksummed text files (see :func:`save_artifact`)
     are verified too and, when a dict ``texts`` is given, put into it ({name: text}).  ``info``

@@ -46,7 +46,7 @@ import numpy as np
 
 from .data import id_key
 from .errors import ArtifactError, InputError, SDMError
-from .writer import artifact_lock, owner_cannot_write  # noqa: F401  (artifact_lock re-exported)
+from .artifact import artifact_lock, owner_cannot_write  # noqa: F401  (artifact_lock re-exported)
 
 #: retraining is recommended once feedback rows exceed this fraction of the training support (overall or of a class)
 RETRAIN_FRACTION = 0.10
@@ -206,7 +206,7 @@ def retrain_advice(s: dict) -> dict:
 def update_model(path, change):
     """Load the saved estimator at ``path``, apply ``change(est)`` and save it back in place atomically.
 
-    The writer protocol of :mod:`sdm_mlx.writer`: under the directory's lock the current version is
+    The writer protocol of :mod:`sdm_mlx.artifact`: under the directory's lock the current version is
     loaded (so rows another process added are kept), changed, written to a temporary sibling directory,
     fsynced and published by one atomic exchange; a crash at any point leaves either the previous or
     the new model, and a concurrent reader sees one of the two.  Returns ``(est, change(est))``.

@@ -321,6 +321,8 @@ def test_load_20_mixed_clients_server_stays_up_memory_flat(served):
     for t in threads:
         t.join(timeout=120)
     rss1 = _rss_kb(pid)
+    print(f"load test: {len(results)} requests from 20 clients in 20 s, server RSS {rss0 / 1024:.0f} -> "
+          f"{rss1 / 1024:.0f} MB")
     assert request(served.port, "GET", "/health")[0] == 200
     normal = [st for name, st in results if name == "normal"]
     assert normal and all(st == 200 for st in normal), results[:20]

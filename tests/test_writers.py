@@ -1,4 +1,4 @@
-"""The writer protocol of a model directory (``sdm_mlx.writer``), through the CLI and the Python API.
+"""The writer protocol of a model directory (``sdm_mlx.artifact``), through the CLI and the Python API.
 
 Concurrent ``add-support`` / ``--undo`` processes, a Python API writer and readers on one model: no row
 is lost (the rows on disk always equal the update log), no reader sees a mix of versions; ``kill -9`` at
