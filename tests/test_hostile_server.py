@@ -373,3 +373,13 @@ def test_mcp_answers_every_line(setup):  # noqa: F811
         proc.stdin.close()
         proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_persisting_without_a_key_is_refused_before_loading(setup, tmp_path):  # noqa: F811
+    env = {k: v for k, v in os.environ.items() if k != "SDM_MLX_API_KEY"}
+    r = subprocess.run(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--persist-feedback"),
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--api-key" in r.stderr and "listening" not in r.stderr, r.stderr
+    r = subprocess.run(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--persist-feedback"),
+                       capture_output=True, text=True, timeout=120, env={**env, "SDM_MLX_API_KEY": " "})
+    assert r.returncode == 2 and "empty" in r.stderr, r.stderr

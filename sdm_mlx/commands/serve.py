@@ -51,10 +51,10 @@ def add_access_arguments(p) -> None:
     g.add_argument("--api-key-routes", choices=["feedback", "all"], default="feedback",
                    help="routes that need the key: feedback (/v1/feedback only) or all (every /v1 route)")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                   help="also accept this Host header name (repeatable; '*' = any); default: loopback names and "
-                        "--host")
+                   help="also accept this Host header name, besides the loopback names and --host (repeatable; "
+                        "'*' = any)")
     g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow cross-origin browser requests from ORIGIN (repeatable; '*' = any); default: none")
+                   help="allow cross-origin browser requests from ORIGIN (repeatable; '*' = any; none by default)")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt in tokens (400 beyond, before any model work); default: the model's context")
     g.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT,
