@@ -59,8 +59,9 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from .artifact_load import (  # noqa: F401  (re-exported: the reading side of what this module writes)
-    ARTIFACT_MANIFESTS, FORMAT, MANIFEST, _backup_path, _meta_digest, artifact_kind, check_manifest,
-    interrupted_save_hint, load_artifact, read_manifest, recover_interrupted_save, sha256_file,
+    ARTIFACT_MANIFESTS, FORMAT, MANIFEST, _backup_path, _meta_digest, _valid_manifest, artifact_kind,
+    check_manifest, interrupted_save_hint, load_artifact, manifest_digest, read_manifest,
+    recover_interrupted_save, sha256_file,
 )
 from .errors import ArtifactError, InputError, OutputError
 from .io import (
@@ -280,18 +281,10 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False, expecte
     fsync_dir(parent)
 
 
-def manifest_digest(path) -> str | None:
-    """SHA-256 of the artifact directory's manifest (identifies one saved version), or None."""
-    try:
-        return sha256_file(os.path.join(path, MANIFEST))
-    except OSError:
-        return None
-
-
 def _check_unchanged(real: str, shown: str, expected_digest: str | None, error) -> None:
     if expected_digest is None or not os.path.isdir(real):
         return
-    if manifest_digest(real) != expected_digest:
+    if manifest_digest(real) != expected_digest and _valid_manifest(real):  # (a corrupt one may be replaced)
         raise error(f"{shown} was changed by another writer since this model was loaded (e.g. rows added by "
                     "add-support or a server's feedback); refusing to overwrite those changes — load it again, "
                     "apply the change and save (or use sdm_mlx.feedback.update_model, which does so under the lock)")

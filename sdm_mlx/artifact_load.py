@@ -41,6 +41,24 @@ def _meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True, allow_nan=True).encode()).hexdigest()
 
 
+def manifest_digest(path) -> str | None:
+    """SHA-256 of the artifact directory's manifest (identifies one saved version), or None."""
+    try:
+        return sha256_file(os.path.join(path, MANIFEST))
+    except OSError:
+        return None
+
+
+def _valid_manifest(path: str) -> bool:
+    """True when ``path`` holds a manifest whose metadata checksum holds (a version some writer published)."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+        return manifest.get("meta_sha256") == _meta_digest(manifest.get("meta", {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
 def artifact_kind(path) -> str | None:
     """The format of the sdm_mlx artifact in directory ``path`` (``"sdm_mlx"``, ``"sdm_mlx_network"``) or None."""
     for name, fmt in ARTIFACT_MANIFESTS:
