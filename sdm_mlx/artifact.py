@@ -5,15 +5,32 @@ Layout of an artifact directory::
     manifest.json          {"format", "format_version", "kind", "created", "files": {name: sha256}, "meta": {...}}
     <group>.safetensors    named float/int arrays (one file per group)
 
-No pickle anywhere.  A save writes a hidden sibling temporary directory
-(``.<name>.<pid>.*.sdm-tmp``), fsyncs it and swaps it into place, so a crash (even
-``kill -9``) mid-save leaves the previous artifact intact (an interrupted swap is
-repaired on the next load; temporaries of dead processes are removed by the next
-save).  What may be replaced: a missing path, an empty directory, or — only with
-``overwrite`` — an sdm_mlx artifact; never a file, a foreign directory, the working
-directory or a directory holding an input.  Files are 0644 and directories 0755
-whatever the umask.  Loading verifies the format, version and every file's SHA-256
-and raises :class:`ArtifactError` with the reason otherwise.
+No pickle anywhere.  What may be replaced: a missing path, an empty directory, or — only with
+``overwrite`` — an sdm_mlx artifact whose owner may write its directory; never a file, a foreign
+directory, a write-protected directory (``chmod u-w``: the lock is the user's, and swapping the
+directory aside would bypass it), the working directory or a directory holding an input.  Files
+are 0644 and directories 0755 whatever the umask.
+
+The writer protocol, the same for every mutation of an artifact (``SDMEstimator.save``,
+``sdm-mlx add-support`` / ``--undo``, ``recalibrate``, ``train --overwrite``, ``network-train``,
+the servers' persisted feedback):
+
+1. the complete new version is written into a hidden sibling temporary directory
+   (``.<name>.<pid>.*.sdm-tmp``) and fsynced;
+2. under :func:`artifact_lock` (an exclusive ``flock`` on the hidden sibling ``.<name>.sdm-lock``,
+   re-entrant within a process) the target is checked again — an update
+   (:func:`sdm_mlx.feedback.update_model`) holds the lock from before it re-reads the version on
+   disk, so it applies its change to the current version; a plain save over the version it was
+   loaded from is refused if another writer replaced that version meanwhile (``expected_digest``);
+3. the new version is published by one atomic :func:`exchange` of the two directory entries
+   (``renameat2`` + ``RENAME_EXCHANGE`` on Linux, ``renamex_np`` + ``RENAME_SWAP`` on macOS): the
+   path always names a complete version, old or new, never nothing;
+4. the previous version (now at the temporary name) is deleted.
+
+A crash (even ``kill -9``) at any point leaves the previous or the new version; temporaries of dead
+processes are removed by the next save.  Readers (:mod:`sdm_mlx.artifact_load`) read every file of
+one version, verify the format, version and every file's SHA-256, and raise :class:`ArtifactError`
+with the reason otherwise.
 
 Run directories (``demo``, ``network-train``) hold several outputs; they are marked
 with ``.sdm_mlx_run.json`` (:func:`prepare_run_directory`) and written into again only
@@ -22,44 +39,43 @@ with ``overwrite``; nothing else in them is touched.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import datetime as _dt
-import hashlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import stat
+import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
+from .artifact_load import (  # noqa: F401  (re-exported: the reading side of what this module writes)
+    ARTIFACT_MANIFESTS, FORMAT, MANIFEST, _backup_path, _meta_digest, _valid_manifest, artifact_kind,
+    check_manifest, interrupted_save_hint, load_artifact, manifest_digest, read_manifest,
+    recover_interrupted_save, sha256_file,
+)
 from .errors import ArtifactError, InputError, OutputError
 from .io import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
 )
 
-FORMAT = "sdm_mlx"
-MANIFEST = "manifest.json"
-#: (manifest file, format) of every kind of artifact directory sdm_mlx writes
-ARTIFACT_MANIFESTS = ((MANIFEST, FORMAT), ("network_config.json", "sdm_mlx_network"))
 #: marker file of a run directory (demo, network-train) that sdm_mlx created
 RUN_MARKER = ".sdm_mlx_run.json"
-_LEGACY_BACKUP_SUFFIX = ".previous"
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _meta_digest(meta: dict) -> str:
-    # allow_nan: artifacts written before strict JSON hold Infinity in their metadata
-    return hashlib.sha256(json.dumps(meta, sort_keys=True, allow_nan=True).encode()).hexdigest()
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # Linux renameat2 flag
+_RENAME_SWAP = 2      # macOS renamex_np flag
+_locks: dict = {}  # real path -> {"rlock", "fd", "depth"}: the locks this process holds
+_locks_guard = threading.Lock()
 
 
 def _to_storable(a) -> np.ndarray:
@@ -87,21 +103,83 @@ def unpack_ragged(prefix: str, group: dict, count: int) -> list[np.ndarray]:
 
 
 # --------------------------------------------------------------------------------------------
+# the writer protocol: lock, write-protection, atomic exchange
+# --------------------------------------------------------------------------------------------
+def lock_path(path) -> str:
+    """The lock file of the artifact directory ``path``: ``.<name>.sdm-lock`` beside it."""
+    parent, base = os.path.split(os.path.realpath(os.fspath(path)))
+    return os.path.join(parent, f".{base}.sdm-lock")
+
+
+@contextmanager
+def artifact_lock(path, error=ArtifactError):
+    """Hold the exclusive update lock of the artifact directory ``path`` (re-entrant in one process:
+    ``update_model`` holds it while ``save`` takes it again)."""
+    real = os.path.realpath(os.fspath(path))
+    with _locks_guard:
+        entry = _locks.setdefault(real, {"rlock": threading.RLock(), "fd": None, "depth": 0})
+    with entry["rlock"]:
+        if entry["depth"] == 0:
+            try:
+                fd = os.open(lock_path(real), os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as e:
+                raise error(f"cannot write {os.fspath(path)}: cannot create its lock file "
+                            f"({e.strerror or e})") from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            entry["fd"] = fd
+        entry["depth"] += 1
+        try:
+            yield
+        finally:
+            entry["depth"] -= 1
+            if entry["depth"] == 0:
+                os.close(entry["fd"])
+                entry["fd"] = None
+
+
+def owner_cannot_write(path: str) -> bool:
+    """True when the directory ``path`` is write-protected: its owner's write bit is off (``chmod u-w``),
+    or this process lacks write permission.  (Checked by mode bits too, so that root respects it.)"""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return not (st.st_mode & stat.S_IWUSR) or not os.access(path, os.W_OK)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically exchange the directory entries ``a`` and ``b`` (both must exist); False when the
+    platform or file system cannot (the caller then falls back to two renames under the lock)."""
+    if _LIBC is None:
+        return False
+    if sys.platform.startswith("linux") and hasattr(_LIBC, "renameat2"):
+        fn = _LIBC.renameat2
+        rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    elif sys.platform == "darwin" and hasattr(_LIBC, "renamex_np"):
+        rc = _LIBC.renamex_np(os.fsencode(a), os.fsencode(b), _RENAME_SWAP)
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+# --------------------------------------------------------------------------------------------
 # directory ownership: what may be replaced
 # --------------------------------------------------------------------------------------------
-def artifact_kind(path) -> str | None:
-    """The format of the sdm_mlx artifact in directory ``path`` (``"sdm_mlx"``, ``"sdm_mlx_network"``) or None."""
-    for name, fmt in ARTIFACT_MANIFESTS:
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(manifest, dict) and manifest.get("format") == fmt:
-            return fmt
-    return None
-
-
 def _check_replaceable(path: str, shown: str, overwrite: bool, error) -> None:
     """Refuse to replace anything but a missing path, an empty directory or (with ``overwrite``) an artifact."""
     if os.path.lexists(path) and not os.path.isdir(path):
@@ -112,6 +190,9 @@ def _check_replaceable(path: str, shown: str, overwrite: bool, error) -> None:
         if not overwrite:
             raise error(f"{shown} already holds an sdm_mlx artifact; pass --overwrite (Python: overwrite=True) "
                         "to replace it")
+        if owner_cannot_write(path):
+            raise error(f"cannot write {shown}: the directory is write-protected (its permissions do not allow "
+                        f"writing); refusing to replace it — make it writable (chmod u+w {shown}) to update it")
         return
     try:
         entries = os.listdir(path)
@@ -131,11 +212,6 @@ def check_artifact_output(path, overwrite: bool, inputs=(), flag: str = "--outpu
         raise error(str(e)) from None
     real = os.path.realpath(os.fspath(path))
     _check_replaceable(real, os.fspath(path), overwrite, error)
-
-
-def _backup_path(real: str) -> str:
-    parent, base = os.path.split(real)
-    return os.path.join(parent, f".{base}.sdm-previous")
 
 
 def set_modes(root: str) -> None:
@@ -160,15 +236,17 @@ def _fsync_tree(root: str) -> None:
 
 
 @contextmanager
-def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
+def atomic_directory(path, error=ArtifactError, overwrite: bool = False, expected_digest: str | None = None):
     """``with atomic_directory(path) as tmp:`` write into ``tmp``; on success it replaces ``path``.
 
-    ``path`` may be missing, an empty directory, or (only with ``overwrite``) an sdm_mlx artifact;
-    anything else (a file, a non-empty foreign directory, the working directory) is refused with
-    ``error`` before anything is written.  A symlink is followed (the artifact lands at its target).
-    The new directory (0755, files 0644) is fsynced and swapped in with two renames (the old one
-    is moved aside to a hidden name first and deleted last; an interrupted swap is repaired by
-    :func:`recover_interrupted_save`); an exception leaves ``path`` untouched and removes ``tmp``.
+    ``path`` may be missing, an empty directory, or (only with ``overwrite``) an sdm_mlx artifact whose
+    directory its owner may write; anything else (a file, a non-empty foreign directory, a write-protected
+    directory, the working directory) is refused with ``error`` before anything is written.  A symlink is
+    followed (the artifact lands at its target).  The new directory (0755, files 0644) is fsynced and
+    published under :func:`artifact_lock` by one atomic :func:`exchange` of directory entries (see the
+    module docstring); the previous version is deleted after.  ``expected_digest``: the manifest
+    digest of the version the data were loaded from — refused if another writer replaced it meanwhile
+    (no lost update).  An exception leaves ``path`` untouched and removes ``tmp``.
     """
     shown = os.fspath(path)
     real = os.path.realpath(shown)
@@ -176,7 +254,6 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
         refuse_inputs_inside("output directory", shown, [])
     except OutputError as e:
         raise error(str(e)) from None
-    recover_interrupted_save(real)
     _check_replaceable(real, shown, overwrite, error)
     parent, base = os.path.split(real)
     try:
@@ -189,37 +266,43 @@ def atomic_directory(path, error=ArtifactError, overwrite: bool = False):
         yield tmp
         set_modes(tmp)
         _fsync_tree(tmp)
-        _check_replaceable(real, shown, overwrite, error)  # again: it may have changed while we wrote
-        _swap_in(tmp, real)
+        replacing = os.path.isdir(real) and artifact_kind(real) is not None
+        with artifact_lock(real, error) if replacing else contextlib.nullcontext():
+            _check_replaceable(real, shown, overwrite, error)  # again, under the lock: it may have changed
+            _check_unchanged(real, shown, expected_digest, error)
+            _swap_in(tmp, real)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             raise error(f"cannot write {describe_os_error(e, shown)}") from None
+        if isinstance(e, SafetensorError):
+            raise error(f"cannot write {shown}: {e}") from None
         raise
     fsync_dir(parent)
 
 
+def _check_unchanged(real: str, shown: str, expected_digest: str | None, error) -> None:
+    if expected_digest is None or not os.path.isdir(real):
+        return
+    if manifest_digest(real) != expected_digest and _valid_manifest(real):  # (a corrupt one may be replaced)
+        raise error(f"{shown} was changed by another writer since this model was loaded (e.g. rows added by "
+                    "add-support or a server's feedback); refusing to overwrite those changes — load it again, "
+                    "apply the change and save (or use sdm_mlx.feedback.update_model, which does so under the lock)")
+
+
 def _swap_in(tmp: str, real: str) -> None:
-    backup = _backup_path(real)
+    """Publish ``tmp`` at ``real`` (under the lock): one atomic exchange, then the old version is deleted."""
     if os.path.isdir(real) and artifact_kind(real) is not None:
+        if exchange(tmp, real):
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous version, now at the temporary name
+            return
+        backup = _backup_path(real)  # no exchange on this file system: two renames, under the lock
         shutil.rmtree(backup, ignore_errors=True)
         os.rename(real, backup)
         os.rename(tmp, real)
         shutil.rmtree(backup, ignore_errors=True)
     else:  # missing or an empty directory (rename(2) replaces an empty directory atomically)
         os.rename(tmp, real)
-
-
-def recover_interrupted_save(path) -> str:
-    """Absolute ``path``; restores the previous directory if a save died between its two renames."""
-    path = os.path.abspath(os.fspath(path))
-    real = os.path.realpath(path)
-    if not os.path.exists(real):
-        for backup in (_backup_path(real), real + _LEGACY_BACKUP_SUFFIX):
-            if os.path.isdir(backup) and artifact_kind(backup) is not None:
-                os.rename(backup, real)
-                break
-    return path
 
 
 def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str = "--output",
@@ -265,16 +348,19 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
     return real
 
 
-def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict,
-                  overwrite: bool = False, texts: dict[str, str] | None = None) -> None:
+def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict, *,
+                  overwrite: bool = False, texts: dict[str, str] | None = None,
+                  expected_digest: str | None = None) -> str:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.
 
     ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.io.put_float`).
     ``texts`` ({file name: UTF-8 text}, e.g. an update log) are written beside the arrays and
     checksummed in the manifest's ``texts``.
-    An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`."""
+    An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`
+    (``expected_digest``: refuse if the directory is no longer that version).  Returns the manifest
+    digest of the version written."""
     meta = strict(meta)
-    with atomic_directory(path, overwrite=overwrite) as tmp:
+    with atomic_directory(path, overwrite=overwrite, expected_digest=expected_digest) as tmp:
         files = {}
         for group, arrays in groups.items():
             name = f"{group}.safetensors"
@@ -301,66 +387,7 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
             manifest["texts"] = text_files
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             f.write(dumps(manifest, indent=1) + "\n")
+        written = sha256_file(os.path.join(tmp, MANIFEST))
+    return written
 
 
-def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=ArtifactError) -> tuple[str, dict]:
-    """(absolute path, parsed ``filename``) of an artifact directory whose JSON manifest has the given
-    ``format`` and ``format_version``; ``error`` names the problem otherwise (missing, corrupt, wrong format
-    or version).  Repairs a save interrupted between its two renames first."""
-    path = recover_interrupted_save(path)
-    if not os.path.isdir(path):
-        raise error(f"no {what} at {path} (expected a directory with {filename})")
-    mpath = os.path.join(path, filename)
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{mpath} is corrupt: {e}") from None
-    if not isinstance(manifest, dict):
-        raise error(f"{mpath} is corrupt: expected a JSON object")
-    if manifest.get("format") != fmt:
-        raise error(f"{mpath} is not an sdm_mlx {what} (format {manifest.get('format')!r}, expected {fmt!r})")
-    if manifest.get("format_version") != version:
-        raise error(f"{mpath} has format version {manifest.get('format_version')}; this sdm_mlx reads version {version}")
-    return path, manifest
-
-
-def load_artifact(path, kind: str, version: int, texts: dict | None = None) -> tuple[dict[str, dict], dict]:
-    """Load and verify an artifact: returns ({group: {name: np.ndarray}}, meta).
-
-    The checksummed text files (see :func:`save_artifact`) are verified too and, when a dict
-    ``texts`` is given, put into it ({name: text})."""
-    path, manifest = read_manifest(path, MANIFEST, FORMAT, version, "model artifact")
-    mpath = os.path.join(path, MANIFEST)
-    if manifest.get("kind") != kind:
-        raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}")
-    meta = manifest.get("meta", {})
-    if manifest.get("meta_sha256") != _meta_digest(meta):
-        raise ArtifactError(f"{mpath}: checksum mismatch for the metadata (the manifest was modified)")
-    groups = {}
-    for name, digest in manifest.get("files", {}).items():
-        fpath = os.path.join(path, name)
-        if not os.path.exists(fpath):
-            raise ArtifactError(f"{path}: file {name} is missing")
-        if sha256_file(fpath) != digest:
-            raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
-        try:
-            loaded = load_file(fpath)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
-        groups[name[: -len(".safetensors")]] = loaded
-    for name, digest in (manifest.get("texts") or {}).items():
-        fpath = os.path.join(path, name)
-        if os.path.basename(name) != name or not os.path.isfile(fpath):
-            raise ArtifactError(f"{path}: file {name} is missing")
-        if sha256_file(fpath) != digest:
-            raise ArtifactError(f"{path}: checksum mismatch for {name} (the file is corrupt or was modified)")
-        if texts is not None:
-            try:
-                with open(fpath, encoding="utf-8") as f:
-                    texts[name] = f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ArtifactError(f"{path}: cannot read {name}: {e}") from None
-    return groups, meta

@@ -50,9 +50,9 @@ def user_message(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, SDMError):
         from .io import describe_os_error
 
-        if e.errno == errno.ENOSPC:
-            return f"no space left on the device ({describe_os_error(e)})"
-        return describe_os_error(e)
+        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT):
+            return f"cannot write {describe_os_error(e)}"
+        return f"cannot read or write {describe_os_error(e)}"
     return str(e)
 
 

@@ -51,8 +51,13 @@ def save_estimator(est, path, overwrite: bool = False) -> None:
         texts[DOCUMENTS_FILE] = json.dumps(documents, ensure_ascii=False, sort_keys=True)
     put_float(meta, "robust_min_valid", est.robust_min_valid_, ROBUST_INF_REASON)
     kept = _kept_training_report(path, meta) if overwrite else None
-    save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
-                  overwrite=overwrite, texts=texts)
+    # saving back over the version it was loaded from: refused if another writer replaced it meanwhile
+    origin = getattr(est, "_artifact_origin", None)
+    real = os.path.realpath(os.fspath(path))
+    expected = origin[1] if overwrite and origin is not None and origin[0] == real else None
+    digest = save_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, groups, meta,
+                           overwrite=overwrite, texts=texts, expected_digest=expected)
+    est._artifact_origin = (real, digest)
     if kept is not None:  # beside the artifact, not in its manifest (``sdm-mlx train`` rewrites it)
         from .io import atomic_write
 
@@ -124,8 +129,8 @@ def _artifact_meta(est, round_meta: list) -> dict:
 
 def load_estimator(cls, path, shard_index: bool | None = None):
     """An instance of ``cls`` loaded from the artifact at ``path`` (see ``SDMEstimator.load``)."""
-    texts: dict = {}
-    groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts)
+    texts, info = {}, {}
+    groups, meta = load_artifact(path, ARTIFACT_KIND, ARTIFACT_VERSION, texts=texts, info=info)
     try:
         est = cls(**meta["params"])
         m, d = _restore(est, groups, meta)
@@ -137,6 +142,7 @@ def load_estimator(cls, path, shard_index: bool | None = None):
     log = parse_log(texts.get(FEEDBACK_LOG, ""), os.path.join(os.fspath(path), FEEDBACK_LOG))
     est._feedback = FeedbackState(est.support_ids_, n_train, log)
     est.support_documents_ = _documents(texts.get(DOCUMENTS_FILE), path)
+    est._artifact_origin = (os.path.realpath(os.fspath(path)), info.get("manifest_digest"))
     if shard_index is not None:
         est.shard_index = bool(shard_index)
     est._prepare_predict()

@@ -37,16 +37,16 @@ support is what the calibration was measured against.
 from __future__ import annotations
 
 import datetime as _dt
-import fcntl
 import json
+import logging
 import os
 import uuid
-from contextlib import contextmanager
 
 import numpy as np
 
 from .data import id_key
-from .errors import ArtifactError, InputError
+from .errors import ArtifactError, InputError, SDMError
+from .artifact import artifact_lock, owner_cannot_write  # noqa: F401  (artifact_lock re-exported)
 
 #: retraining is recommended once feedback rows exceed this fraction of the training support (overall or of a class)
 RETRAIN_FRACTION = 0.10
@@ -204,39 +204,22 @@ def retrain_advice(s: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 # durable updates of a saved model
 # --------------------------------------------------------------------------------------------
-@contextmanager
-def artifact_lock(path):
-    """An exclusive lock serialising updates of the model directory ``path`` (a hidden sibling lock file,
-    ``.<name>.sdm-lock``: the directory itself is swapped by every update, so it cannot carry the lock)."""
-    real = os.path.realpath(os.fspath(path))
-    parent, base = os.path.split(real)
-    lock = os.path.join(parent, f".{base}.sdm-lock")
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError as e:
-        raise ArtifactError(f"cannot lock {path} for an update: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def update_model(path, change):
     """Load the saved estimator at ``path``, apply ``change(est)`` and save it back in place atomically.
 
-    Durable and atomic: the new artifact (support arrays, manifest, update log) is written to a
-    temporary sibling directory, fsynced and swapped in (:func:`sdm_mlx.artifact.atomic_directory`), so
-    a crash at any point leaves either the previous or the new model loadable.  Concurrent updates of
-    the same directory are serialised (:func:`artifact_lock`).  Returns ``(est, change(est))``.
+    The writer protocol of :mod:`sdm_mlx.artifact`: under the directory's lock the current version is
+    loaded (so rows another process added are kept), changed, written to a temporary sibling directory,
+    fsynced and published by one atomic exchange; a crash at any point leaves either the previous or
+    the new model, and a concurrent reader sees one of the two.  Returns ``(est, change(est))``.
     """
     from .artifact import artifact_kind
     from .estimator import SDMEstimator
 
     if artifact_kind(os.fspath(path)) is None:
-        # not a model: raises the clear "no model artifact at ..." error before any lock file is made
-        # (and repairs a save interrupted between its two renames)
-        SDMEstimator.load(path)
+        SDMEstimator.load(path)  # not a model: the clear "no model artifact at ..." error before any lock file
+    if owner_cannot_write(os.path.realpath(os.fspath(path))):
+        raise ArtifactError(f"cannot write {os.fspath(path)}: the directory is write-protected (its permissions do "
+                            f"not allow writing); make it writable (chmod u+w {os.fspath(path)}) to update it")
     with artifact_lock(path):
         est = SDMEstimator.load(path)
         est.verbose = False
@@ -253,3 +236,82 @@ def add_support_to_model(path, X, y, ids=None, source: str = "api"):
 def remove_support_from_model(path, ids, source: str = "api"):
     """:meth:`SDMEstimator.remove_support` on the saved model at ``path``, persisted atomically."""
     return update_model(path, lambda est: est.remove_support(ids, source=source))[1]
+
+
+# --------------------------------------------------------------------------------------------
+# feedback on a served verdict (sdm-mlx serve /v1/feedback, sdm-mlx mcp add_feedback)
+# --------------------------------------------------------------------------------------------
+class PersistError(RuntimeError):
+    """A feedback label that could not be written to the verifier directory: a fault of the server's
+    storage, not of the request (reported as a 5xx without the path; the detail goes to the server log)."""
+
+
+def feedback_class(label, verified_label: int, num_classes: int) -> int:
+    """The verifier's class for a feedback ``label``.
+
+    ``true`` (the answer was right) is the verifier's verified class (``verified_label``, 1 for the
+    verifiers ``sdm-mlx`` trains); ``false`` (the answer was wrong) is the other class of a binary
+    verifier; an integer is taken as the class index itself (0..C−1).
+    """
+    if isinstance(label, bool):
+        if label:
+            return int(verified_label)
+        if num_classes != 2:
+            raise InputError(f"label false is ambiguous for a {num_classes}-class verifier: give the class index")
+        return 1 - int(verified_label)
+    if isinstance(label, int) and 0 <= label < num_classes:
+        return int(label)
+    shown = repr(label) if isinstance(label, (int, float, str, type(None))) else type(label).__name__
+    raise InputError(f"label must be true (the answer was right), false (it was wrong) or a class index "
+                     f"0..{num_classes - 1}, got {shown[:40]}")
+
+
+class AlreadyLabelled(InputError):
+    """Feedback for a verdict that already has its label (a verdict takes one label): HTTP 400 with this code."""
+
+    api_code, api_param = "already_labelled", "verdict_id"
+
+
+def _check_unlabelled(est, rid: str, verdict_id: str) -> None:
+    if rid in est.support_ids_:
+        raise AlreadyLabelled(f"verdict {verdict_id!r} is already labelled (support row {rid!r}); a verdict "
+                              f"takes one label: to change it, remove that row first (sdm-mlx add-support "
+                              f"--undo {rid}) and label a new verification")
+
+
+def apply_verdict_feedback(gen, prompt_ids, answer_ids, verdict_id: str, label, *, source: str,
+                           persist_path=None) -> dict:
+    """Add a verdict's feature row, labelled by the user, to the support set of ``gen``'s verifier.
+
+    The row is recomputed from the verdict's prompt and answer token ids (the verifier's own features)
+    and added under the id ``feedback-<verdict_id>`` (so a verdict takes one label).  With
+    ``persist_path`` the writer protocol of :func:`update_model` applies it to the version on disk (rows
+    other writers added there are kept) and the served verifier becomes that version; without, only the
+    in-memory support set changes.  A storage failure raises :class:`PersistError` and changes nothing.
+    """
+    est, verifier = gen.estimator, gen.verifier
+    cls = feedback_class(label, verifier.verified_label, est.num_classes_)
+    X, _ = verifier.features(list(prompt_ids), list(answer_ids))
+    rid = f"feedback-{verdict_id}"
+    _check_unlabelled(est, rid, verdict_id)
+    if persist_path:
+        def change(disk_est):
+            _check_unlabelled(disk_est, rid, verdict_id)
+            return disk_est.add_support(X, disk_est.classes_[[cls]], ids=[rid], source=source)[0]
+
+        try:
+            est, entry = update_model(persist_path, change)
+        except InputError:
+            raise
+        except (SDMError, OSError) as e:
+            logging.getLogger("sdm_mlx.feedback").error("feedback %s not persisted: %s", verdict_id, e)
+            raise PersistError("the feedback could not be saved to the verifier directory (see the server log); "
+                               "nothing was recorded") from None
+        gen.estimator = verifier.estimator = est  # serve the version on disk from now on
+    else:
+        entry = est.add_support(X, est.classes_[[cls]], ids=[rid], source=source)[0]
+    s = summary(est)
+    return {"verdict_id": verdict_id, "support_id": rid, "label": entry["label"],
+            "predicted_label": entry["predicted_label"], "persisted": bool(persist_path),
+            "support_rows": s["support_rows"], "added_rows": s["added_rows"],
+            "retrain_recommended": s["retrain_recommended"]}

@@ -19,11 +19,23 @@ Tools:
 
 Verdicts are kept in memory by id (``--max-verdicts``, oldest dropped).  All
 model work runs on the engine's single thread (:mod:`sdm_mlx.serve.engine`).
+Feedback changes the in-memory support set; it is written to the verifier
+directory only when the server was started with ``--persist-feedback``.
+
+Every call is answered (:func:`run_stdio`): a line the SDK cannot parse — a lone
+surrogate escape, nesting deeper than its parser allows, not JSON — gets a tool
+error (``tools/call``) or a JSON-RPC error carrying the request's id, instead of
+being dropped while the client waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import sys
+from contextlib import asynccontextmanager
 from typing import Any
 
 from .serve.engine import Engine
@@ -81,10 +93,16 @@ def _page_of(engine: Engine, verdict_id: str, how: str) -> dict:
     return {"html_path": verdict_page_path(record, verdict_id, estimator, directory)}
 
 
-def create_server(engine: Engine):
-    """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``."""
+def create_server(engine: Engine, max_prompt_tokens: int | None = None):
+    """An ``MCPServer`` with the ``verify``, ``add_feedback`` and ``explain`` tools on ``engine``
+    (``verify`` refuses question + answer longer than ``max_prompt_tokens``, default the model's context)."""
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
+
+    from .serve.limits import PromptCounter, context_length
+
+    counter = PromptCounter(engine)
+    max_prompt_tokens = max_prompt_tokens or context_length(engine.gen.model)
 
     server = MCPServer("sdm-mlx", instructions=(
         "SDM verification of answers: call verify(question, answer) to get a calibrated verdict "
@@ -101,6 +119,10 @@ def create_server(engine: Engine):
         """
         if not question.strip() or not answer.strip():
             raise ToolError("question and answer must be non-empty strings")
+        n = await asyncio.get_running_loop().run_in_executor(
+            None, counter.count, [{"role": "user", "content": question}], None, answer)
+        if n > max_prompt_tokens:  # refused before any forward pass
+            raise ToolError(f"prompt too long ({n} tokens, limit {max_prompt_tokens})")
         try:
             verification, _ = await asyncio.wrap_future(engine.submit(engine.verify_question, question, answer))
         except ValueError as e:
@@ -137,3 +159,116 @@ def create_server(engine: Engine):
         return out
 
     return server
+
+
+_ID = re.compile(rb'"id"\s*:\s*(-?\d{1,15}|"(?:[^"\\]|\\.){0,200}")')
+
+
+def _request_id(line: str):
+    """The JSON-RPC id of a request line the SDK could not parse (None when it has none / is unreadable)."""
+    try:
+        message = json.loads(line)
+        return message.get("id") if isinstance(message, dict) else None
+    except (ValueError, RecursionError):
+        m = _ID.search(line.encode("utf-8", "surrogatepass"))
+        try:
+            return json.loads(m.group(1)) if m else None
+        except ValueError:
+            return None
+
+
+def _refusal(line: str, problem: str):
+    """The SessionMessage answering an unparseable request line (None for a notification: no reply is due)."""
+    import mcp_types as types
+    from mcp.shared.message import SessionMessage
+
+    rid = _request_id(line)
+    if rid is None and '"method"' in line and '"id"' not in line:
+        return None
+    if isinstance(rid, bool) or not isinstance(rid, (int, str, type(None))):
+        rid = None
+    text = f"invalid request: {problem}"
+    if '"tools/call"' in line and rid is not None:
+        message = types.JSONRPCResponse(jsonrpc="2.0", id=rid, result={
+            "content": [{"type": "text", "text": text}], "isError": True})
+    else:
+        message = types.JSONRPCError(jsonrpc="2.0", id=rid, error=types.ErrorData(
+            code=types.INVALID_PARAMS if rid is not None else types.PARSE_ERROR, message=text))
+    return SessionMessage(message)
+
+
+def line_problem(line: str) -> str | None:
+    """Why the MCP SDK would not parse this request line (None: it will)."""
+    import mcp_types as types
+
+    try:
+        types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+        return None
+    except Exception as e:  # noqa: BLE001  (the SDK's parser raises several kinds)
+        if "\\ud" in line.lower() or "surrogate" in str(e):
+            return "a string holds a lone surrogate (\\ud800-\\udfff escape): not Unicode text"
+        if "recursion" in str(e).lower():
+            return "the message is nested too deeply"
+        return f"not a valid JSON-RPC message ({str(e).splitlines()[0][:160]})"
+
+
+class CheckedLines:
+    """Request lines from ``source`` (an async text file); a line the SDK cannot parse is answered
+    at once on ``replies`` and not passed on."""
+
+    def __init__(self, source):
+        self.source, self.replies, self.ready = source, None, asyncio.Event()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        await self.ready.wait()
+        while True:
+            line = await self.source.readline()
+            if not line:
+                raise StopAsyncIteration
+            if not line.strip():
+                continue
+            problem = line_problem(line)
+            if problem is None:
+                return line
+            reply = _refusal(line, problem)
+            if reply is not None:
+                await self.replies.send(reply)
+
+
+@asynccontextmanager
+async def checked_stdio():
+    """The SDK's stdio transport over this process's stdin/stdout with :class:`CheckedLines` in front;
+    stray writes to file descriptor 1 go to stderr while it runs (the protocol keeps a private copy)."""
+    import io
+
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    wire = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        lines = CheckedLines(anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8",
+                                                              errors="replace")))
+        out = anyio.wrap_file(io.TextIOWrapper(os.fdopen(wire, "wb", closefd=False), encoding="utf-8"))
+        async with stdio_server(stdin=lines, stdout=out) as (read_stream, write_stream):
+            lines.replies = write_stream
+            lines.ready.set()
+            yield read_stream, write_stream
+    finally:
+        os.dup2(wire, 1)
+        os.close(wire)
+
+
+def run_stdio(server) -> None:
+    """Serve ``server`` (from :func:`create_server`) on stdio until the client closes stdin."""
+    import anyio
+
+    async def main():
+        async with checked_stdio() as (read_stream, write_stream):
+            low = server._lowlevel_server
+            await low.run(read_stream, write_stream, low.create_initialization_options())
+
+    anyio.run(main)

@@ -27,6 +27,7 @@ from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 from sdm_mlx.feedback import LOG_FILE  # noqa: E402
 
 TIMEOUT = 90
+KEY = "feedback-test-key"
 ANSWER = '{"sentiment": "positive"}'
 
 
@@ -41,7 +42,8 @@ def _request(port, method, path, body=None, raw: bytes | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
     try:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": "application/json"} if data else {})}
+        conn.request(method, path, body=data, headers=headers)
         r = conn.getresponse()
         return r.status, json.loads(r.read() or b"null")
     finally:
@@ -49,7 +51,8 @@ def _request(port, method, path, body=None, raw: bytes | None = None):
 
 
 def test_server_feedback_route(setup, head_copy):  # noqa: F811
-    srv = ServerProcess(sdm_mlx("serve", "--head", head_copy, "--port", 0, "--quiet", "--persist-feedback"))
+    srv = ServerProcess(sdm_mlx("serve", "--head", head_copy, "--port", 0, "--quiet", "--persist-feedback",
+                                "--api-key", KEY))
     try:
         port = srv.port
         verifier_dir = os.path.join(head_copy, "verifier")

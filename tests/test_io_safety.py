@@ -244,13 +244,13 @@ import sys
 import sdm_mlx
 from sdm_mlx.estimator import SDMEstimator
 path = sys.argv[1]
-a = SDMEstimator.load(path)
-b = SDMEstimator.load(path)
-b.recalibrate(0.75)
+est = SDMEstimator.load(path)
 print("ready", flush=True)
-while True:
-    b.save(path, overwrite=True)
-    a.save(path, overwrite=True)
+while True:  # one writer alternating two versions (a save over a version it did not load is refused)
+    est.recalibrate(0.75)
+    est.save(path, overwrite=True)
+    est.recalibrate(0.7)
+    est.save(path, overwrite=True)
 """
 
 
@@ -277,12 +277,12 @@ def test_kill_9_during_save_keeps_a_loadable_artifact(tmp_path):
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        loaded = SDMEstimator.load(path)  # repairs a swap interrupted between its two renames
+        loaded = SDMEstimator.load(path)  # the old or the new version, whole
         got = loaded.estimate(Xt)
         assert any(np.array_equal(got.p_lower, v.p_lower, equal_nan=True) and
                    np.array_equal(got.q_tilde_lower, v.q_tilde_lower) for v in versions), delay
     SDMEstimator.load(path).save(path, overwrite=True)  # the next save clears what the killed ones left
-    assert sorted(os.listdir(tmp_path)) == ["big", "saver.py"]
+    assert sorted(os.listdir(tmp_path)) == [".big.sdm-lock", "big", "saver.py"]  # the lock file stays
 
 
 # ------------------------------------------------------------------------------------ network heads

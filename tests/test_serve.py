@@ -210,7 +210,7 @@ def _raw(port, data: bytes, read: bool = True) -> bytes:
 
 
 def _http(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
             f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
 
 
@@ -251,7 +251,8 @@ def test_oversized_body(server):
     status, err = _error(_raw(server.port, _http("/v1/chat/completions", big)))
     assert status == 413 and err["code"] == "request_too_large"
     # a lying Content-Length / chunked upload is cut off while reading
-    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+               b"Content-Type: application/json\r\n"
                b"Connection: close\r\n\r\n" + f"{len(big):x}\r\n".encode() + big + b"\r\n0\r\n\r\n")
     status, err = _error(_raw(server.port, chunked))
     assert status == 413
@@ -279,7 +280,7 @@ def test_client_disconnect_mid_stream(server, client, setup):  # noqa: F811
 def test_sigterm_during_stream_exits_cleanly(setup):  # noqa: F811
     srv = ServerProcess(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--quiet"))
     try:
-        body = json.dumps({"messages": _user(OOD_PROMPT), "stream": True, "max_tokens": 4000,
+        body = json.dumps({"messages": _user(OOD_PROMPT), "stream": True, "max_tokens": 2000,
                            "sdm": {"on_reject": "return"}}).encode()
         with socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT) as s:
             s.sendall(_http("/v1/chat/completions", body))

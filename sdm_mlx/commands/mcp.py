@@ -26,12 +26,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..mcp_server import create_server
+    from ..mcp_server import create_server, run_stdio
 
     engine = load_engine(args)
     try:
         print(f"sdm-mlx mcp: {engine.model_id} ready on stdio", file=sys.stderr, flush=True)
-        create_server(engine).run("stdio")
+        run_stdio(create_server(engine))
     finally:
         engine.close()
     return 0

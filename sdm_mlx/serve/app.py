@@ -11,8 +11,13 @@ Routes::
                                     ``Accept: text/html`` (or ``/v1/verdicts/{verdict_id}.html``) its verdict page
     POST /v1/feedback               {verdict_id, label} -> the verdict's row joins the support set (no retraining)
 
-Every error is an OpenAI error object (:class:`~.schema.APIError`).  Model work
-is queued on the engine's single thread; a stream whose client disconnects
+Every error is an OpenAI error object (:class:`~.schema.APIError`): a bad request
+is a 400 naming the field (a streamed one ends with an error event and ``[DONE]``),
+a server fault a 5xx whose message names no file.  Who may call which route is
+decided by :mod:`.guard` (Host, Origin, API key, JSON content type); the work a
+request may cause is bounded by :mod:`.limits` (prompt tokens counted before any
+model work, ``max_tokens`` cap, body size and read time).  Model work is queued
+on the engine's single thread; a client that disconnects — streamed or not —
 sets a cancel flag that stops its generation at the next token.
 """
 
@@ -29,29 +34,41 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..feedback import PersistError
 from . import responses as R
 from .engine import Cancelled, Engine, UnknownVerdict
-from .schema import APIError, GenerationRequest, parse_generation, parse_json, parse_verify
+from .guard import AccessGuard, AccessPolicy
+from .limits import PromptCounter, RequestLimits, check_max_tokens, check_prompt_tokens, context_length
+from .schema import APIError, GenerationRequest, parse_generation, parse_json, parse_verify, shown
 
 log = logging.getLogger("sdm_mlx.serve")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The JSON object body, refusing bodies over ``limit`` bytes (413) before reading them whole."""
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> dict:
+    """The JSON object body, refusing bodies over ``limit`` bytes (413) before reading them whole, and
+    bodies not received within ``timeout`` seconds (408)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                        code="request_too_large")
-    body, size = bytearray(), 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        body += part
+
+    async def collect() -> bytes:
+        body, size = bytearray(), 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            body += part
+        return bytes(body)
+
+    try:
+        body = await asyncio.wait_for(collect(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"request body not received within {timeout:g} s", code="request_timeout") from None
     if not body:
         raise APIError(400, "empty request body (expected a JSON object)", code="invalid_json")
-    return parse_json(bytes(body))
+    return parse_json(body)
 
 
 def check_model(engine: Engine, model: str | None) -> None:
@@ -67,15 +84,55 @@ def check_decoding(engine: Engine, req: GenerationRequest) -> None:
                        param="temperature")
 
 
-async def run_on_model(engine: Engine, fn, *args):
-    """Await ``fn(*args)`` on the model thread (ValueError -> 400 with the error's ``api_code`` / ``api_param``
-    when it has them, Cancelled -> 503)."""
+def model_error(e: BaseException) -> APIError:
+    """The API error of an exception raised by model work: a user error (ValueError) 400, a storage fault
+    500 (no path), a cancellation 503, anything else 500 (logged, named by its type only)."""
+    if isinstance(e, UnknownVerdict):
+        return APIError(404, str(e.args[0] if e.args else e), param="verdict_id", code="verdict_not_found")
+    if isinstance(e, PersistError):
+        return APIError(500, str(e), code="feedback_not_saved")
+    if isinstance(e, (Cancelled, concurrent.futures.CancelledError)):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e)[:2000], param=getattr(e, "api_param", None), code=getattr(e, "api_code", None))
+    log.error("model work failed: %r", e, exc_info=e)
+    return APIError(500, f"internal server error: {type(e).__name__}")
+
+
+async def run_on_model(engine: Engine, fn, *args, request: Request | None = None,
+                       cancel: threading.Event | None = None):
+    """Await ``fn(*args)`` on the model thread (errors mapped by :func:`model_error`).
+
+    With ``request`` and the ``cancel`` event ``fn`` watches, a client that disconnects before the result
+    is ready sets the event: the generation stops at its next token and the model thread is free.
+    """
+    job = asyncio.ensure_future(asyncio.wrap_future(engine.submit(fn, *args)))
+    watch = request is not None and cancel is not None
+    watcher = asyncio.ensure_future(wait_disconnect(request)) if watch else None
     try:
-        return await asyncio.wrap_future(engine.submit(fn, *args))
-    except ValueError as e:
-        raise APIError(400, str(e), param=getattr(e, "api_param", None), code=getattr(e, "api_code", None)) from None
-    except Cancelled:
-        raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        if watcher is not None:
+            await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done():
+                cancel.set()  # the client is gone: stop its generation
+                raise APIError(499, "client closed the request", code="client_closed")
+        return await job
+    except APIError:
+        raise
+    except BaseException as e:
+        if isinstance(e, asyncio.CancelledError) and not job.done():
+            raise
+        raise model_error(e) from None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client of ``request`` (whose body was read) disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _live(engine: Engine, req: GenerationRequest) -> bool:
@@ -104,10 +161,8 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
             yield R.sse(R.chunk(kind, cid, model, seg))
         try:
             result, verification, n_prompt = fut.result()
-        except (ValueError, Cancelled, concurrent.futures.CancelledError) as e:
-            err = (APIError(400, str(e)) if isinstance(e, ValueError)
-                   else APIError(503, "the server is shutting down", code="shutting_down"))
-            yield R.sse(err.body())
+        except BaseException as e:  # every failure ends the stream with an error event and [DONE]
+            yield R.sse(model_error(e).body())
             yield R.DONE
             return
         if not live:
@@ -124,7 +179,7 @@ def _explained(engine: Engine, vid: str) -> dict:
     """``/v1/verdicts/{id}``: the stored verdict's full quantities, or a 404 naming the id."""
     out = engine.explain(vid)
     if out is None:
-        raise APIError(404, f"no verdict {vid!r} (unknown, or evicted from the last "
+        raise APIError(404, f"no verdict {shown(vid)} (unknown, or evicted from the last "
                             f"{engine.verdicts.capacity} verdicts)", param="verdict_id", code="verdict_not_found")
     return out
 
@@ -151,9 +206,10 @@ def _feedback_request(body: dict) -> tuple[str, object]:
     """``(verdict_id, label)`` of a ``/v1/feedback`` body (400 naming the field at fault)."""
     unknown = sorted(set(body) - {"verdict_id", "label"})
     if unknown:
-        raise APIError(400, f"unknown field(s) {unknown}; /v1/feedback takes verdict_id and label", param=unknown[0])
+        raise APIError(400, f"unknown field(s) {', '.join(shown(k, 40) for k in unknown[:5])}; /v1/feedback takes "
+                            "verdict_id and label", param=unknown[0][:80])
     vid = body.get("verdict_id")
-    if not isinstance(vid, str) or not vid:
+    if not isinstance(vid, str) or not vid or len(vid) > 64:
         raise APIError(400, "'verdict_id' must be the verdict_id of an earlier verification", param="verdict_id")
     if "label" not in body:
         raise APIError(400, "'label' is required: true (the answer was right), false (wrong) or a class index",
@@ -161,65 +217,91 @@ def _feedback_request(body: dict) -> tuple[str, object]:
     return vid, body["label"]
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The Starlette app serving ``engine`` (``max_body_bytes``: request body limit, 413 beyond)."""
+class Routes:
+    """The route handlers of one app: ``engine`` behind the per-request caps ``limits``."""
 
-    async def completions(request: Request, kind: str):
-        req = parse_generation(await read_json(request, max_body_bytes), kind)
+    def __init__(self, engine: Engine, limits: RequestLimits):
+        self.engine, self.limits, self.counter = engine, limits, PromptCounter(engine)
+
+    async def body_of(self, request: Request) -> dict:
+        return await read_json(request, self.limits.max_body_bytes, self.limits.body_timeout)
+
+    async def count(self, messages, prompt, extra: str = "") -> int:
+        """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.counter.count, messages, prompt, extra)
+
+    async def completions(self, request: Request, kind: str):
+        engine = self.engine
+        req = parse_generation(await self.body_of(request), kind)
         check_model(engine, req.model)
         check_decoding(engine, req)
+        check_max_tokens(self.limits, req.max_tokens)
+        n = await self.count(req.messages, req.prompt)
+        check_prompt_tokens(self.limits, n, "messages" if req.messages else "prompt")
         cid = R.new_id(kind)
         if req.stream:
             return StreamingResponse(stream_events(engine, req, cid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result, verification, n_prompt = await run_on_model(engine, engine.complete, req)
+        cancel = threading.Event()
+        result, verification, n_prompt = await run_on_model(engine, engine.complete, req, None, cancel,
+                                                            request=request, cancel=cancel)
         body = R.completion_body(kind, cid, engine.model_id, result, verification, n_prompt)
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
-    async def chat(request: Request):
-        return await completions(request, "chat")
+    async def chat(self, request: Request):
+        return await self.completions(request, "chat")
 
-    async def text(request: Request):
-        return await completions(request, "text")
+    async def text(self, request: Request):
+        return await self.completions(request, "text")
 
-    async def verify(request: Request):
-        req = parse_verify(await read_json(request, max_body_bytes))
+    async def verify(self, request: Request):
+        engine = self.engine
+        req = parse_verify(await self.body_of(request))
         check_model(engine, req.model)
+        check_prompt_tokens(self.limits, await self.count(req.messages, req.prompt, req.completion), "completion")
         verification, usage = await run_on_model(engine, engine.verify, req)
         body = {"object": "verification", "model": engine.model_id, "verification": verification, "usage": usage}
         return JSONResponse(body, headers=R.verdict_headers(verification))
 
-    async def verdict(request: Request):  # ids are "vd-<hex>": a path ending in .html asks for the page
+    async def verdict(self, request: Request):  # ids are "vd-<hex>": a path ending in .html asks for the page
         if request.url.path.endswith(".html") or _wants_html(request):
-            return _verdict_page(engine, request.path_params["verdict_id"])
-        return JSONResponse(_explained(engine, request.path_params["verdict_id"]))
+            return _verdict_page(self.engine, request.path_params["verdict_id"])
+        return JSONResponse(_explained(self.engine, request.path_params["verdict_id"]))
 
-    async def feedback(request: Request):
-        vid, label = _feedback_request(await read_json(request, max_body_bytes))
-        try:
-            out = await run_on_model(engine, engine.add_feedback, vid, label, "server")
-        except UnknownVerdict as e:
-            raise APIError(404, str(e), param="verdict_id", code="verdict_not_found") from None
+    async def feedback(self, request: Request):
+        vid, label = _feedback_request(await self.body_of(request))
+        out = await run_on_model(self.engine, self.engine.add_feedback, vid, label, "server")
         return JSONResponse({"object": "feedback", **out})
 
-    async def models(request: Request):
-        return JSONResponse(R.models_body(engine.model_id, engine.created))
+    async def models(self, request: Request):
+        return JSONResponse(R.models_body(self.engine.model_id, self.engine.created))
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": engine.model_id})
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "model": self.engine.model_id})
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", text, methods=["POST"]),
-        Route("/v1/verify", verify, methods=["POST"]),
-        Route("/v1/verdicts/{verdict_id}.html", verdict, methods=["GET"]),
-        Route("/v1/verdicts/{verdict_id}", verdict, methods=["GET"]),
-        Route("/v1/feedback", feedback, methods=["POST"]),
-    ]
-    return Starlette(routes=routes, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, Exception: _server_error})
+    def table(self) -> list:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.text, methods=["POST"]),
+            Route("/v1/verify", self.verify, methods=["POST"]),
+            Route("/v1/verdicts/{verdict_id}.html", self.verdict, methods=["GET"]),
+            Route("/v1/verdicts/{verdict_id}", self.verdict, methods=["GET"]),
+            Route("/v1/feedback", self.feedback, methods=["POST"]),
+        ]
+
+
+def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
+               policy: AccessPolicy | None = None):
+    """The Starlette app serving ``engine`` behind :class:`~.guard.AccessGuard` (``policy``; default: loopback
+    Hosts, no CORS, feedback refused without an API key) with the per-request caps ``limits`` (default: prompt
+    tokens up to the model's context, body up to ``max_body_bytes``)."""
+    limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
+    app = Starlette(routes=Routes(engine, limits).table(), exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, Exception: _server_error})
+    app.state.limits = limits
+    return AccessGuard(app, policy or AccessPolicy())
 
 
 async def _api_error(request: Request, exc: APIError):
@@ -231,6 +313,10 @@ async def _http_error(request: Request, exc: HTTPException):
     msg = f"{request.method} {request.url.path}: {exc.detail}"
     return JSONResponse(APIError(exc.status_code, msg, code=code).body(), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
+
+
+async def _too_deep(request: Request, exc: RecursionError):
+    return JSONResponse(APIError(400, "request is nested too deeply", code="invalid_json").body(), status_code=400)
 
 
 async def _server_error(request: Request, exc: Exception):

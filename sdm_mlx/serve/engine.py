@@ -36,15 +36,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import uuid
-from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
 from .. import embed as _embed
 from ..verified.generator import _fill
-from .schema import GenerationRequest, VerifyRequest
 from ..errors import InputError
+from ..feedback import feedback_class  # noqa: F401  (re-exported)
+from .schema import GenerationRequest, VerifyRequest
+from .verdicts import DEFAULT_MAX_BYTES, VerdictStore, verdict_record
 
 #: Exemplar fields shown in a completion's ``verification`` (the full records are in the explanation).
 EXEMPLAR_FIELDS = ("id", "label", "predicted_label", "squared_distance")
@@ -56,58 +56,6 @@ class Cancelled(Exception):
 
 class UnknownVerdict(LookupError):
     """A verdict id that was never issued, or was evicted from the store."""
-
-
-class AlreadyLabelled(InputError):
-    """Feedback for a verdict that already has its label (a verdict takes one label): HTTP 400 with this code."""
-
-    api_code, api_param = "already_labelled", "verdict_id"
-
-
-def feedback_class(label, verified_label: int, num_classes: int) -> int:
-    """The verifier's class for a feedback ``label``.
-
-    ``true`` (the answer was right) is the verifier's verified class (``verified_label``, 1 for the
-    verifiers ``sdm-mlx`` trains); ``false`` (the answer was wrong) is the other class of a binary
-    verifier; an integer is taken as the class index itself (0..C−1).
-    """
-    if isinstance(label, bool):
-        if label:
-            return int(verified_label)
-        if num_classes != 2:
-            raise InputError(f"label false is ambiguous for a {num_classes}-class verifier: give the class index")
-        return 1 - int(verified_label)
-    if isinstance(label, int) and 0 <= label < num_classes:
-        return int(label)
-    raise InputError(f"label must be true (the answer was right), false (it was wrong) or a class index "
-                     f"0..{num_classes - 1}, got {label!r}")
-
-
-class VerdictStore:
-    """Verdict records by id, oldest dropped beyond ``capacity`` (thread-safe)."""
-
-    def __init__(self, capacity: int = 1000):
-        if capacity < 1:
-            raise InputError("the verdict store capacity must be >= 1")
-        self.capacity = int(capacity)
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, record: dict) -> str:
-        vid = "vd-" + uuid.uuid4().hex[:16]
-        with self._lock:
-            self._items[vid] = dict(record, verdict_id=vid)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-        return vid
-
-    def get(self, verdict_id: str) -> dict | None:
-        with self._lock:
-            return self._items.get(verdict_id)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
 
 
 class ModelThread:
@@ -164,11 +112,11 @@ class Engine:
     """
 
     def __init__(self, load: Callable, model_id: str, *, aliases=(), max_verdicts: int = 1000,
-                 persist_feedback: str | None = None):
+                 persist_feedback: str | None = None, max_verdict_bytes: int = DEFAULT_MAX_BYTES):
         self.persist_feedback = persist_feedback  # verifier directory rewritten (atomically) after each feedback
         self._thread = ModelThread()
         self.closing = threading.Event()
-        self.verdicts = VerdictStore(max_verdicts)
+        self.verdicts = VerdictStore(max_verdicts, max_verdict_bytes)
         self.model_id, self.aliases = model_id, {model_id, *aliases}
         self.created = int(time.time())
         self.gen = self._thread.submit(load).result()
@@ -276,51 +224,21 @@ class Engine:
         return verdict_verification(v, vid), usage
 
     def _store(self, source: str, prompt_ids: list, answer_ids: list, text: str, v, row: dict) -> str:
-        """Keep one verdict (``v``: a Verdict or an Attempt) with the ids it was computed from."""
-        return self.verdicts.put({
-            "source": source, "created": time.time(), "prompt_ids": list(prompt_ids), "answer_ids": list(answer_ids),
-            "prompt": self.gen.tokenizer.decode(list(prompt_ids)),  # decoded here, on the model thread
-            "answer": text, "verified": v.verified, "reason": v.reason, "p_lower": v.p_lower, "parsed": v.parsed,
-            "exemplars": v.exemplars, "verifier": v.verifier, "row": row,
-        })
+        """Keep one verdict (``v``: a Verdict or an Attempt) with the ids it was computed from (bounded store)."""
+        return self.verdicts.put(verdict_record(self.gen.tokenizer, source, prompt_ids, answer_ids, text=text,
+                                                  verdict=v, row=row))
 
     def add_feedback(self, verdict_id: str, label, source: str) -> dict:
-        """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread).
-
-        The row is recomputed from the verdict's prompt and answer token ids (the verifier's own
-        features), appended with :meth:`~sdm_mlx.estimator.SDMEstimator.add_support` under the id
-        ``feedback-<verdict_id>`` (so a verdict takes one label), and, with ``persist_feedback``, the
-        verifier directory is rewritten atomically.  Later verdicts see the new row in q and d.
-        """
-        from ..feedback import artifact_lock, summary
+        """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread);
+        with ``persist_feedback`` through the writer protocol (see :func:`sdm_mlx.feedback.apply_verdict_feedback`)."""
+        from ..feedback import apply_verdict_feedback
 
         rec = self.verdicts.get(verdict_id)
         if rec is None:
             raise UnknownVerdict(f"no verdict {verdict_id!r} (unknown, or evicted from the last "
                                  f"{self.verdicts.capacity} verdicts)")
-        est, verifier = self.gen.estimator, self.gen.verifier
-        cls = feedback_class(label, verifier.verified_label, est.num_classes_)
-        X, _ = verifier.features(rec["prompt_ids"], rec["answer_ids"])
-        rid = f"feedback-{verdict_id}"
-        if rid in est.support_ids_:
-            raise AlreadyLabelled(f"verdict {verdict_id!r} is already labelled (support row {rid!r}); a verdict "
-                                  f"takes one label: to change it, remove that row first (sdm-mlx add-support "
-                                  f"--undo {rid}) and label a new verification")
-        n_log = len(est.feedback_state_.log)
-        entry = est.add_support(X, est.classes_[[cls]], ids=[rid], source=source)[0]
-        if self.persist_feedback:
-            try:
-                with artifact_lock(self.persist_feedback):
-                    est.save(self.persist_feedback, overwrite=True)
-            except BaseException:
-                est.remove_support([rid], source=source)  # memory and disk stay in step
-                del est.feedback_state_.log[n_log:]
-                raise
-        s = summary(est)
-        return {"verdict_id": verdict_id, "support_id": rid, "label": entry["label"],
-                "predicted_label": entry["predicted_label"], "persisted": bool(self.persist_feedback),
-                "support_rows": s["support_rows"], "added_rows": s["added_rows"],
-                "retrain_recommended": s["retrain_recommended"]}
+        return apply_verdict_feedback(self.gen, rec["prompt_ids"].tolist(), rec["answer_ids"].tolist(), verdict_id,
+                                      label, source=source, persist_path=self.persist_feedback)
 
     def explain(self, verdict_id: str) -> dict | None:
         """The full per-row quantities of a stored verdict (None: unknown or evicted id); no model work."""
@@ -329,7 +247,7 @@ class Engine:
             return None
         out = {k: v for k, v in rec.items() if k not in ("prompt_ids", "answer_ids")}
         out["prompt_tokens"], out["completion_tokens"] = len(rec["prompt_ids"]), len(rec["answer_ids"])
-        out["answer_token_ids"] = rec["answer_ids"]
+        out["answer_token_ids"] = rec["answer_ids"].tolist()
         return out
 
 

@@ -32,6 +32,12 @@ from ..generation_config import ON_REJECT
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4
+#: longest stop string accepted (a stop string's length is text held back while streaming)
+MAX_STOP_CHARS = 256
+#: most attempts a request may ask for (``sdm.max_attempts``)
+MAX_ATTEMPTS_LIMIT = 16
+#: deepest JSON nesting accepted in a request body (the valid requests need 4 levels)
+MAX_DEPTH = 32
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
            "user", "seed", "sdm"}
 CHAT_FIELDS = _COMMON | {"messages"}
@@ -49,7 +55,13 @@ class APIError(Exception):
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.type, "param": _printable(self.param),
+                          "code": self.code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """``text`` encodable as UTF-8 (a client's lone surrogate echoed in a message becomes ``\\udXXX``)."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -84,24 +96,77 @@ class VerifyRequest:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object (400 ``invalid_json`` otherwise)."""
+    """The request body as a JSON object (400 ``invalid_json`` otherwise: not UTF-8, not JSON, nested
+    deeper than :data:`MAX_DEPTH`, or holding a string that is not Unicode text — a lone surrogate)."""
     try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise bad("request body is not UTF-8", code="invalid_json") from None
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise bad(f"request body is not UTF-8 (invalid byte at position {e.start})", code="invalid_json") from None
     except json.JSONDecodeError as e:
         raise bad(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                   code="invalid_json") from None
+    except RecursionError:
+        raise bad(f"request body is nested too deeply (more than {MAX_DEPTH} levels)", code="invalid_json") from None
+    except ValueError as e:  # e.g. an integer literal beyond Python's digit limit
+        raise bad(f"request body is not acceptable JSON: {str(e)[:120]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", code="invalid_json")
+    check_values(body)
     return body
+
+
+def _no_constant(name: str):
+    raise bad(f"request body is not valid JSON: {name} is not a JSON number (RFC 8259)", code="invalid_json")
+
+
+def check_values(body: dict) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` and strings with lone surrogates (iteratively: no recursion)."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(f"request body is nested too deeply (more than {MAX_DEPTH} levels at {where or 'the top'})",
+                      param=_top(where), code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            path = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else str(key))
+            for text in ((key, item) if isinstance(key, str) else (item,)):
+                if isinstance(text, str) and not _is_text(text):
+                    raise bad(f"{path} holds a lone surrogate (\\ud800-\\udfff escape): not Unicode text",
+                              param=path, code="invalid_json")
+            if isinstance(item, (dict, list)):
+                stack.append((item, path, depth + 1))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _top(where: str) -> str | None:
+    return where.split("[", 1)[0].split(".", 1)[0] or None
+
+
+def shown(v, limit: int = 60) -> str:
+    """A short JSON rendering of a client's value for an error message (never long, never recursive)."""
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    try:
+        text = json.dumps(v, ensure_ascii=True)
+    except ValueError:
+        return "a number too large to show"
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _check_fields(body: dict, allowed: set) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad(f"unsupported field(s): {', '.join(unknown)} (supported: {', '.join(sorted(allowed))})",
-                  param=unknown[0], code="unsupported_field")
+        names = ", ".join(shown(k, 40) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise bad(f"unsupported field(s): {names} (supported: {', '.join(sorted(allowed))})",
+                  param=unknown[0][:80], code="unsupported_field")
 
 
 def _int(body: dict, key: str, minimum: int) -> int | None:
@@ -109,7 +174,7 @@ def _int(body: dict, key: str, minimum: int) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise bad(f"'{key}' must be an integer >= {minimum}, got {json.dumps(v)}", param=key)
+        raise bad(f"'{key}' must be an integer >= {minimum}, got {shown(v)}", param=key)
     return v
 
 
@@ -118,7 +183,7 @@ def _bool(body: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise bad(f"'{key}' must be a boolean, got {json.dumps(v)}", param=key)
+        raise bad(f"'{key}' must be a boolean, got {shown(v)}", param=key)
     return v
 
 
@@ -155,7 +220,7 @@ def parse_messages(value) -> list:
             raise bad(f"{where} must be an object with 'role' and 'content'", param=where)
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", param=f"{where}.role")
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {shown(role)}", param=f"{where}.role")
         if "content" not in m or m["content"] is None:
             raise bad(f"{where} has no content", param=f"{where}.content")
         out.append({"role": role, "content": _content(m["content"], where)})
@@ -176,9 +241,10 @@ def _stop(value) -> list:
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
-                  param="stop")
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} non-empty strings of at most "
+                  f"{MAX_STOP_CHARS} characters", param="stop")
     return list(stops)
 
 
@@ -189,13 +255,16 @@ def _policy(value) -> tuple[str | None, int | None]:
         raise bad("'sdm' must be an object {\"on_reject\": ..., \"max_attempts\": ...}", param="sdm")
     unknown = sorted(set(value) - {"on_reject", "max_attempts"})
     if unknown:
-        raise bad(f"unsupported sdm option(s): {', '.join(unknown)} (supported: on_reject, max_attempts)",
-                  param=f"sdm.{unknown[0]}")
+        raise bad(f"unsupported sdm option(s): {', '.join(shown(k, 40) for k in unknown[:5])} (supported: "
+                  "on_reject, max_attempts)", param=f"sdm.{unknown[0][:80]}")
     on_reject = value.get("on_reject")
     if on_reject is not None and on_reject not in ON_REJECT:
-        raise bad(f"sdm.on_reject must be one of {', '.join(ON_REJECT)}, got {json.dumps(on_reject)}",
+        raise bad(f"sdm.on_reject must be one of {', '.join(ON_REJECT)}, got {shown(on_reject)}",
                   param="sdm.on_reject")
     max_attempts = _int(value, "max_attempts", 1)
+    if max_attempts is not None and max_attempts > MAX_ATTEMPTS_LIMIT:
+        raise bad(f"sdm.max_attempts must be at most {MAX_ATTEMPTS_LIMIT}, got {max_attempts}",
+                  param="sdm.max_attempts")
     return on_reject, max_attempts
 
 
@@ -213,7 +282,7 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
     t = body.get("temperature")
     if t is not None:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
-            raise bad(f"'temperature' must be a number in [0, 2], got {json.dumps(t)}", param="temperature")
+            raise bad(f"'temperature' must be a number in [0, 2], got {shown(t)}", param="temperature")
         req.temperature = float(t)
     req.stop = _stop(body.get("stop"))
     req.stream = _bool(body, "stream")

@@ -9,6 +9,13 @@ import threading
 
 import uvicorn
 
+#: open connections beyond which new requests get 503 (bounds memory under a flood of clients)
+MAX_CONNECTIONS = 256
+#: idle keep-alive connections are closed after this many seconds
+KEEP_ALIVE_SECONDS = 5
+#: largest request head (request line + headers) accepted
+MAX_HEADER_BYTES = 64 * 1024
+
 
 class Server(uvicorn.Server):
     """uvicorn's server without re-raising the caught signal after a graceful shutdown.
@@ -62,5 +69,6 @@ def serve(app, sock: socket.socket, *, access_log: bool = True, log_level: str =
           graceful_timeout: float = 5.0, on_exit=None) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGINT / SIGTERM; returns after a graceful shutdown."""
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="off",
-                            timeout_graceful_shutdown=graceful_timeout)
+                            timeout_graceful_shutdown=graceful_timeout, limit_concurrency=MAX_CONNECTIONS,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     Server(config, on_exit=on_exit).run(sockets=[sock])

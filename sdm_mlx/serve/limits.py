@@ -1,0 +1,84 @@
+"""Bounded work per request: prompt tokens, ``max_tokens``, attempts and body reading, checked before any model work.
+
+:class:`RequestLimits` holds the server's caps (``sdm-mlx serve`` flags); :class:`PromptCounter`
+counts a request's prompt tokens with its own copy of the tokenizer (the model thread's tokenizer is
+never used from another thread), on the event loop's worker threads, so a prompt longer than the
+limit is refused with 400 ``prompt too long (N tokens, limit L)`` before it reaches the model
+thread: no forward pass, no allocation proportional to the prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+
+from .. import embed as _embed
+from .schema import APIError
+
+#: context length assumed when the model does not state one
+FALLBACK_CONTEXT = 8192
+#: default cap on a request's max_tokens
+DEFAULT_MAX_TOKENS_LIMIT = 2048
+#: default seconds allowed for receiving a request body
+DEFAULT_BODY_TIMEOUT = 30.0
+
+
+def context_length(model) -> int:
+    """The model's context length (``max_position_embeddings`` of its config), else :data:`FALLBACK_CONTEXT`."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "max_sequence_length", "n_positions", "context_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return FALLBACK_CONTEXT
+
+
+@dataclass
+class RequestLimits:
+    """Per-request caps of the server (see ``docs/serving.md``)."""
+
+    max_prompt_tokens: int
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+
+
+class PromptCounter:
+    """Token counts of request prompts, rendered exactly as the engine renders them, on a private tokenizer copy."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        try:
+            self.tokenizer = copy.deepcopy(engine.gen.tokenizer)
+        except Exception:  # a tokenizer that cannot be copied: count on the model thread instead
+            self.tokenizer = None
+        self._lock = threading.Lock()
+
+    def _render(self, messages: list | None, prompt: str | None) -> str:
+        if messages is None:
+            return prompt
+        gen, turns = self.engine.gen, self.engine.chat_messages(messages)
+        if not gen.use_chat_template:
+            return "\n".join(m["content"] for m in turns)
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+    def count(self, messages: list | None = None, prompt: str | None = None, extra: str = "") -> int:
+        """Tokens of the request's generation prompt (+ ``extra``, e.g. a completion to verify)."""
+        if self.tokenizer is None:
+            return len(self.engine.submit(self.engine.prompt_ids, messages, prompt).result()) + len(extra)
+        with self._lock:
+            text = self._render(messages, prompt) + extra
+            return len(_embed.encode(self.tokenizer, text))
+
+
+def check_max_tokens(limits: RequestLimits, max_tokens: int | None) -> None:
+    if max_tokens is not None and max_tokens > limits.max_tokens_limit:
+        raise APIError(400, f"'max_tokens' {max_tokens} exceeds this server's limit of {limits.max_tokens_limit} "
+                            "(sdm-mlx serve --max-tokens-limit)", param="max_tokens", code="max_tokens_too_large")
+
+
+def check_prompt_tokens(limits: RequestLimits, n: int, param: str) -> None:
+    if n > limits.max_prompt_tokens:
+        raise APIError(400, f"prompt too long ({n} tokens, limit {limits.max_prompt_tokens})", param=param,
+                       code="context_length_exceeded")
