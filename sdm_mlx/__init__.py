@@ -2,12 +2,12 @@
 
 The public names below are imported on first use (PEP 562), so ``import sdm_mlx`` and
 ``sdm-mlx --help`` stay instant and do not load MLX; importing the package does load a fast
-BLAS for MLX on Linux first (see :mod:`sdm_mlx.blas`).
+BLAS for MLX on Linux first (see :mod:`sdm_mlx.runtime.blas`).
 """
 
 __version__ = "0.1.0"
 
-from .blas import preload_openblas  # noqa: E402
+from .runtime.blas import preload_openblas  # noqa: E402
 
 preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/blas.py)
 

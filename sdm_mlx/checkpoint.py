@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from .adaptor import ExemplarAdaptor
 from .artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
-from .callbacks import Callback
+from .runtime.callbacks import Callback
 from .rescaler import RescalerFit
 from .train import RoundResult, RoundsProgress, SplitState
 from .errors import InputError

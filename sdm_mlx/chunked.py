@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from .errors import InputError
-from .callbacks import progress_bar
+from .runtime.callbacks import progress_bar
 from .results import Estimate, Predictions, Variant
 
 #: Rows scored per chunk by ``SDMEstimator.estimate`` / ``sdm-mlx predict``.
@@ -46,7 +46,7 @@ def iter_estimates(score_chunk, X, ids=None, chunk_rows: int = PREDICT_CHUNK_ROW
                    desc: str = "predict"):
     """Yield ``score_chunk(X[a:b], ids[a:b])`` (a :class:`Predictions`) for consecutive chunks of rows.
 
-    ``progress`` draws a bar with rows/s and ETA on stderr (:func:`~sdm_mlx.callbacks.progress_bar`).
+    ``progress`` draws a bar with rows/s and ETA on stderr (:func:`~sdm_mlx.runtime.callbacks.progress_bar`).
     """
     n = len(X)
     ids = ids if ids is not None else range(n)  # a range: no O(N) list when streaming

@@ -185,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
             args = parser.parse_args(argv)
-        from .blas import maybe_warn_slow_blas
+        from .runtime.blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
         require(args, *getattr(mod, "REQUIRED", ()))
-        from .distributed import install_sigterm_message, quiet_unless_primary
+        from .runtime.distributed import install_sigterm_message, quiet_unless_primary
 
         install_sigterm_message()
         with quiet_unless_primary():  # under mlx.launch, rank 0 alone reports

@@ -40,7 +40,7 @@ from .data import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
-from .callbacks import CallbackList, as_callback
+from .runtime.callbacks import CallbackList, as_callback
 from .results import Predictions
 from .train import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
 
@@ -238,7 +238,7 @@ class SDMEstimator:
         (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same settings and data continues from it
         (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
         checkpoint is left in place: remove it with :func:`sdm_mlx.checkpoint.remove_checkpoint` once
-        the model is saved.  ``callback``: a :class:`sdm_mlx.callbacks.Callback` receiving progress
+        the model is saved.  ``callback``: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress
         (default: silent, or tqdm progress on stderr with ``verbose=True``).
         """
         callback = as_callback(callback, self.verbose)

@@ -80,7 +80,7 @@ from .data import Dataset
 from .evaluate_output import format_evaluation, label_error_records, write_plots  # re-exported
 from .metrics import index_conditional_report
 from .io import finite_or_none, strict
-from .callbacks import SILENT, Callback
+from .runtime.callbacks import SILENT, Callback
 from .validation import label_indices
 from .errors import InputError
 
@@ -419,7 +419,7 @@ def evaluate(
         baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
         predictions: optional precomputed ``{name: estimator.estimate(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
-        callback: a :class:`sdm_mlx.callbacks.Callback` receiving progress lines (default: silent).
+        callback: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress lines (default: silent).
         options: constructor keyword arguments per baseline name (default
             :func:`baseline_options` ``("randomized")``: APS/RAPS as in the paper's reference code).
             Baselines are refitted for every α' and every evaluation set, so the randomised draws

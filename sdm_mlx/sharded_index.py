@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import distributed as dist
+from .runtime import distributed as dist
 from .errors import SDMError
 from .index import (DISTANCE_BLOCK_BYTES, ExactIndex, _as_float32_matrix, _exclusion, _squared_distances,
                     check_predictions)
@@ -33,8 +33,8 @@ class ShardedExactIndex:
     Build it on every rank with :meth:`from_full` (each rank keeps its slice) or with the local shard:
     ``ShardedExactIndex(shard, offset, total)``.  Every call must be made by every rank with the same
     arguments (the collectives run in lockstep); a rank that dies ends the others' call with
-    :class:`~sdm_mlx.distributed.DistributedError`, one that hangs stops them after ``timeout`` seconds
-    (:func:`sdm_mlx.distributed.wait`).
+    :class:`~sdm_mlx.runtime.distributed.DistributedError`, one that hangs stops them after ``timeout`` seconds
+    (:func:`sdm_mlx.runtime.distributed.wait`).
     """
 
     backend = "exact"

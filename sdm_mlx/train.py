@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
-from .callbacks import SILENT, Callback
+from .runtime.callbacks import SILENT, Callback
 from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
 from .defaults import DISTRIBUTED_TIMEOUT
 from .distance import distance_ecdfs, distance_quantile

@@ -10,7 +10,7 @@
 * ``selfkill`` — like ``loop``, but rank 1 kills itself (SIGKILL) after the first query.
 * ``mismatch`` — rank 1 passes a different support set to ``from_full`` (must be refused on every rank).
 
-A :class:`~sdm_mlx.distributed.DistributedError` ends the process with its message and status 3.
+A :class:`~sdm_mlx.runtime.distributed.DistributedError` ends the process with its message and status 3.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from sdm_mlx import distributed as dist  # noqa: E402
+from sdm_mlx.runtime import distributed as dist  # noqa: E402
 from sdm_mlx.index import good_neighbours_by_class  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdm_mlx import distributed as dist
+from sdm_mlx.runtime import distributed as dist
 from sdm_mlx.index import ExactIndex, make_index
 
 HERE = Path(__file__).parent

@@ -163,7 +163,7 @@ def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
 
 def test_the_watchdog_ends_a_wait_that_outlives_its_deadline():
     """The bounded wait used around every collective: a blocked wait ends the process with a message."""
-    code = ("import time\nfrom sdm_mlx.distributed import watchdog\n"
+    code = ("import time\nfrom sdm_mlx.runtime.distributed import watchdog\n"
             "w = watchdog()\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n    time.sleep(0.1)\n"
             "print('short wait ok', flush=True)\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n"
             "    time.sleep(30)\nprint('not reached')")

@@ -23,7 +23,7 @@ import time
 import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import numpy as np
 
-from sdm_mlx import distributed as dist
+from sdm_mlx.runtime import distributed as dist
 
 CHUNK = 10_000
 

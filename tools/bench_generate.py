@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sdm_mlx import embed as E  # noqa: E402
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from bench_common import SIZES, load_bench_model, write_report  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."

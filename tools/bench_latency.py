@@ -29,7 +29,7 @@ import numpy as np
 
 from bench_common import write_report
 from sdm_mlx import validation
-from sdm_mlx.blas import describe_blas
+from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.calibration import estimate as calibration_estimate
 from sdm_mlx.data import factcheck_splits
 from sdm_mlx.distance import distance_quantile

@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 SIZES = {"tiny": (616, 64), "mid": (8192, 1024), "phi35": (32064, 3072)}
 

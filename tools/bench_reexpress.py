@@ -223,7 +223,7 @@ def main(argv=None) -> int:
             ["factcheck"], 1, 64, 64, 10, 1
     python = reexpress_python(args)
     worker = Worker(python) if python else None
-    from sdm_mlx.blas import describe_blas
+    from sdm_mlx.runtime.blas import describe_blas
 
     report = {"smoke": bool(args.smoke), "machine": platform.platform(), "cpu_count": os.cpu_count(),
               "sdm_mlx_blas": describe_blas(), "load_average_start": os.getloadavg(),

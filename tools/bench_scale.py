@@ -378,7 +378,7 @@ def main(argv=None) -> int:
 
 def drive(args) -> int:
     import sdm_mlx  # noqa: F401
-    from sdm_mlx.blas import describe_blas
+    from sdm_mlx.runtime.blas import describe_blas
 
     header = {"machine": platform.platform(), "cpu_count": os.cpu_count(), "blas": describe_blas(),
               "load_average_start": [round(x, 2) for x in os.getloadavg()], "smoke": bool(args.smoke)}

@@ -102,7 +102,7 @@ NAMES: dict[tuple[str, str], str] = {
 PLACE_NEW: dict[str, str] = {}
 
 #: Top-level modules that belong at the top (``--check`` flags any other).
-TOP_LEVEL = {"__init__", "__main__", "errors", "settings", "validation", "results", "cli"}
+TOP_LEVEL = {"__init__", "__main__", "_lazy", "errors", "settings", "validation", "results", "cli"}
 
 SEARCH = ("sdm_mlx", "tests", "tools")
 TEXT_FILES = ("README.md", "pyproject.toml")

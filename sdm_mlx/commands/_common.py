@@ -234,7 +234,7 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
     import sys
 
     from ..evaluate import format_evaluation, label_error_records, write_plots
-    from ..callbacks import note
+    from ..runtime.callbacks import note
     from ..io import write_json, write_jsonl
 
     print(format_evaluation(report), file=sys.stdout, flush=True)

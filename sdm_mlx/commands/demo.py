@@ -119,7 +119,7 @@ def _fit(est, pool, out: str, cfg: dict, callback) -> tuple[str, float]:
 
 
 def _plots_dir(args, out: str) -> str | None:
-    from ..callbacks import note
+    from ..runtime.callbacks import note
     from ..plots import plots_available
 
     if args.no_plots:
@@ -136,7 +136,7 @@ def run(args) -> int:
     from types import SimpleNamespace
 
     from ..artifact import prepare_run_directory
-    from ..callbacks import cli_callback
+    from ..runtime.callbacks import cli_callback
     from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ._common import emit, estimator_from_args, training_report

@@ -143,7 +143,7 @@ def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> 
 
 def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
     """What was written, and the rows that were truncated, built for another template or lack the delimiter."""
-    from ..callbacks import note
+    from ..runtime.callbacks import note
 
     say(f"wrote {n} rows with {stats['width']}-dim embeddings to {args.output}")
     if stats["truncated"]:
@@ -164,7 +164,7 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
 
 
 def run(args) -> int:
-    from ..callbacks import cli_callback
+    from ..runtime.callbacks import cli_callback
     from ..io import open_append, refuse_same_files
 
     position = _position(args)

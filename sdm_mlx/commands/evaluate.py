@@ -71,7 +71,7 @@ def dataset_names(paths) -> list[str]:
 
 def calibration_logits(est, calibration_data: str | None, features: str, callback):
     """(z_cal, y_cal) for the baselines, or (None, None) with a note on stderr."""
-    from ..callbacks import note
+    from ..runtime.callbacks import note
 
     if calibration_data:
         from ..data import read_jsonl
@@ -93,7 +93,7 @@ def run(args) -> int:
     from ..data import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files
-    from ..callbacks import cli_callback
+    from ..runtime.callbacks import cli_callback
     from ..evaluate import baseline_options, evaluate, predict_datasets
 
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)

@@ -37,7 +37,7 @@ def run(args) -> int:
     from ..errors import InputError
     from ..estimator import SDMEstimator
     from ..io import refuse_same_files, write_json, write_jsonl
-    from ..distributed import is_primary, launched_rank
+    from ..runtime.distributed import is_primary, launched_rank
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
@@ -68,7 +68,7 @@ def run(args) -> int:
 
 def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
-    from ..callbacks import progress_bar
+    from ..runtime.callbacks import progress_bar
     from ..chunked import count_lines
     from ..data import check_labels, check_model_width
 

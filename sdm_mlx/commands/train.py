@@ -77,10 +77,10 @@ def run(args) -> int:
 
     from ..artifact import check_artifact_output
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
-    from ..distributed import is_distributed, is_primary, launched_rank
+    from ..runtime.distributed import is_distributed, is_primary, launched_rank
     from ..data import read_jsonl
     from ..io import refuse_same_files, write_json
-    from ..callbacks import log
+    from ..runtime.callbacks import log
 
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)

@@ -30,7 +30,7 @@ local part ``(S_L + β c S_R) / B`` and ``all_sum``-s the W_pos gradient: the su
 is the single-process gradient up to float summation order.
 
 The group, the generic collectives, and what happens when a rank dies or hangs (one bounded wait for
-every collective, the ``distributed_timeout`` setting) are :mod:`sdm_mlx.distributed`'s.
+every collective, the ``distributed_timeout`` setting) are :mod:`sdm_mlx.runtime.distributed`'s.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from .. import distributed as dist
+from ..runtime import distributed as dist
 from .loss import network_loss_terms, rescaled_regularizer
 from ..errors import InputError
 
 
 class DataParallel:
     """This rank of the ``mx.distributed`` group, with the group and the timeout bound to the few collectives
-    Alg. 4 needs (:mod:`sdm_mlx.distributed` does the work and bounds every wait: ``timeout`` seconds,
+    Alg. 4 needs (:mod:`sdm_mlx.runtime.distributed` does the work and bounds every wait: ``timeout`` seconds,
     default the ``distributed_timeout`` setting's), and the whole-batch splits of the network trainer.
     """
 
@@ -85,7 +85,7 @@ class DataParallel:
         return dist.gather_rows(local, "all_gather", self.timeout, self.group)
 
     def check_same(self, value: float, what: str) -> None:
-        """Raise :class:`~sdm_mlx.distributed.DistributedError` if a scalar differs between ranks (the
+        """Raise :class:`~sdm_mlx.runtime.distributed.DistributedError` if a scalar differs between ranks (the
         replicated state has diverged)."""
         dist.check_same(what, np.array([value], dtype=np.float64), timeout=self.timeout, grp=self.group)
 

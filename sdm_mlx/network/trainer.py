@@ -53,7 +53,7 @@ from .. import embed as _embed
 from ..artifact import prepare_run_directory
 from ..data import id_key
 from ..io import strict, write_json, write_jsonl
-from ..callbacks import log, progress_bar as Progress
+from ..runtime.callbacks import log, progress_bar as Progress
 from ..network_config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum

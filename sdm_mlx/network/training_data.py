@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import embed as _embed
-from ..callbacks import log, progress_bar as Progress
+from ..runtime.callbacks import log, progress_bar as Progress
 from ..data import read_objects
 from ..errors import InputError
 from ..network_config import NetworkConfig

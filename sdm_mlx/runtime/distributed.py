@@ -36,8 +36,8 @@ import time
 
 import numpy as np
 
-from .defaults import DISTRIBUTED_TIMEOUT
-from .errors import InputError, SDMError
+from ..defaults import DISTRIBUTED_TIMEOUT
+from ..errors import InputError, SDMError
 
 #: Seconds a collective may wait for the other ranks before the rank stops (settings: shard_timeout,
 #: distributed_timeout).
