@@ -15,7 +15,7 @@ preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sd
 _EXPORTS = {
     "sdm": "activation", "log_sdm": "activation", "sdm_nll_loss": "activation",
     "ExemplarAdaptor": "adaptor",
-    "Dataset": "data", "load_factcheck": "data", "read_jsonl": "data",
+    "Dataset": "storage.datasets", "load_factcheck": "storage.datasets", "read_jsonl": "storage.datasets",
     "distance_ecdfs": "distance", "distance_quantile": "distance",
     "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
     "Calibration": "calibration",

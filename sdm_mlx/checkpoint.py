@@ -1,7 +1,7 @@
 """Resumable training: the finished rounds of Alg. 1 + calibration, saved after every round.
 
 A checkpoint is an artifact directory (kind ``sdm_train_checkpoint``, written atomically by
-:func:`sdm_mlx.artifact.save_artifact`) holding, after round j of J:
+:func:`sdm_mlx.storage.artifact.save_artifact`) holding, after round j of J:
 
 * the fingerprint of the run: SHA-256 over the estimator settings that shape training and
   calibration and over the pooled data (features, labels, ids, C);
@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .adaptor import ExemplarAdaptor
-from .artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
+from .storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .runtime.callbacks import Callback
 from .rescaler import RescalerFit

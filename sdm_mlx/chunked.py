@@ -97,15 +97,15 @@ def concat_predictions(parts: list[Predictions]) -> Predictions:
 
 def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
                       chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False):
-    """Yield :class:`~sdm_mlx.data.Dataset` s of consecutive chunks of ``chunk_rows`` rows of a JSONL file.
+    """Yield :class:`~sdm_mlx.storage.datasets.Dataset` s of consecutive chunks of ``chunk_rows`` rows of a JSONL file.
 
-    Streaming :func:`~sdm_mlx.data.read_jsonl`: every chunk is validated as ``read_jsonl`` validates a
+    Streaming :func:`~sdm_mlx.storage.datasets.read_jsonl`: every chunk is validated as ``read_jsonl`` validates a
     file (errors name the file and line), and across chunks the ids must stay unique (the error names
     the line an id was first seen on), the feature field and width and the presence of labels the
     same.  Memory: one chunk of rows plus the set of ids seen.
     """
-    from .data import parse_rows
-    from .io import iter_jsonl
+    from .storage.datasets import parse_rows
+    from .storage.files import iter_jsonl
 
     source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
     rows, seen, first = iter_jsonl(path), {}, None

@@ -48,7 +48,7 @@ __all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "req
 def user_message(e: BaseException) -> str:
     """The one-line message for a user error (an OSError names its path and reason, never a traceback)."""
     if isinstance(e, OSError) and not isinstance(e, SDMError):
-        from .io import describe_os_error
+        from .storage.files import describe_os_error
 
         if e.errno == errno.ENOSPC:
             return f"no space left on the device ({describe_os_error(e)})"

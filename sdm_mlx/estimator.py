@@ -36,7 +36,7 @@ from .defaults import PAPER_SETTINGS
 from .diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
 from .estimator_io import load_estimator, save_estimator
-from .data import id_key
+from .storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from .distance import distance_quantile
 from .index import good_neighbours_by_class, make_index

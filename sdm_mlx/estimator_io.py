@@ -1,7 +1,7 @@
 """Persistence of :class:`~sdm_mlx.estimator.SDMEstimator`: its versioned safetensors + JSON artifact.
 
 :func:`save_estimator` and :func:`load_estimator` are what ``SDMEstimator.save`` and
-``SDMEstimator.load`` delegate to.  The artifact (``sdm_mlx.artifact``) holds the adaptor's
+``SDMEstimator.load`` delegate to.  The artifact (``sdm_mlx.storage.artifact``) holds the adaptor's
 weights, the support set (exemplar vectors h', labels, predictions, basis), the calibration and
 training distance eCDFs (``equation:d``), every round's calibration (Alg. 1–3), the feedback log
 and the JSON metadata; writes are atomic and only rank 0 writes under a sharded ``mlx.launch``.
@@ -15,11 +15,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .adaptor import ExemplarAdaptor, exemplar_basis
-from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
+from .storage.artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .feedback import LOG_FILE as FEEDBACK_LOG
 from .feedback import FeedbackState, dump_log, parse_log
-from .io import put_float
+from .storage.files import put_float
 
 #: why a stored robust min valid q~ is null (+inf): every prediction is rejected
 ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "

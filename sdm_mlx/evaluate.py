@@ -76,10 +76,10 @@ import numpy as np
 
 from .baselines import BASELINES, make_baseline
 from .calibration import check_alpha, estimate
-from .data import Dataset
+from .storage.datasets import Dataset
 from .evaluate_output import format_evaluation, label_error_records, write_plots  # re-exported
 from .metrics import index_conditional_report
-from .io import finite_or_none, strict
+from .storage.files import finite_or_none, strict
 from .runtime.callbacks import SILENT, Callback
 from .validation import label_indices
 from .errors import InputError

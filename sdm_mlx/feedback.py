@@ -45,7 +45,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .data import id_key
+from .storage.datasets import id_key
 from .errors import ArtifactError, InputError
 
 #: retraining is recommended once feedback rows exceed this fraction of the training support (overall or of a class)
@@ -225,11 +225,11 @@ def update_model(path, change):
     """Load the saved estimator at ``path``, apply ``change(est)`` and save it back in place atomically.
 
     Durable and atomic: the new artifact (support arrays, manifest, update log) is written to a
-    temporary sibling directory, fsynced and swapped in (:func:`sdm_mlx.artifact.atomic_directory`), so
+    temporary sibling directory, fsynced and swapped in (:func:`sdm_mlx.storage.artifact.atomic_directory`), so
     a crash at any point leaves either the previous or the new model loadable.  Concurrent updates of
     the same directory are serialised (:func:`artifact_lock`).  Returns ``(est, change(est))``.
     """
-    from .artifact import artifact_kind
+    from .storage.artifact import artifact_kind
     from .estimator import SDMEstimator
 
     if artifact_kind(os.fspath(path)) is None:

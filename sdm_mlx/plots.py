@@ -39,8 +39,8 @@ def _new_figure(figsize):
 
 
 def _save(fig, path) -> str:
-    """Render ``fig`` as PNG and write it with :func:`sdm_mlx.io.atomic_write` (mode 0644, never a temp name)."""
-    from .io import atomic_write
+    """Render ``fig`` as PNG and write it with :func:`sdm_mlx.storage.files.atomic_write` (mode 0644, never a temp name)."""
+    from .storage.files import atomic_write
 
     path = os.fspath(path)
     fig.tight_layout()

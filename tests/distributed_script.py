@@ -84,7 +84,7 @@ def run_fixture(out: Path) -> None:
     from mlx.utils import tree_flatten
 
     from behaviour_fixture import RETHRESHOLD_ALPHA, ROWS, SETTINGS, canonical
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
     from sdm_mlx.estimator import SDMEstimator
 
     pool, heldout, generated = factcheck_splits()  # as behaviour_fixture.fixture_results, keeping the estimator

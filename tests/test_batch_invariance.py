@@ -19,7 +19,7 @@ import pytest
 
 from sdm_mlx import calibration as cal
 from sdm_mlx.calibration.threshold import _quantile_index
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.index import ExactIndex, HnswIndex, good_neighbours_by_class, similarity_from_neighbours
 

@@ -158,7 +158,7 @@ def test_fit_and_estimate_on_factcheck_equal_the_single_process_run(tmp_path):
     assert r0["results"] == expected and r1["results"] == expected
     # rank 0 alone wrote the model; a single process loads it and answers as the distributed run
     from behaviour_fixture import ROWS
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     est = SDMEstimator.load(tmp_path / "model")
     assert type(est.index_) is ExactIndex
@@ -175,7 +175,7 @@ def _write_jsonl(path: Path, ds, rows: slice) -> None:
 
 @needs_launch
 def test_cli_train_under_launch_then_single_process_predict_equals_distributed_predict(tmp_path):
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     pool, heldout, _ = factcheck_splits()
     _write_jsonl(tmp_path / "train.jsonl", pool, slice(0, 2400))

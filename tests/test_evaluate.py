@@ -14,7 +14,7 @@ import pytest
 
 from sdm_mlx import cli
 from sdm_mlx.baselines import run_baselines
-from sdm_mlx.data import Dataset, read_jsonl
+from sdm_mlx.storage.datasets import Dataset, read_jsonl
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.evaluate import (
     DEFAULT_BASELINES,
@@ -26,7 +26,7 @@ from sdm_mlx.evaluate import (
     label_error_records,
     predict_datasets,
 )
-from sdm_mlx.io import loads_strict, write_jsonl
+from sdm_mlx.storage.files import loads_strict, write_jsonl
 from sdm_mlx.metrics import REPORT_KEYS, index_conditional_report
 from sdm_mlx.plots import plots_available
 

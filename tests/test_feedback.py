@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from sdm_mlx.artifact import ArtifactError
+from sdm_mlx.storage.artifact import ArtifactError
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.feedback import LOG_FILE, RETRAIN_FRACTION, add_support_to_model, remove_support_from_model

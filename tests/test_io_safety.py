@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from sdm_mlx.artifact import prepare_run_directory
+from sdm_mlx.storage.artifact import prepare_run_directory
 from sdm_mlx.errors import ArtifactError, OutputError, SDMError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.io import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
+from sdm_mlx.storage.files import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
 from test_hostile import TINY, cli, lab, rows, snapshot, write_rows  # noqa: F401 (lab: the shared fixture)
 
 

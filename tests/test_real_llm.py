@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from sdm_mlx import embed as E
-from sdm_mlx.data import load_factcheck
+from sdm_mlx.storage.datasets import load_factcheck
 from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS
 
 pytestmark = pytest.mark.real_llm

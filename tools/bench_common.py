@@ -29,7 +29,7 @@ def best_time(fn, repeat: int = 2) -> float:
 
 def write_report(path, report: dict) -> None:
     """Write a benchmark's JSON report and say where."""
-    from sdm_mlx.io import write_json
+    from sdm_mlx.storage.files import write_json
 
     write_json(path, report, indent=2)
     print(f"wrote {path}")

@@ -91,7 +91,7 @@ def bench_index(args) -> dict:
 
 
 def bench_fit(args) -> dict:
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
     from sdm_mlx.estimator import SDMEstimator
 
     pool, heldout, _ = factcheck_splits()

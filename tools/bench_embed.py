@@ -56,7 +56,7 @@ def make_docs(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120):
 
 def factcheck_docs(tok, n: int, seed: int = 0):
     """``n`` factcheck statements (seeded sample) as (chat prompts, completions) of the verification encoding."""
-    from sdm_mlx.data import load_factcheck
+    from sdm_mlx.storage.datasets import load_factcheck
     from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 
     ds = load_factcheck()

@@ -75,7 +75,7 @@ def make_prompts(tok, n: int, factcheck: bool) -> list[str]:
     if not factcheck:
         return [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
                             prompt_template=TEMPLATE) for _ in range(n)]
-    from sdm_mlx.data import load_factcheck
+    from sdm_mlx.storage.datasets import load_factcheck
     from sdm_mlx.verification_data import PRESETS
 
     docs = load_factcheck("generated").documents

@@ -24,7 +24,7 @@ import numpy as np
 
 from bench_common import best_time, write_report
 from sdm_mlx.runtime.blas import describe_blas
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
 from sdm_mlx.train import TrainConfig, train_round
 

@@ -31,7 +31,7 @@ from bench_common import write_report
 from sdm_mlx import validation
 from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.calibration import estimate as calibration_estimate
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.distance import distance_quantile
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.results import Predictions

@@ -293,7 +293,7 @@ def main(argv=None) -> int:
               f"generation {e['generation_s_per_epoch'] / 60:6.1f} min/epoch  once {e['features_and_cache_s_once'] / 60:5.1f} min  "
               f"total (5 epochs, excl. verifier fit) {e['total_s_excl_verifier_fit'] / 3600:5.2f} h  memory "
               f"{e['memory_total_gb_4bit']} GB (4-bit) / {e['memory_total_gb_bf16']} GB (bf16)")
-    from sdm_mlx.io import dumps, write_text
+    from sdm_mlx.storage.files import dumps, write_text
 
     text = dumps(report, indent=1)
     if args.json:

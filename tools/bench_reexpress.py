@@ -81,7 +81,7 @@ class Worker:
 # ---------------------------------------------------------------------------------------------
 # data
 def factcheck_data(path: Path, limit: int | None = None) -> Path:
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     pool, heldout, _ = factcheck_splits()
     perm = np.random.default_rng(0).permutation(len(pool.y))[:limit]

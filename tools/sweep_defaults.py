@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from sdm_mlx.api_features import feature_row  # noqa: E402
-from sdm_mlx.data import factcheck_splits  # noqa: E402
+from sdm_mlx.storage.datasets import factcheck_splits  # noqa: E402
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 from gaussians import gaussian_classes  # noqa: E402  (tools/gaussians.py, next to this script)
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..io import get_float, put_float
+from ..storage.files import get_float, put_float
 from ..rescaler import (
     DEFAULT_LEARNING_RATE,
     DEFAULT_MAX_EPOCHS,

@@ -193,7 +193,7 @@ def estimator_from_args(args, class_names=None, base: dict | None = None):
 def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
     """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
     from ..estimator_io import ROBUST_INF_REASON
-    from ..io import put_float
+    from ..storage.files import put_float
 
     best = est.round_summaries_[est.best_round_]
     report = {
@@ -235,7 +235,7 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
 
     from ..evaluate import format_evaluation, label_error_records, write_plots
     from ..runtime.callbacks import note
-    from ..io import write_json, write_jsonl
+    from ..storage.files import write_json, write_jsonl
 
     print(format_evaluation(report), file=sys.stdout, flush=True)
     if getattr(args, "label_errors", None):

@@ -37,8 +37,8 @@ def run(args) -> int:
     if len(letters) < 2 or len(set(letters)) != len(letters) or not letters.isalpha():
         raise CLIError("--letters must be at least two distinct letters, e.g. ABCD")
     from ..api_features import APIFeatureError, feature_row
-    from ..data import read_objects as read_jsonl
-    from ..io import refuse_same_files, write_jsonl
+    from ..storage.datasets import read_objects as read_jsonl
+    from ..storage.files import refuse_same_files, write_jsonl
 
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
 

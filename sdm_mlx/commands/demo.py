@@ -92,7 +92,7 @@ def _rows(ds) -> list[dict]:
 
 def _write_splits(splits: dict, out: str) -> dict:
     """The three splits as JSONL under ``out/data`` (to re-run the evaluation with the CLI); their paths."""
-    from ..io import make_parent, write_jsonl
+    from ..storage.files import make_parent, write_jsonl
 
     paths = {}
     for name, ds in splits.items():
@@ -135,9 +135,9 @@ def run(args) -> int:
     import time
     from types import SimpleNamespace
 
-    from ..artifact import prepare_run_directory
+    from ..storage.artifact import prepare_run_directory
     from ..runtime.callbacks import cli_callback
-    from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
+    from ..storage.datasets import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
     from ..evaluate import baseline_options, evaluate, predict_datasets
     from ._common import emit, estimator_from_args, training_report
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 
 from ..errors import CLIError, InputError
-from ..data import pending_rows
-from ..io import dumps
-from ..data import read_objects as read_jsonl
+from ..storage.datasets import pending_rows
+from ..storage.files import dumps
+from ..storage.datasets import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
@@ -165,7 +165,7 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
 
 def run(args) -> int:
     from ..runtime.callbacks import cli_callback
-    from ..io import open_append, refuse_same_files
+    from ..storage.files import open_append, refuse_same_files
 
     position = _position(args)
     refuse_same_files([("--output", args.output)], [("--input", args.input)])

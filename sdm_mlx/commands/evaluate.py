@@ -74,7 +74,7 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
     from ..runtime.callbacks import note
 
     if calibration_data:
-        from ..data import read_jsonl
+        from ..storage.datasets import read_jsonl
         from ..evaluate import calibration_from_data
 
         callback.message(f"recomputing the calibration logits from {calibration_data} ...")
@@ -90,9 +90,9 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
 
 
 def run(args) -> int:
-    from ..data import check_model_width, read_jsonl
+    from ..storage.datasets import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
-    from ..io import refuse_same_files
+    from ..storage.files import refuse_same_files
     from ..runtime.callbacks import cli_callback
     from ..evaluate import baseline_options, evaluate, predict_datasets
 

@@ -37,7 +37,7 @@ def run(args) -> int:
 
     from ..estimator import SDMEstimator
     from ..feedback import summary
-    from ..io import dumps
+    from ..storage.files import dumps
 
     est = SDMEstimator.load(args.model)
     s = summary(est)

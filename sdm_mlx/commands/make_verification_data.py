@@ -58,8 +58,8 @@ def _completions(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..data import read_objects as read_jsonl
-    from ..io import refuse_same_files, write_jsonl
+    from ..storage.datasets import read_objects as read_jsonl
+    from ..storage.files import refuse_same_files, write_jsonl
     from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
 
     refuse_same_files([("--output", args.output)], [("--input", args.input)])

@@ -88,7 +88,7 @@ def network_config(args) -> NetworkConfig:
 
 def run(args) -> int:
     from ..runtime.distributed import DistributedError
-    from ..io import dumps
+    from ..storage.files import dumps
     from ..network.data_parallel import DataParallel
     from ..network.trainer import train_network
 

@@ -36,7 +36,7 @@ def run(args) -> int:
     from ..chunked import read_jsonl_chunks
     from ..errors import InputError
     from ..estimator import SDMEstimator
-    from ..io import refuse_same_files, write_json, write_jsonl
+    from ..storage.files import refuse_same_files, write_json, write_jsonl
     from ..runtime.distributed import is_primary, launched_rank
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
@@ -70,7 +70,7 @@ def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
     from ..runtime.callbacks import progress_bar
     from ..chunked import count_lines
-    from ..data import check_labels, check_model_width
+    from ..storage.datasets import check_labels, check_model_width
 
     total = count_lines(args.input) if show else None
     with progress_bar(total, "predict", unit="rows", enabled=show) as bar:

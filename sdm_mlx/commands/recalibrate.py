@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import sys
 
-    from ..artifact import check_artifact_output
+    from ..storage.artifact import check_artifact_output
     from ..estimator import SDMEstimator
 
     out = args.output or args.model

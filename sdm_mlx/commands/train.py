@@ -75,11 +75,11 @@ def run(args) -> int:
     import sys
     import time
 
-    from ..artifact import check_artifact_output
+    from ..storage.artifact import check_artifact_output
     from ..checkpoint import checkpoint_rounds, remove_checkpoint
     from ..runtime.distributed import is_distributed, is_primary, launched_rank
-    from ..data import read_jsonl
-    from ..io import refuse_same_files, write_json
+    from ..storage.datasets import read_jsonl
+    from ..storage.files import refuse_same_files, write_json
     from ..runtime.callbacks import log
 
     inputs = [("--train", args.train), ("--calibration", args.calibration)]

@@ -50,9 +50,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import embed as _embed
-from ..artifact import prepare_run_directory
-from ..data import id_key
-from ..io import strict, write_json, write_jsonl
+from ..storage.artifact import prepare_run_directory
+from ..storage.datasets import id_key
+from ..storage.files import strict, write_json, write_jsonl
 from ..runtime.callbacks import log, progress_bar as Progress
 from ..network_config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, save_network

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import embed as _embed
 from ..runtime.callbacks import log, progress_bar as Progress
-from ..data import read_objects
+from ..storage.datasets import read_objects
 from ..errors import InputError
 from ..network_config import NetworkConfig
 from ..verification_data import PRESETS, make_verification_rows

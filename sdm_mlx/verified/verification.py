@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .. import embed as _embed
-from ..io import finite_or_none, strict
+from ..storage.files import finite_or_none, strict
 from ..network.generation import first_json_object
 from ..results import VERDICT_FLOAT_KEYS, VERDICT_KEYS
 from ..errors import InputError

@@ -34,8 +34,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .errors import ArtifactError, InputError, OutputError
-from .io import (
+from ..errors import ArtifactError, InputError, OutputError
+from .files import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
 )
@@ -232,7 +232,7 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
     of it, a directory holding an input, a foreign non-empty directory, an unmarked artifact, a file.
     ``check_only``: only the checks (before anything is read), nothing is created.
     """
-    from .io import write_json
+    from .files import write_json
 
     shown = os.fspath(path)
     real = os.path.realpath(shown)
@@ -269,7 +269,7 @@ def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: 
                   overwrite: bool = False, texts: dict[str, str] | None = None) -> None:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.
 
-    ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.io.put_float`).
+    ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.storage.files.put_float`).
     ``texts`` ({file name: UTF-8 text}, e.g. an update log) are written beside the arrays and
     checksummed in the manifest's ``texts``.
     An existing artifact at ``path`` is replaced only with ``overwrite``; see :func:`atomic_directory`."""

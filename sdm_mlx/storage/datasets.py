@@ -7,7 +7,7 @@ training, calibration and evaluation), ``embedding`` and/or ``attributes``
 embedding first) or ``"auto"`` (whichever the file has; both ⇒ concatenated, unless the
 model was trained on one of them: ``prefer``).  Every problem raises
 :class:`~sdm_mlx.errors.InputError` (a ``ValueError``) naming the file and line.
-Reading goes through :func:`sdm_mlx.io.iter_jsonl` (``-`` = stdin, UTF-8 BOM accepted).
+Reading goes through :func:`sdm_mlx.storage.files.iter_jsonl` (``-`` = stdin, UTF-8 BOM accepted).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from importlib import resources
 
 import numpy as np
 
-from .errors import InputError
-from .validation import features, label_indices
-from .io import is_stream, iter_jsonl  # noqa: F401  (the one JSONL reader; re-exported for callers of sdm_mlx.data)
+from ..errors import InputError
+from ..validation import features, label_indices
+from .files import is_stream, iter_jsonl  # noqa: F401  (the one JSONL reader; re-exported for callers of sdm_mlx.storage.datasets)
 
 FEATURE_CHOICES = ("auto", "embedding", "attributes", "embedding+attributes")
 

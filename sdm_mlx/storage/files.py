@@ -30,7 +30,7 @@ from dataclasses import asdict, is_dataclass
 
 import numpy as np
 
-from .errors import InputError, InputNotFoundError, OutputError
+from ..errors import InputError, InputNotFoundError, OutputError
 
 STDIO = "-"
 FILE_MODE = 0o644
