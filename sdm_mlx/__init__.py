@@ -13,10 +13,10 @@ preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sd
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "sdm": "activation", "log_sdm": "activation", "sdm_nll_loss": "activation",
-    "ExemplarAdaptor": "adaptor",
+    "sdm": "core.activation", "log_sdm": "core.activation", "sdm_nll_loss": "core.activation",
+    "ExemplarAdaptor": "core.adaptor",
     "Dataset": "storage.datasets", "load_factcheck": "storage.datasets", "read_jsonl": "storage.datasets",
-    "distance_ecdfs": "distance", "distance_quantile": "distance",
+    "distance_ecdfs": "core.distance", "distance_quantile": "core.distance",
     "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
     "Calibration": "calibration",
     "ExactIndex": "index", "HnswIndex": "hnsw_index", "make_index": "index", "similarity_from_neighbours": "index",

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor
+from .core.adaptor import ExemplarAdaptor
 from .storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .runtime.callbacks import Callback

@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from .adaptor import InvariantForward
+from .core.adaptor import InvariantForward
 from . import validation
 from .calibration import Calibration, calibrate_round, estimate, exact_one_minus
 from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
@@ -38,7 +38,7 @@ from .errors import InputError, NotFittedError
 from .estimator_io import load_estimator, save_estimator
 from .storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
-from .distance import distance_quantile
+from .core.distance import distance_quantile
 from .index import good_neighbours_by_class, make_index
 from .runtime.callbacks import CallbackList, as_callback
 from .results import Predictions
@@ -356,7 +356,7 @@ class SDMEstimator:
         return good_neighbours_by_class(self.support_labels_, self.support_predictions_, self.num_classes_)
 
     def _forward(self, X):
-        """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.adaptor.InvariantForward`)."""
+        """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.core.adaptor.InvariantForward`)."""
         self._check_fitted()
         X = validation.features(X, "features", dim=self.input_dim_, model=type(self).__name__)
         return self._forward_map(X)

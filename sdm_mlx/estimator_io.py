@@ -14,7 +14,7 @@ import os
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor, exemplar_basis
+from .core.adaptor import ExemplarAdaptor, exemplar_basis
 from .storage.artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .feedback import LOG_FILE as FEEDBACK_LOG

@@ -2,7 +2,7 @@
 
 ``SDMEstimator.add_support(X, y, ids, source)`` computes each new row's exemplar
 coordinates h' and prediction ŷ = argmax z' with the batch-invariant forward
-(:class:`~sdm_mlx.adaptor.InvariantForward`, the one that gave the training
+(:class:`~sdm_mlx.core.adaptor.InvariantForward`, the one that gave the training
 support its coordinates) and appends (h', label, ŷ, id) to the support set and
 its index (exact: rows appended; hnswlib: ``add_items``, no rebuild).
 

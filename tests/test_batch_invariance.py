@@ -288,8 +288,8 @@ def test_alg3_alpha_071_n100_uses_rank_29():
 
 
 def test_exact_row_product_is_row_local_and_accurate(monkeypatch):
-    from sdm_mlx import exact_product
-    from sdm_mlx.exact_product import ExactRowProduct
+    from sdm_mlx.core import exact_product
+    from sdm_mlx.core.exact_product import ExactRowProduct
 
     rng = np.random.default_rng(8)
     W = rng.uniform(-0.03, 0.03, size=(64, 1000)).astype(np.float32)

@@ -19,10 +19,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from sdm_mlx import chunked, exact_product
+from sdm_mlx import chunked
+from sdm_mlx.core import exact_product
 from sdm_mlx import index as index_mod
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.exact_product import ExactRowProduct
+from sdm_mlx.core.exact_product import ExactRowProduct
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
 
 ROOT = Path(__file__).resolve().parents[1]

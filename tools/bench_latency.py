@@ -32,7 +32,7 @@ from sdm_mlx import validation
 from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.calibration import estimate as calibration_estimate
 from sdm_mlx.storage.datasets import factcheck_splits
-from sdm_mlx.distance import distance_quantile
+from sdm_mlx.core.distance import distance_quantile
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.results import Predictions
 from sdm_mlx.train import sdm_numpy

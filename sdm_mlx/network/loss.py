@@ -33,7 +33,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..activation import log_sdm
+from ..core.activation import log_sdm
 from ..errors import InputError
 
 

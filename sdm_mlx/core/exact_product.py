@@ -30,7 +30,7 @@ import math
 
 import mlx.core as mx
 import numpy as np
-from .errors import InputError
+from ..errors import InputError
 
 #: Rows per float64 GEMM chunk (bounds memory; the result does not depend on it).
 CHUNK_ROWS = 4096

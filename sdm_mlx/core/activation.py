@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-from .errors import InputError
+from ..errors import InputError
 
 #: The offset added to q in the base of the exponent, ``2 + q``.
 Q_OFFSET = 2.0

@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .exact_product import CHUNK_ROWS, ExactRowProduct
-from .errors import InputError
+from ..errors import InputError
 
 
 def _uniform_linear(fan_in: int, fan_out: int, key: mx.array) -> nn.Linear:
@@ -84,7 +84,7 @@ def exemplar_basis(model: ExemplarAdaptor) -> np.ndarray | None:
     """Rᵀ [D, D] with ‖h'_i − h'_j‖ = ‖(x_i − x_j)_norm Rᵀ‖ when D < M, else None.
 
     R is the Cholesky factor of the Gram matrix, W_gᵀ W_g = Rᵀ R (the R of the thin QR
-    W_g = Q R up to row signs), the Gram matrix an exact product (:mod:`sdm_mlx.exact_product`).
+    W_g = Q R up to row signs), the Gram matrix an exact product (:mod:`sdm_mlx.core.exact_product`).
     Not ``np.linalg.qr``: right after MLX's float64 GEMMs it was measured at ~0.8 s per call on
     the shared 2-core machine (two OpenBLAS thread pools), against < 1 ms for this.
     """
@@ -109,7 +109,7 @@ class InvariantForward:
     (the training loop's gradients keep the fast batched MLX forward).  Each row's result is
     a function of that row and the weights alone, bit for bit, whatever the batch around it
     (issue 10 §4): the linear maps are error-free float64 products
-    (:class:`~sdm_mlx.exact_product.ExactRowProduct`), rounded once to float32.
+    (:class:`~sdm_mlx.core.exact_product.ExactRowProduct`), rounded once to float32.
 
     * D ≥ M: h' = W_g x_norm + b_g (the coordinates), z' = W' h' + b' (h' in float32, as in the model);
     * D < M: coordinates = x_norm Rᵀ (``basis``, see the module doc) and z' = (W' W_g) x_norm + (W' b_g + b'),
