@@ -19,7 +19,7 @@ _EXPORTS = {
     "distance_ecdfs": "core.distance", "distance_quantile": "core.distance",
     "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
     "Calibration": "calibration",
-    "ExactIndex": "index", "HnswIndex": "hnsw_index", "make_index": "index", "similarity_from_neighbours": "index",
+    "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
     "SDMError": "errors", "InputError": "errors", "OutputError": "errors", "ArtifactError": "errors",
     "NotFittedError": "errors",
 }

@@ -7,7 +7,7 @@ What a chunk costs is bounded independently of N:
 * the adaptor forward holds ``chunk_rows × D`` float64 values (x_norm and its two integer slices:
   ≈ 24 · chunk_rows · D bytes, in products of at most :data:`~sdm_mlx.core.exact_product.CHUNK_ROWS` rows);
 * the exact index holds one block of query × support distances at a time
-  (:data:`~sdm_mlx.index.DISTANCE_BLOCK_BYTES`, 256 MiB by default: the block has
+  (:data:`~sdm_mlx.index.exact.DISTANCE_BLOCK_BYTES`, 256 MiB by default: the block has
   ``min(4096, budget / (4 N_s))`` query rows) and its temporaries (the host copy, screening keys,
   masks and bands: about 5 blocks at most), plus the float64 re-ranking chunk
   (``ExactIndex.RERANK_BYTES``, 64 MiB);

@@ -60,7 +60,7 @@ class TrainConfig:
     seed: int = 0
     index_backend: str = "exact"
     patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
-    shard_index: bool = False  #: under mlx.launch, split the exact index over the ranks (sdm_mlx.sharded_index)
+    shard_index: bool = False  #: under mlx.launch, split the exact index over the ranks (sdm_mlx.index.sharded)
     shard_timeout: float = DISTRIBUTED_TIMEOUT  #: seconds a sharded-index collective waits for the other ranks
 
     def validate(self) -> None:

@@ -68,7 +68,7 @@ def index_results(index, case) -> dict:
 
 
 def run_index(out: Path) -> None:
-    from sdm_mlx.sharded_index import ShardedExactIndex
+    from sdm_mlx.index.sharded import ShardedExactIndex
 
     case = random_case()
     full = index_results(ShardedExactIndex.from_full(case[0]), case)
@@ -104,7 +104,7 @@ def run_fixture(out: Path) -> None:
 
 
 def run_loop(out: Path, selfkill: bool) -> None:
-    from sdm_mlx.sharded_index import ShardedExactIndex
+    from sdm_mlx.index.sharded import ShardedExactIndex
 
     dist.install_sigterm_message()
     support, good, queries, y_hat, _ = random_case()
@@ -129,7 +129,7 @@ def main() -> int:
         elif mode in ("loop", "selfkill"):
             run_loop(out, mode == "selfkill")
         elif mode == "mismatch":
-            from sdm_mlx.sharded_index import ShardedExactIndex
+            from sdm_mlx.index.sharded import ShardedExactIndex
 
             support = random_case()[0]
             ShardedExactIndex.from_full(support + dist.rank())

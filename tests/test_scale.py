@@ -21,7 +21,7 @@ import pytest
 
 from sdm_mlx import chunked
 from sdm_mlx.core import exact_product
-from sdm_mlx import index as index_mod
+from sdm_mlx.index import exact as index_mod
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.core.exact_product import ExactRowProduct
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class

@@ -62,7 +62,7 @@ class _CollectiveClock:
 
 def bench_index(args) -> dict:
     from sdm_mlx.index import ExactIndex, good_neighbours_by_class
-    from sdm_mlx.sharded_index import ShardedExactIndex
+    from sdm_mlx.index.sharded import ShardedExactIndex
 
     rng = np.random.default_rng(args.seed + 1)
     labels = rng.integers(0, 2, args.rows)

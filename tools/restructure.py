@@ -84,7 +84,7 @@ MOVES: dict[str, str] = {
 #: Old modules that are now packages: the names their lazy ``__init__`` re-exports stay valid at the old path.
 PUBLIC: dict[str, set[str]] = {
     "sdm_mlx.estimator": {"SDMEstimator", "FittedState"},
-    "sdm_mlx.index": {"ExactIndex", "HnswIndex", "ShardedIndex", "make_index", "default_k",
+    "sdm_mlx.index": {"ExactIndex", "HnswIndex", "ShardedExactIndex", "make_index", "default_k",
                       "good_neighbours_by_class", "similarity_from_neighbours", "SupportIndex"},
 }
 
@@ -93,7 +93,9 @@ NAMES: dict[tuple[str, str], str] = {
     **{("sdm_mlx.index", n): "sdm_mlx.index._arrays"
        for n in ("_as_float32_matrix", "_kept", "_exclusion", "check_predictions")},
     **{("sdm_mlx.index", n): "sdm_mlx.index.exact"
-       for n in ("ExactIndex", "_squared_distances", "SCREEN_MIN_ROWS", "SCREEN_MIN_SUPPORT")},
+       for n in ("DISTANCE_BLOCK_BYTES", "HOST_SCREEN_ELEMENTS", "HOST_MATMUL_MULTIPLY_ADDS", "screening_tolerance",
+                 "_squared_distances", "_screen_top", "_count_before_first_bad", "_host_view", "_Grouping",
+                 "_hard_positions", "_excluded_inf", "_xp", "_evaluate")},
     **{("sdm_mlx.feedback", n): "sdm_mlx.estimator.updates"
        for n in ("update_model", "artifact_lock", "add_support_to_model", "remove_support_from_model")},
 }

@@ -1,5 +1,5 @@
 """MLX distributed helpers: the process group, rank-0-only work, watched collectives — the one layer over
-``mlx.core.distributed`` that the sharded index (:mod:`sdm_mlx.sharded_index`) and data-parallel network
+``mlx.core.distributed`` that the sharded index (:mod:`sdm_mlx.index.sharded`) and data-parallel network
 training (:mod:`sdm_mlx.network.data_parallel`) build on.
 
 Under ``mlx.launch`` (ring backend over TCP / Thunderbolt, or MPI) :func:`group` is the group of

@@ -21,10 +21,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .runtime import distributed as dist
-from .errors import SDMError
-from .index import (DISTANCE_BLOCK_BYTES, ExactIndex, _as_float32_matrix, _exclusion, _squared_distances,
-                    check_predictions)
+from ..runtime import distributed as dist
+from ..errors import SDMError
+from .exact import DISTANCE_BLOCK_BYTES, ExactIndex, _squared_distances
+from ._arrays import _as_float32_matrix, _exclusion, check_predictions
 
 
 class ShardedExactIndex:

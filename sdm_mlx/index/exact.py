@@ -1,32 +1,13 @@
-"""Support index over training exemplar vectors h', and the Similarity q.
-
-Two interchangeable backends share one small interface:
-
-* :class:`ExactIndex` (default) — float32 squared L2 by tiled MLX matmuls,
-  ``‖a‖² + ‖b‖² − 2a·bᵀ`` after centring every vector on support row 0, used
-  only to screen candidates with provable error bands; q, d0 and the neighbours
-  come from float64 distances re-computed per pair on the host, ordered by
-  (distance, support index), so they do not depend on the batch.
-* :class:`~sdm_mlx.hnsw_index.HnswIndex` (in :mod:`sdm_mlx.hnsw_index`) — hnswlib HNSW graph (approximate, opt-in, for large
-  support sets). Its neighbours, and therefore q, may differ from exact.
-
-Both expose ``search(queries, n, exclude=None)`` (top-n neighbours) and
-``similarity(queries, y_hat, good_by_class, k, exclude=None)`` returning the
-Similarity q (``equation:q`` in the paper) and d0, the squared L2 distance
-to the nearest support vector.
-
-Similarity q of a query with prediction ŷ: the number of its nearest
-neighbours, in order, that are correctly predicted and share the prediction
-(``label_j == pred_j == ŷ``); the first neighbour failing this ends the count.
-It is capped at k.  Training queries exclude their own support index *before*
-the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
-"""
+"""The exact support index: :class:`ExactIndex`, float32 screening by tiled MLX matmuls with provable error
+bands, and float64 re-ranking on the host (the package docstring, :mod:`sdm_mlx.index`, says how q is defined)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from .errors import InputError
+
+from ..errors import InputError
+from ._arrays import _as_float32_matrix, _exclusion, _kept, check_predictions
 
 #: Bytes the exact index may use for one block of query × support distances.
 DISTANCE_BLOCK_BYTES = 256 * 1024 * 1024
@@ -52,57 +33,6 @@ def _evaluate(*arrays) -> None:
     lazy = [a for a in arrays if not isinstance(a, np.ndarray)]
     if lazy:
         mx.eval(*lazy)
-
-
-def good_neighbours_by_class(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
-    """[C, N_support] bool: support j counts towards q of class c iff label_j == pred_j == c."""
-    labels = np.asarray(labels)
-    predictions = np.asarray(predictions)
-    correct = labels == predictions
-    return np.stack([correct & (predictions == c) for c in range(num_classes)])
-
-
-def similarity_from_neighbours(neighbour_idx: np.ndarray, y_hat: np.ndarray, good_by_class: np.ndarray) -> np.ndarray:
-    """q from sorted neighbour lists (``equation:q``): length of the leading run of good neighbours.
-
-    ``neighbour_idx`` is [N, k] sorted nearest first; entries < 0 are padding (end the run).
-    """
-    neighbour_idx = np.asarray(neighbour_idx)
-    if neighbour_idx.shape[1] == 0:
-        return np.zeros(neighbour_idx.shape[0], dtype=np.int64)
-    valid = neighbour_idx >= 0
-    good = good_by_class[np.asarray(y_hat)[:, None], np.where(valid, neighbour_idx, 0)] & valid
-    return np.cumprod(good, axis=1).sum(axis=1).astype(np.int64)
-
-
-def _as_float32_matrix(x, name: str) -> np.ndarray:
-    a = np.asarray(x, dtype=np.float32)
-    if a.ndim != 2:
-        raise InputError(f"{name} must be a 2-D array [rows, dim], got shape {a.shape}")
-    if not np.isfinite(a).all():
-        raise InputError(f"{name} contains NaN or Inf values")
-    return a
-
-
-def _kept(positions, size: int) -> np.ndarray:
-    """[size] bool mask without ``positions`` (unique, in 1..size−1: row 0 anchors the index)."""
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if pos.size and (pos.min() < 1 or pos.max() >= size):
-        raise InputError(f"support positions to remove must lie in 1..{size - 1}")
-    if np.unique(pos).size != pos.size:
-        raise InputError("support positions to remove must be unique")
-    keep = np.ones(size, dtype=bool)
-    keep[pos] = False
-    return keep
-
-
-def _exclusion(exclude, n_queries: int) -> np.ndarray | None:
-    if exclude is None:
-        return None
-    ex = np.asarray(exclude, dtype=np.int64).reshape(-1)
-    if ex.shape[0] != n_queries:
-        raise InputError(f"exclude must hold one support index per query ({n_queries}), got {ex.shape[0]}")
-    return ex
 
 
 # Not mx.compile'd: the group sizes change every epoch, and on the CPU backend each new shape
@@ -481,58 +411,4 @@ class ExactIndex:
         return clear + (int(first[0]) if first.size else int(run.sum()))
 
 
-def check_predictions(queries: np.ndarray, y_hat, good_by_class, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ŷ [N] int64, good_by_class [C, size] bool) checked against the N checked ``queries``."""
-    y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
-    if y_hat.shape[0] != queries.shape[0]:
-        raise InputError("y_hat must hold one prediction per query")
-    good_np = np.asarray(good_by_class, dtype=bool)
-    if good_np.ndim != 2 or good_np.shape[1] != size:
-        raise InputError(f"good_by_class must be [C, {size}], got {good_np.shape}")
-    if y_hat.size and (y_hat.min() < 0 or y_hat.max() >= good_np.shape[0]):
-        raise InputError(f"y_hat must lie in 0..{good_np.shape[0] - 1}")
-    return y_hat, good_np
-
-
-def make_index(support, backend: str = "exact", shard: bool = False, shard_timeout: float | None = None, **kwargs):
-    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib).
-
-    ``shard``: under ``mlx.launch`` with more than one rank, the exact index is split over the ranks
-    (:class:`sdm_mlx.sharded_index.ShardedExactIndex`, same results); ignored in a single process.
-    """
-    if backend == "exact":
-        if shard:
-            from .sharded_index import make_sharded_or_local
-
-            return make_sharded_or_local(support, timeout=shard_timeout, **kwargs)
-        return ExactIndex(support, **kwargs)
-    if backend == "hnsw":
-        from .hnsw_index import HnswIndex
-
-        return HnswIndex(support, **kwargs)
-    raise InputError(f"unknown index backend {backend!r}; choose 'exact' or 'hnsw'")
-
-
-def default_k(train_labels: np.ndarray, num_classes: int) -> int:
-    """The paper's k: the largest per-class count in the training split."""
-    counts = np.bincount(np.asarray(train_labels, dtype=np.int64), minlength=num_classes)
-    return int(counts.max()) if counts.size else 0
-
-
-def __getattr__(name: str):
-    """``from sdm_mlx.index import HnswIndex`` keeps working: the class lives in :mod:`sdm_mlx.hnsw_index`."""
-    if name == "HnswIndex":
-        from .hnsw_index import HnswIndex
-
-        return HnswIndex
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "ExactIndex",
-    "HnswIndex",
-    "make_index",
-    "default_k",
-    "good_neighbours_by_class",
-    "similarity_from_neighbours",
-]
+__all__ = ["ExactIndex", "screening_tolerance"]

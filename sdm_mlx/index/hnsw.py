@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InputError
-from .index import _as_float32_matrix, _exclusion, _kept, similarity_from_neighbours
+from ..errors import InputError
+from ._arrays import _as_float32_matrix, _exclusion, _kept, similarity_from_neighbours
 
 
 class HnswIndex:
