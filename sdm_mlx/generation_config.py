@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import embed as _embed
+from .llm import embed as _embed
 from .settings import option
 from .errors import InputError
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import embed as _embed
+from .llm import embed as _embed
 from .defaults import DISTRIBUTED_TIMEOUT, EstimatorConfig
 from .settings import option
-from .verification_data import PAPER_SYSTEM, PRESETS
+from .llm.verification_data import PAPER_SYSTEM, PRESETS
 from .errors import InputError
 
 _E = EstimatorConfig()

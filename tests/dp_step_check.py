@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from tiny_models import make_tiny_model  # noqa: E402
 
-from sdm_mlx.embed import load_model  # noqa: E402
+from sdm_mlx.llm.embed import load_model  # noqa: E402
 from sdm_mlx.network.data_parallel import DataParallel, make_dp_train_step  # noqa: E402
 from sdm_mlx.network.heads import SDMHeads  # noqa: E402
 from sdm_mlx.network.trainer import make_optimizer, make_train_step, train_epoch  # noqa: E402

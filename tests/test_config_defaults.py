@@ -206,7 +206,7 @@ def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path)
 
     import numpy as np
 
-    from sdm_mlx import embed as E
+    from sdm_mlx.llm import embed as E
     from sdm_mlx.generation_config import BUILTIN, GenerationConfig
     from sdm_mlx.network.heads import model_dims
     from sdm_mlx.verified import REASK_TEMPLATE, VerifiedGenerator

@@ -34,7 +34,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from sdm_mlx import embed as E  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
 from sdm_mlx.cli import main  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."
@@ -341,7 +341,7 @@ def test_chat_non_interactive(setup, monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("joint", [False, True])
 def test_decoding_features_equal_the_feature_pass(setup, joint):
     """``GreedyDecoder(features=True)``: the pooled decoding states = a separate force-decoded feature pass."""
-    from sdm_mlx.embed import trunk
+    from sdm_mlx.llm.embed import trunk
     from sdm_mlx.verified import GreedyDecoder
 
     gen = _generator(setup)

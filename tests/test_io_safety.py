@@ -287,7 +287,7 @@ def test_kill_9_during_save_keeps_a_loadable_artifact(tmp_path):
 
 # ------------------------------------------------------------------------------------ network heads
 def test_network_base_model_is_relative_and_survives_a_move(tiny_phi3_path, lab, tmp_path):
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import SDMHeads, load_network, save_network
     from sdm_mlx.network.artifact import read_network_config
 

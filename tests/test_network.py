@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from sdm_mlx.embed import chat_text, load_model, prompt_completion_features
+from sdm_mlx.llm.embed import chat_text, load_model, prompt_completion_features
 from sdm_mlx.network import (
     HeadShapeError, NetworkArtifactError, SDMHeads, beta_schedule, greedy_generate, joint_argmax, load_network,
     network_loss, parse_task_prediction, regularization_mask, save_network,
@@ -19,7 +19,7 @@ from sdm_mlx.network.generation import first_json_object, is_closed
 from sdm_mlx.network.heads import model_dims
 from sdm_mlx.network.loss import rescaled_regularizer
 from sdm_mlx.network.trainer import completion_token_positions, make_optimizer, make_train_step, train_epoch
-from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS
+from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 
 TEMPLATE = PRESETS["sentiment"]["prompt_template"]
 DOCS = ["A warm and funny film with a wonderful cast.", "The plot is dull and the acting is wooden.",
@@ -316,7 +316,7 @@ def test_generation_features_equal_force_decoded_features(phi3):
     comp_ids = tok.encode('{"sentiment": "positive"}', add_special_tokens=False)
     ref = prompt_completion_features(model, tok, [tok.encode(prompts[0])], [comp_ids], on_missing="error")
     from sdm_mlx.network.generation import _pool
-    from sdm_mlx.embed import generated_n_kept
+    from sdm_mlx.llm.embed import generated_n_kept
 
     p_ids = tok.encode(prompts[0])
     h = heads.hidden_states([p_ids + comp_ids])[0]

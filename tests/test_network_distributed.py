@@ -188,7 +188,7 @@ def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
     (the key functions reproduce the batching of the real ones); uneven lengths, a last partial batch."""
     from tiny_models import make_tiny_model
 
-    from sdm_mlx import embed as E
+    from sdm_mlx.llm import embed as E
     from sdm_mlx.network.data_parallel import DataParallel
     from sdm_mlx.network.generation import generation_features, greedy_generate, prompt_lengths
     from sdm_mlx.network.heads import SDMHeads

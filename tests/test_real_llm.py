@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdm_mlx import embed as E
+from sdm_mlx.llm import embed as E
 from sdm_mlx.storage.datasets import load_factcheck
-from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS
+from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 
 pytestmark = pytest.mark.real_llm
 

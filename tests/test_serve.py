@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 from test_generate import OOD_PROMPT, SYSTEM, TEMPLATE, setup  # noqa: E402,F401  (module fixture)
 
-from sdm_mlx import embed as E  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
 
 MAX_BODY = 20_000
 TIMEOUT = 60

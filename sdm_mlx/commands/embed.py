@@ -2,7 +2,7 @@
 
 Each input row (``id`` required; ``label`` and every other field are kept) gets
 ``embedding = concat(mean of final-norm hidden states over the kept positions,
-the hidden state at the chosen position)`` — see :mod:`sdm_mlx.embed` for the
+the hidden state at the chosen position)`` — see :mod:`sdm_mlx.llm.embed` for the
 positions.  The text is the chat-templated ``--document-field`` (with
 ``--system`` and ``--prompt-template``), or an already templated
 ``--prompt-field``; ``--completion-field`` appends the assistant completion
@@ -72,7 +72,7 @@ def _texts(args, rows, tokenizer, path, foreign=None):
     ``foreign``: a list collecting the ids of ``--prompt-field`` prompts that do
     not end with the model's chat template tail (built for another chat template).
     """
-    from ..embed import chat_text, prompt_tail
+    from ..llm.embed import chat_text, prompt_tail
 
     docs, spans = [], []
     suffix = prompt_tail(tokenizer) if args.prompt_field and not args.no_chat_template else None
@@ -115,7 +115,7 @@ def _position(args) -> str:
 
 def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> dict:
     """Append the embedded rows of ``todo`` to ``out``, chunk by chunk; counts of truncated / missing rows."""
-    from ..embed import DocumentError, document_features
+    from ..llm.embed import DocumentError, document_features
 
     chunk = args.batch_size * 32
     stats = {"truncated": 0, "missing": 0, "width": None, "truncated_ids": [], "foreign": []}
@@ -151,7 +151,7 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
         say(f"{stats['truncated']} document(s) longer than --max-length {args.max_length}: their state at the last "
             f"kept position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
     if stats["foreign"]:
-        from ..embed import prompt_tail
+        from ..llm.embed import prompt_tail
 
         foreign = stats["foreign"]
         note(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
@@ -179,7 +179,7 @@ def run(args) -> int:
     if not todo:
         say("nothing to do")
         return 0
-    from ..embed import load_model
+    from ..llm.embed import load_model
 
     model, tokenizer = load_model(args.model)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:

@@ -221,7 +221,7 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
         warnings.warn(f"{path}: {status}", RuntimeWarning, stacklevel=2)
     w = load_head_weight(path, config)
     if model is None:
-        from ..embed import load_model
+        from ..llm.embed import load_model
 
         model, loaded_tok = load_model(config["base_model"])
         tokenizer = tokenizer or loaded_tok

@@ -16,7 +16,7 @@ batch).  A row stops at
 
 With ``features=True`` each output also carries the verifier input computed
 from the hidden states seen during decoding (DESIGN #21, the same construction
-as :mod:`sdm_mlx.embed` use (b)): ``concat(mean(h_0..h_{n-1}), h_{n-1})`` with
+as :mod:`sdm_mlx.llm.embed` use (b)): ``concat(mean(h_0..h_{n-1}), h_{n-1})`` with
 ``n`` = the global index of the generated token holding the last delimiter
 (``h_{n-1}`` predicts it), capped at ``max_length``; without a delimiter (parse
 failure) only the prompt's states are pooled (the research code's choice).
@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from .heads import SDMHeads
 from ..errors import InputError
 

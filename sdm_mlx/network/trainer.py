@@ -3,9 +3,9 @@
 Steps (reference_spec §8.1/8.2 for what the paper and the research code do):
 
 (a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)``
-    become verification rows (``sdm_mlx.verification_data``: each row is a
+    become verification rows (``sdm_mlx.llm.verification_data``: each row is a
     positive with its own label's completion, or a constructed negative with
-    another label's).  Their force-decoded features (``sdm_mlx.embed``:
+    another label's).  Their force-decoded features (``sdm_mlx.llm.embed``:
     concat(mean of final-norm states, state predicting the closing delimiter))
     train an ``SDMEstimator`` (J rounds over pooled re-splits).  The split of its
     selected round is D_tr* (support set) / D_ca* (calibration) for everything
@@ -49,7 +49,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..storage.artifact import prepare_run_directory
 from ..storage.datasets import id_key
 from ..storage.files import strict, write_json, write_jsonl

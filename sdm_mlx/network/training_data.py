@@ -2,7 +2,7 @@
 
 See :mod:`sdm_mlx.network.trainer` for Alg. 4 (``alg:sdm-network-training``).  Verification rows
 ``(id, prompt, completion, label, task_label[, task])`` come from a verification file or are built
-from task rows (:mod:`sdm_mlx.verification_data`); the token cache holds the frozen hidden states
+from task rows (:mod:`sdm_mlx.llm.verification_data`); the token cache holds the frozen hidden states
 that predict each y = 1 training completion token, with joint targets ``token + |V|`` (DESIGN #19).
 """
 
@@ -13,12 +13,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..runtime.callbacks import log, progress_bar as Progress
 from ..storage.datasets import read_objects
 from ..errors import InputError
 from ..network_config import NetworkConfig
-from ..verification_data import PRESETS, make_verification_rows
+from ..llm.verification_data import PRESETS, make_verification_rows
 from .heads import SDMHeads, token_hidden_states
 
 

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..verified.generator import _fill
 from .schema import GenerationRequest, VerifyRequest
 from ..errors import InputError
@@ -251,7 +251,7 @@ class Engine:
     def verify_text(self, prompt: str, completion: str, source: str) -> tuple[dict, dict]:
         """Verify ``completion`` force-decoded after ``prompt`` (``sdm-mlx embed``'s construction).
 
-        As :func:`sdm_mlx.embed.prompt_completion_features`, prompt + completion are encoded as one string;
+        As :func:`sdm_mlx.llm.embed.prompt_completion_features`, prompt + completion are encoded as one string;
         the completion's tokens are those after the prompt's own encoding (its common prefix, should the
         two tokenisations differ at the boundary).
         """

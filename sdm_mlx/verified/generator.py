@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..generation_config import ON_REJECT, GenerationConfig
 from .decoding import GreedyDecoder
 from .verification import AnswerVerifier, Verdict

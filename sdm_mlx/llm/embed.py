@@ -54,8 +54,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import InputError
-from .tokens import (  # re-exported: callers find the text/token helpers in sdm_mlx.embed
+from ..errors import InputError
+from .tokens import (  # re-exported: callers find the text/token helpers in sdm_mlx.llm.embed
     DEFAULT_DELIMITER,
     chat_text,
     delimiter_token_index,
@@ -142,7 +142,7 @@ def trunk(model):
         kind = getattr(model, "model_type", type(model).__name__)
         raise InputError(
             f"mlx-lm model of type {kind!r} does not expose its transformer trunk as `model.model` "
-            "(with `embed_tokens`); sdm_mlx.embed supports llama-, phi3-, qwen2- and mistral-style models"
+            "(with `embed_tokens`); sdm_mlx.llm.embed supports llama-, phi3-, qwen2- and mistral-style models"
         )
     return inner
 

@@ -1,10 +1,10 @@
 """Text and tokens for the LLM features: mlx-lm's prompt encoding, chat templating and the position
-of the closing delimiter of an answer (re-exported by :mod:`sdm_mlx.embed`)."""
+of the closing delimiter of an answer (re-exported by :mod:`sdm_mlx.llm.embed`)."""
 
 from __future__ import annotations
 
 from typing import Sequence
-from .errors import InputError
+from ..errors import InputError
 
 DEFAULT_DELIMITER = "}"  #: closing delimiter of a verification unit (the final brace of a JSON answer)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
-from .errors import InputError
+from ..errors import InputError
 
 PAPER_SYSTEM = "You are a helpful AI assistant."
 
