@@ -29,7 +29,7 @@ from .core.adaptor import ExemplarAdaptor
 from .storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .runtime.callbacks import Callback
-from .rescaler import RescalerFit
+from .calibration.rescaler import RescalerFit
 from .train import RoundResult, RoundsProgress, SplitState
 from .errors import InputError
 

@@ -33,7 +33,7 @@ from .calibration import Calibration, calibrate_round, estimate, exact_one_minus
 from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .defaults import EstimatorConfig
 from .defaults import PAPER_SETTINGS
-from .diagnosis import admission_diagnosis, diagnosis_message
+from .calibration.diagnosis import admission_diagnosis, diagnosis_message
 from .errors import InputError, NotFittedError
 from .estimator_io import load_estimator, save_estimator
 from .storage.datasets import id_key

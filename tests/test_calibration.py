@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sdm_mlx import calibration as cal
-from sdm_mlx.rescaler import (
+from sdm_mlx.calibration.rescaler import (
     _row_loss_mlx,
     init_rescaler_weights,
     rescaled_output,

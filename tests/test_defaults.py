@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
-from sdm_mlx.diagnosis import admission_diagnosis, diagnosis_message
+from sdm_mlx.calibration.diagnosis import admission_diagnosis, diagnosis_message
 from sdm_mlx.estimator import SDMEstimator
 from gaussians import gaussian_classes  # tools/gaussians.py (tools/ is on pytest's pythonpath)
 

@@ -13,7 +13,7 @@ One module per step, one named function per equation (docs/paper-map.md):
 Paper §"From SDM Activation Functions to SDM Calibration"; conventions fixed by
 DESIGN.md #7, #10-16, #23, #24 (they win over the paper and over the research
 code R where they differ).  Everything here is host-side, vectorised NumPy on
-sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.rescaler`).
+sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.calibration.rescaler`).
 
 Pipeline for one round (``calibrate_round``), calibration rows of the best epoch:
 
@@ -61,7 +61,7 @@ Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted):
 
 from __future__ import annotations
 
-from ..rescaler import rescaled_output
+from .rescaler import rescaled_output
 from ._checks import check_alpha
 from .bins import apply_ood, hard_qbin, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is, v_vector
 from .bounds import dkw_bounds, dkw_epsilon, effective_sample_size, sample_size_arrays

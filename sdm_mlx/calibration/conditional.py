@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..results import Estimate, Variant
-from ..rescaler import rescaled_output
+from .rescaler import rescaled_output
 from ._checks import _check_lists, _finite, _matrix, _vector, check_alpha
 from .bins import _v_of, apply_ood, unique_argmax_is
 from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon

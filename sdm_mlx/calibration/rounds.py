@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from ..storage.files import get_float, put_float
-from ..rescaler import (
+from .rescaler import (
     DEFAULT_LEARNING_RATE,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,

@@ -26,8 +26,9 @@ import warnings
 
 import numpy as np
 
-from .calibration import RoundCalibration, cauchy_robust_min, mad
-from .storage.files import finite_or_none
+from .cauchy import cauchy_robust_min, mad
+from .rounds import RoundCalibration
+from ..storage.files import finite_or_none
 
 
 def best_reachable_share(q_tilde: np.ndarray, good: np.ndarray, n_min: int) -> float:

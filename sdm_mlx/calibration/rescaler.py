@@ -50,7 +50,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from .errors import InputError
+from ..errors import InputError
 
 #: Alg. 2 defaults (DESIGN #10).
 DEFAULT_LEARNING_RATE = 1e-4
