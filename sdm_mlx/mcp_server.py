@@ -10,7 +10,7 @@ Tools:
   nearest training exemplars as short text lines;
 * ``add_feedback(verdict_id, label)`` — the user's verdict on an answer (``true``
   right, ``false`` wrong, or a class index): the verdict's feature row joins the
-  verifier's support set at once, without retraining (:mod:`sdm_mlx.feedback`);
+  verifier's support set at once, without retraining (:mod:`sdm_mlx.estimator.feedback`);
 * ``explain(verdict_id)`` — the full per-row quantities of that verdict: the
   estimator's row (q, d0, d, logits, SDM output, q̃ and its bins, n̂, offset,
   p̂_lower / centroid / upper), the features' bookkeeping (kept positions,

@@ -2,7 +2,7 @@
 
 Each field carries its default and help text (:func:`sdm_mlx.settings.option`); ``sdm-mlx network-train``
 options and YAML recipe keys are generated from it.  The verification layer's defaults are the
-estimator's (:class:`sdm_mlx.defaults.EstimatorConfig`).  No MLX import here, so ``--help`` stays fast.
+estimator's (:class:`sdm_mlx.estimator.config.EstimatorConfig`).  No MLX import here, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .llm import embed as _embed
-from .defaults import DISTRIBUTED_TIMEOUT, EstimatorConfig
+from .estimator.config import DISTRIBUTED_TIMEOUT, EstimatorConfig
 from .settings import option
 from .llm.verification_data import PAPER_SYSTEM, PRESETS
 from .errors import InputError

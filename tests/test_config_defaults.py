@@ -10,7 +10,7 @@ import pytest
 from sdm_mlx.cli import build_parser, load_yaml_config
 from sdm_mlx.commands._common import estimator_config, paper_base
 from sdm_mlx.commands.train import SETTINGS
-from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, EstimatorConfig
+from sdm_mlx.estimator.config import ESTIMATOR_DEFAULTS, EstimatorConfig
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.settings import resolve
 

@@ -21,7 +21,7 @@ import pytest
 from sdm_mlx.storage.artifact import ArtifactError
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.feedback import LOG_FILE, RETRAIN_FRACTION, add_support_to_model, remove_support_from_model
+from sdm_mlx.estimator.feedback import LOG_FILE, RETRAIN_FRACTION, add_support_to_model, remove_support_from_model
 
 FAR_SHIFT = 6.0
 
@@ -216,7 +216,7 @@ def test_persisted_updates_reload_equal_in_memory(trained, tmp_path):
 
 KILL_SCRIPT = """
 import sys, numpy as np
-from sdm_mlx.feedback import add_support_to_model
+from sdm_mlx.estimator.feedback import add_support_to_model
 path, n = sys.argv[1], 0
 rng = np.random.default_rng(0)
 while True:

@@ -24,7 +24,7 @@ from server_process import ServerProcess, sdm_mlx  # noqa: E402
 from test_generate import OOD_PROMPT, setup  # noqa: E402,F401  (module fixture)
 
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
-from sdm_mlx.feedback import LOG_FILE  # noqa: E402
+from sdm_mlx.estimator.feedback import LOG_FILE  # noqa: E402
 
 TIMEOUT = 90
 ANSWER = '{"sentiment": "positive"}'

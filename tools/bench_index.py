@@ -26,7 +26,7 @@ from bench_common import best_time, write_report
 from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
-from sdm_mlx.train import TrainConfig, train_round
+from sdm_mlx.estimator.training import TrainConfig, train_round
 
 
 def bench_index(n_support: int, n_queries: int, dim: int, seed: int = 0) -> dict:

@@ -196,9 +196,13 @@ def _relative(here: str, is_pkg: bool, target: str) -> tuple[int, str]:
 
 def _resolves(target: str, module: str | None, names: list[str], known: set[str]) -> bool:
     """Does a relative import resolved to ``target`` name something that exists (or existed)?"""
-    if module is None:  # from . import a, b: the names must be modules of the package
-        return all(f"{target}.{n}" in known or f"{target}.{n}" in MOVES for n in names)
+    if module is None:  # from . import a, b: modules of the package, or names its __init__ defines
+        return target in known
     return target in known or target in MOVES
+
+
+def _all_modules(target: str, names: list[str], known: set[str]) -> bool:
+    return all(f"{target}.{n}" in known or f"{target}.{n}" in MOVES for n in names)
 
 
 def _target(node: ast.ImportFrom, ctx: dict) -> str | None:
@@ -208,9 +212,15 @@ def _target(node: ast.ImportFrom, ctx: dict) -> str | None:
         return node.module if ok else None
     if ctx["here"] is None:
         return None
+    known, names = ctx["known"], [a.name for a in node.names]
     target = _absolute(ctx["here"], ctx["is_pkg"], node.level, node.module)
-    if ctx["old_here"] and not _resolves(target, node.module, [a.name for a in node.names], ctx["known"]):
-        target = _absolute(ctx["old_here"], False, node.level, node.module)
+    if not ctx["old_here"]:
+        return target
+    old = _absolute(ctx["old_here"], False, node.level, node.module)
+    if not _resolves(target, node.module, names, known):
+        return old
+    if node.module is None and _all_modules(old, names, known) and not _all_modules(target, names, known):
+        return old  # "from . import validation" written at the old place
     return target
 
 

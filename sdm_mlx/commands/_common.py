@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from ..defaults import EstimatorConfig
+from ..estimator.config import EstimatorConfig
 from ..errors import CLIError
 from ..generation_config import GenerationConfig
 
@@ -153,7 +153,7 @@ def mode_help(parser, modes: dict) -> None:
             action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
 
 def add_estimator_arguments(p) -> None:
-    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
+    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.estimator.config.EstimatorConfig`."""
     import argparse
 
     from ..settings import add_arguments
@@ -177,7 +177,7 @@ def estimator_config(args, base: dict | None = None):
 
 def paper_base(args) -> dict:
     """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
-    from ..defaults import PAPER_SETTINGS
+    from ..estimator.config import PAPER_SETTINGS
 
     return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
 
@@ -192,7 +192,7 @@ def estimator_from_args(args, class_names=None, base: dict | None = None):
 
 def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
     """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
-    from ..estimator_io import ROBUST_INF_REASON
+    from ..estimator.persistence import ROBUST_INF_REASON
     from ..storage.files import put_float
 
     best = est.round_summaries_[est.best_round_]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
+from ..estimator.config import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
 from ._common import add_conformal_argument, add_estimator_arguments, estimator_config, mode_help
 from ..errors import InputError
 

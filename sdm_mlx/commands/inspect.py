@@ -36,7 +36,7 @@ def run(args) -> int:
     import sys
 
     from ..estimator import SDMEstimator
-    from ..feedback import summary
+    from ..estimator.feedback import summary
     from ..storage.files import dumps
 
     est = SDMEstimator.load(args.model)

@@ -33,7 +33,7 @@ def run(args) -> int:
     import sys
     from collections import Counter
 
-    from ..chunked import read_jsonl_chunks
+    from ..estimator.chunking import read_jsonl_chunks
     from ..errors import InputError
     from ..estimator import SDMEstimator
     from ..storage.files import refuse_same_files, write_json, write_jsonl
@@ -45,7 +45,7 @@ def run(args) -> int:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
     trained_on = getattr(est, "feature_field_", None)
-    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
+    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.estimator.chunking)
     chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
     kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter()}
 
@@ -69,7 +69,7 @@ def run(args) -> int:
 def _scored_rows(args, est, chunks, trained_on, kept: dict, show: bool):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs."""
     from ..runtime.callbacks import progress_bar
-    from ..chunked import count_lines
+    from ..estimator.chunking import count_lines
     from ..storage.datasets import check_labels, check_model_width
 
     total = count_lines(args.input) if show else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..defaults import EstimatorConfig
+from ..estimator.config import EstimatorConfig
 from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
 from ..errors import InputError
 
@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--restart", action="store_true",
                    help="ignore the checkpoint OUTPUT.partial of an interrupted run and start over")
     add_estimator_arguments(p)
-    from ..defaults import PAPER_SETTINGS
+    from ..estimator.config import PAPER_SETTINGS
 
     mode_help(p, {"paper": PAPER_SETTINGS})
 
@@ -76,7 +76,7 @@ def run(args) -> int:
     import time
 
     from ..storage.artifact import check_artifact_output
-    from ..checkpoint import checkpoint_rounds, remove_checkpoint
+    from ..estimator.checkpoint import checkpoint_rounds, remove_checkpoint
     from ..runtime.distributed import is_distributed, is_primary, launched_rank
     from ..storage.datasets import read_jsonl
     from ..storage.files import refuse_same_files, write_json

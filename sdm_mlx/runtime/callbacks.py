@@ -8,10 +8,10 @@ elapsed time and ETA (tqdm) and writes log lines, both on stderr.
 Events (``j``: round index 0..J−1 of Alg. 1; ``epoch``: 1-based)::
 
     on_epoch_end(j, epoch, metrics)    after an epoch of a round (metrics: loss, balanced_median_q, ...)
-    on_round_end(j, result)            after round j (a :class:`sdm_mlx.train.RoundResult`); the
+    on_round_end(j, result)            after round j (a :class:`sdm_mlx.estimator.training.RoundResult`); the
                                        per-round calibration of Alg. 1 is such a callback
     on_rounds_state(state)             after the bookkeeping of a round (a resumable
-                                       :class:`sdm_mlx.train.RoundsProgress`: checkpointing)
+                                       :class:`sdm_mlx.estimator.training.RoundsProgress`: checkpointing)
     message(text)                      one log line
     progress(total, desc, unit)        a bar: ``with cb.progress(n, "embed", "doc") as bar: bar.update(k)``
 

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from ..defaults import DISTRIBUTED_TIMEOUT
+from ..estimator.config import DISTRIBUTED_TIMEOUT
 from ..errors import InputError, SDMError
 
 #: Seconds a collective may wait for the other ranks before the rank stops (settings: shard_timeout,

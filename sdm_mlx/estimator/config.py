@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .settings import defaults, option
+from ..settings import defaults, option
 
 #: Seconds a rank waits in one collective for the other ranks under ``mlx.launch`` before it stops (a dead or
 #: hung rank; :mod:`sdm_mlx.runtime.distributed`).  The one default of ``shard_timeout`` and ``distributed_timeout``.

@@ -10,7 +10,7 @@
     est.recalibrate(alpha=0.9)             # store a new α' in the model, without retraining the adaptor
 
 ``fit`` runs Alg. 1 for J rounds over stratified re-splits of the pooled
-train+calibration rows (:mod:`sdm_mlx.train`), calibrates every round
+train+calibration rows (:mod:`sdm_mlx.estimator.training`), calibrates every round
 (rescaler W'' by Alg. 2, Alg. 3 min valid q~ and ψ, per-bin medians:
 :mod:`sdm_mlx.calibration`), keeps the round with the highest balanced median
 calibration q, and aggregates the Cauchy robust min valid q~ and offsets over
@@ -27,22 +27,22 @@ import warnings
 
 import numpy as np
 
-from .core.adaptor import InvariantForward
-from . import validation
-from .calibration import Calibration, calibrate_round, estimate, exact_one_minus
-from .chunked import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
-from .defaults import EstimatorConfig
-from .defaults import PAPER_SETTINGS
-from .calibration.diagnosis import admission_diagnosis, diagnosis_message
-from .errors import InputError, NotFittedError
-from .estimator_io import load_estimator, save_estimator
-from .storage.datasets import id_key
+from ..core.adaptor import InvariantForward
+from .. import validation
+from ..calibration import Calibration, calibrate_round, estimate, exact_one_minus
+from .chunking import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
+from .config import EstimatorConfig
+from .config import PAPER_SETTINGS
+from ..calibration.diagnosis import admission_diagnosis, diagnosis_message
+from ..errors import InputError, NotFittedError
+from .persistence import load_estimator, save_estimator
+from ..storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
-from .core.distance import distance_quantile
-from .index import good_neighbours_by_class, make_index
-from .runtime.callbacks import CallbackList, as_callback
-from .results import Predictions
-from .train import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
+from ..core.distance import distance_quantile
+from ..index import good_neighbours_by_class, make_index
+from ..runtime.callbacks import CallbackList, as_callback
+from ..results import Predictions
+from .training import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
 
@@ -57,7 +57,7 @@ class SDMEstimator:
     ``score`` (accuracy), ``get_params`` / ``set_params`` / ``sklearn.base.clone``; ``estimate`` gives the
     full per-row results.  Parameters are stored as given and validated in ``fit``.
 
-    Defaults: :class:`sdm_mlx.defaults.EstimatorConfig` (evidence in ``docs/defaults.md``);
+    Defaults: :class:`sdm_mlx.estimator.config.EstimatorConfig` (evidence in ``docs/defaults.md``);
     ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
     Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
     ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
@@ -123,7 +123,7 @@ class SDMEstimator:
 
     @classmethod
     def paper(cls, **overrides) -> "SDMEstimator":
-        """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.defaults.PAPER_SETTINGS`)."""
+        """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.estimator.config.PAPER_SETTINGS`)."""
         return cls(**{**PAPER_SETTINGS, **overrides})
 
     # -- parameters (scikit-learn protocol) ------------------------------------------------------
@@ -235,9 +235,9 @@ class SDMEstimator:
         the J rounds (DESIGN #9), as in the paper.  Labels: any sortable hashable values
         (``classes_`` = the sorted distinct labels), or, with ``num_classes``, class indices 0..C−1.
         ``checkpoint``: a directory where the finished rounds are saved after each round
-        (:mod:`sdm_mlx.checkpoint`); a later ``fit`` with the same settings and data continues from it
+        (:mod:`sdm_mlx.estimator.checkpoint`); a later ``fit`` with the same settings and data continues from it
         (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
-        checkpoint is left in place: remove it with :func:`sdm_mlx.checkpoint.remove_checkpoint` once
+        checkpoint is left in place: remove it with :func:`sdm_mlx.estimator.checkpoint.remove_checkpoint` once
         the model is saved.  ``callback``: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress
         (default: silent, or tqdm progress on stderr with ``verbose=True``).
         """
@@ -406,8 +406,8 @@ class SDMEstimator:
 
         ``alpha``: re-threshold at another α' (Alg. 3 + Cauchy over the stored rounds) for this call only;
         None uses the fitted α'.  The estimator is not modified.  More than
-        :data:`~sdm_mlx.chunked.PREDICT_CHUNK_ROWS` rows are scored chunk by chunk (bounded working
-        memory, the same answers: :mod:`sdm_mlx.chunked`); ``progress`` draws a bar on stderr.
+        :data:`~sdm_mlx.estimator.chunking.PREDICT_CHUNK_ROWS` rows are scored chunk by chunk (bounded working
+        memory, the same answers: :mod:`sdm_mlx.estimator.chunking`); ``progress`` draws a bar on stderr.
         """
         self._check_fitted()
         n = X.shape[0] if hasattr(X, "shape") and len(X.shape) else None
@@ -451,7 +451,7 @@ class SDMEstimator:
             class_names=self.class_names,
         )
 
-    # -- feedback: support-set updates (sdm_mlx.feedback) -------------------------------------
+    # -- feedback: support-set updates (sdm_mlx.estimator.feedback) -------------------------------------
     @property
     def feedback_state_(self) -> FeedbackState:
         """Training-support size and update log of the current support set (reset by a new fit)."""
@@ -481,7 +481,7 @@ class SDMEstimator:
         returned nearest exemplars.  Unchanged: the adaptor and z', the calibration eCDFs of d0,
         the rescaler W'', Alg. 3's ψ and min valid q~, the Cauchy robust threshold and offsets —
         q and d are defined over the training support, the calibration statistics over the
-        calibration split, which feedback does not change (see :mod:`sdm_mlx.feedback`).
+        calibration split, which feedback does not change (see :mod:`sdm_mlx.estimator.feedback`).
 
         ``ids`` (default: fresh ``feedback-<hex>`` ids) must be unique and must not be support or
         calibration ids of this model; ``source`` names who sent the rows (api, cli, server, mcp...).

@@ -5,7 +5,7 @@ A checkpoint is an artifact directory (kind ``sdm_train_checkpoint``, written at
 
 * the fingerprint of the run: SHA-256 over the estimator settings that shape training and
   calibration and over the pooled data (features, labels, ids, C);
-* the round bookkeeping of :class:`sdm_mlx.train.RoundsProgress` (rounds done, the re-split
+* the round bookkeeping of :class:`sdm_mlx.estimator.training.RoundsProgress` (rounds done, the re-split
   generator state, the per-round summaries, the best round so far with its model, support and
   calibration state);
 * every finished round's :class:`sdm_mlx.calibration.RoundCalibration` (W'', Alg. 3 inputs, ...).
@@ -25,13 +25,13 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .core.adaptor import ExemplarAdaptor
-from .storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
-from .calibration import RoundCalibration
-from .runtime.callbacks import Callback
-from .calibration.rescaler import RescalerFit
-from .train import RoundResult, RoundsProgress, SplitState
-from .errors import InputError
+from ..core.adaptor import ExemplarAdaptor
+from ..storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
+from ..calibration import RoundCalibration
+from ..runtime.callbacks import Callback
+from ..calibration.rescaler import RescalerFit
+from .training import RoundResult, RoundsProgress, SplitState
+from ..errors import InputError
 
 KIND = "sdm_train_checkpoint"
 VERSION = 1

@@ -35,13 +35,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .core.activation import Q_SOFTMAX, sdm, sdm_nll_loss
-from .runtime.callbacks import SILENT, Callback
-from .core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
-from .defaults import DISTRIBUTED_TIMEOUT
-from .core.distance import distance_ecdfs, distance_quantile
-from .index import default_k, good_neighbours_by_class, make_index
-from .errors import InputError
+from ..core.activation import Q_SOFTMAX, sdm, sdm_nll_loss
+from ..runtime.callbacks import SILENT, Callback
+from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
+from .config import DISTRIBUTED_TIMEOUT
+from ..core.distance import distance_ecdfs, distance_quantile
+from ..index import default_k, good_neighbours_by_class, make_index
+from ..errors import InputError
 
 
 @dataclass

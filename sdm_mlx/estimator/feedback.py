@@ -45,8 +45,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .storage.datasets import id_key
-from .errors import ArtifactError, InputError
+from ..storage.datasets import id_key
+from ..errors import ArtifactError, InputError
 
 #: retraining is recommended once feedback rows exceed this fraction of the training support (overall or of a class)
 RETRAIN_FRACTION = 0.10
@@ -73,7 +73,7 @@ class FeedbackState:
 
 def label_indices_for(y, n_rows: int, classes, name: str) -> np.ndarray:
     """Class indices [n_rows] of labels given in the estimator's label space ``classes`` (``classes_``)."""
-    from . import validation
+    from .. import validation
 
     classes = np.asarray(classes)
     arr = validation.one_d(y, name)
@@ -229,8 +229,8 @@ def update_model(path, change):
     a crash at any point leaves either the previous or the new model loadable.  Concurrent updates of
     the same directory are serialised (:func:`artifact_lock`).  Returns ``(est, change(est))``.
     """
-    from .storage.artifact import artifact_kind
-    from .estimator import SDMEstimator
+    from ..storage.artifact import artifact_kind
+    from . import SDMEstimator
 
     if artifact_kind(os.fspath(path)) is None:
         # not a model: raises the clear "no model artifact at ..." error before any lock file is made

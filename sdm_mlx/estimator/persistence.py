@@ -14,12 +14,12 @@ import os
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .core.adaptor import ExemplarAdaptor, exemplar_basis
-from .storage.artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
-from .calibration import RoundCalibration
+from ..core.adaptor import ExemplarAdaptor, exemplar_basis
+from ..storage.artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
+from ..calibration import RoundCalibration
 from .feedback import LOG_FILE as FEEDBACK_LOG
 from .feedback import FeedbackState, dump_log, parse_log
-from .storage.files import put_float
+from ..storage.files import put_float
 
 #: why a stored robust min valid q~ is null (+inf): every prediction is rejected
 ROBUST_INF_REASON = ("no robust threshold: the Cauchy robust min valid q~ is +inf (rounds without a valid "

@@ -27,9 +27,9 @@ import os
 
 import numpy as np
 
-from .errors import InputError
-from .runtime.callbacks import progress_bar
-from .results import Estimate, Predictions, Variant
+from ..errors import InputError
+from ..runtime.callbacks import progress_bar
+from ..results import Estimate, Predictions, Variant
 
 #: Rows scored per chunk by ``SDMEstimator.estimate`` / ``sdm-mlx predict``.
 PREDICT_CHUNK_ROWS = 8192
@@ -104,8 +104,8 @@ def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
     the line an id was first seen on), the feature field and width and the presence of labels the
     same.  Memory: one chunk of rows plus the set of ids seen.
     """
-    from .storage.datasets import parse_rows
-    from .storage.files import iter_jsonl
+    from ..storage.datasets import parse_rows
+    from ..storage.files import iter_jsonl
 
     source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
     rows, seen, first = iter_jsonl(path), {}, None
