@@ -12,7 +12,7 @@ from sdm_mlx.cli import main
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.errors import NotFittedError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.metrics import index_conditional_report
+from sdm_mlx.evaluation.metrics import index_conditional_report
 
 FAST = dict(iterations=2, epochs=4, exemplar_dim=32, learning_rate=1e-3, rescaler_max_epochs=60, verbose=False)
 

@@ -233,7 +233,7 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
     """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
     import sys
 
-    from ..evaluate import format_evaluation, label_error_records, write_plots
+    from ..evaluation.evaluate import format_evaluation, label_error_records, write_plots
     from ..runtime.callbacks import note
     from ..storage.files import write_json, write_jsonl
 

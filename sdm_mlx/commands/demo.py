@@ -120,7 +120,7 @@ def _fit(est, pool, out: str, cfg: dict, callback) -> tuple[str, float]:
 
 def _plots_dir(args, out: str) -> str | None:
     from ..runtime.callbacks import note
-    from ..plots import plots_available
+    from ..evaluation.plots import plots_available
 
     if args.no_plots:
         return None
@@ -138,7 +138,7 @@ def run(args) -> int:
     from ..storage.artifact import prepare_run_directory
     from ..runtime.callbacks import cli_callback
     from ..storage.datasets import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
-    from ..evaluate import baseline_options, evaluate, predict_datasets
+    from ..evaluation.evaluate import baseline_options, evaluate, predict_datasets
     from ._common import emit, estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:

@@ -8,7 +8,7 @@ Example::
 
 One table per input on stdout (SDM p_lower / p_centroid / p_upper and the baselines NoReject,
 Softmax, temperature scaling, APS, RAPS over the same adaptor logits), the JSON report
-(schema: :mod:`sdm_mlx.evaluate`), optional PNG plots (needs matplotlib) and the admitted rows
+(schema: :mod:`sdm_mlx.evaluation.evaluate`), optional PNG plots (needs matplotlib) and the admitted rows
 whose label differs from the prediction (possible annotation errors), most confident first.
 The baselines are fitted on the model's calibration split: its logits and labels are stored in
 the model directory; for older models pass ``--calibration-data`` (the JSONL the model was
@@ -75,7 +75,7 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
 
     if calibration_data:
         from ..storage.datasets import read_jsonl
-        from ..evaluate import calibration_from_data
+        from ..evaluation.evaluate import calibration_from_data
 
         callback.message(f"recomputing the calibration logits from {calibration_data} ...")
         return calibration_from_data(est, read_jsonl(calibration_data, features,
@@ -94,7 +94,7 @@ def run(args) -> int:
     from ..estimator import SDMEstimator
     from ..storage.files import refuse_same_files
     from ..runtime.callbacks import cli_callback
-    from ..evaluate import baseline_options, evaluate, predict_datasets
+    from ..evaluation.evaluate import baseline_options, evaluate, predict_datasets
 
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]

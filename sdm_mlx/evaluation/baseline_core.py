@@ -1,5 +1,5 @@
 """The base class of the baseline selective classifiers and the input helpers they share (see
-:mod:`sdm_mlx.baselines` for the contract: ``fit(z_cal, y_cal, alpha)``, ``predict(z)``)."""
+:mod:`sdm_mlx.evaluation.baselines` for the contract: ``fit(z_cal, y_cal, alpha)``, ``predict(z)``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
-from .validation import label_indices, level
-from .errors import InputError
+from ..validation import label_indices, level
+from ..errors import InputError
 
 
 def _logits(z, name: str = "z") -> np.ndarray:

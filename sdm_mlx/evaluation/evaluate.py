@@ -5,7 +5,7 @@ Table ``tab:experiments-classification-combined``; Def. ``defn:index-conditional
 sets and the calibration split's adaptor logits z' and labels, and reports, per evaluation set
 and per estimator,
 
-* the index-conditional report of :func:`sdm_mlx.metrics.index_conditional_report`
+* the index-conditional report of :func:`sdm_mlx.evaluation.metrics.index_conditional_report`
   (class- and prediction-conditional accuracy over the admitted rows, admitted fractions, and
   whether index-conditional calibration holds at α');
 * an α' sweep (the points of the admitted-fraction vs conditional-accuracy curves): the SDM
@@ -75,14 +75,14 @@ from typing import Any
 import numpy as np
 
 from .baselines import BASELINES, make_baseline
-from .calibration import check_alpha, estimate
-from .storage.datasets import Dataset
-from .evaluate_output import format_evaluation, label_error_records, write_plots  # re-exported
+from ..calibration import check_alpha, estimate
+from ..storage.datasets import Dataset
+from .report import format_evaluation, label_error_records, write_plots  # re-exported
 from .metrics import index_conditional_report
-from .storage.files import finite_or_none, strict
-from .runtime.callbacks import SILENT, Callback
-from .validation import label_indices
-from .errors import InputError
+from ..storage.files import finite_or_none, strict
+from ..runtime.callbacks import SILENT, Callback
+from ..validation import label_indices
+from ..errors import InputError
 
 __all__ = [
     "SDM_ESTIMATORS",
@@ -111,7 +111,7 @@ DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)
 _CALIBRATION_FREE = ("no_reject", "softmax")
 #: Conformal settings: "randomized" is the configuration of the RAPS reference code the paper used
 #: (u ~ U(0, 1) in scores and sets, softmax of temperature-scaled logits); "deterministic" is the
-#: non-randomised APS/RAPS of :mod:`sdm_mlx.baselines` on plain softmax (it admits nothing whenever the
+#: non-randomised APS/RAPS of :mod:`sdm_mlx.evaluation.baselines` on plain softmax (it admits nothing whenever the
 #: calibration error rate exceeds 1 - α', since every wrong row then scores 1).
 CONFORMAL_MODES = {
     "randomized": {"randomized": True, "temperature_scale": True, "seed": 0},
@@ -416,7 +416,7 @@ def evaluate(
             ``report["baselines"]["skipped"]``.
         alphas: the α' sweep (default :data:`DEFAULT_ALPHAS` within the valid range); the
             estimator's α' is always included.
-        baselines: baseline names (:data:`sdm_mlx.baselines.BASELINES`), in display order.
+        baselines: baseline names (:data:`sdm_mlx.evaluation.baselines.BASELINES`), in display order.
         predictions: optional precomputed ``{name: estimator.estimate(...)}`` at the estimator's α'
             (e.g. from :func:`predict_datasets`, to reuse them for label errors).
         callback: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress lines (default: silent).

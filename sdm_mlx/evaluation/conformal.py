@@ -1,5 +1,5 @@
 """Split-conformal baselines: APS (Romano, Sesia & Candès 2020) and RAPS (Angelopoulos, Bates, Malik &
-Jordan 2021), admitting a row iff its prediction set is a singleton (see :mod:`sdm_mlx.baselines`).
+Jordan 2021), admitting a row iff its prediction set is a singleton (see :mod:`sdm_mlx.evaluation.baselines`).
 
 Conformal notation (RAPS paper, §2 / Algorithms 1-2; APS is the case λ = 0).  For a row
 with probabilities π̂ (softmax of the logits) sorted in descending order (ties by lowest
@@ -33,7 +33,7 @@ import numpy as np
 from scipy.special import softmax
 
 from .baseline_core import Baseline, _label_array, _logits, _rank_penalties, _sorted_probs, fit_temperature
-from .errors import InputError
+from ..errors import InputError
 
 
 def conformal_quantile(scores, coverage: float) -> float:

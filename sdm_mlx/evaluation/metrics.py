@@ -2,7 +2,7 @@
 ``tab:experiments-classification-combined``, Def. ``defn:index-conditional-calibration``).
 
 Every estimator (SDM p_lower / p_centroid / p_upper, or a baseline from
-:mod:`sdm_mlx.baselines`) reduces to three arrays over the evaluation split:
+:mod:`sdm_mlx.evaluation.baselines`) reduces to three arrays over the evaluation split:
 
 * ``y_true [N]``  -- true labels in ``0..C-1``;
 * ``y_pred [N]``  -- predictions ŷ in ``0..C-1``;
@@ -67,8 +67,8 @@ from typing import Any
 
 import numpy as np
 
-from .validation import label_indices, level
-from .errors import InputError
+from ..validation import label_indices, level
+from ..errors import InputError
 
 __all__ = [
     "REPORT_KEYS",
@@ -204,7 +204,7 @@ def index_conditional_report(y_true, y_pred, admitted, num_classes: int, alpha: 
 
 def curve_point(report: Mapping[str, Any]) -> tuple[float, float, float | None]:
     """``(alpha, marginal admitted fraction, min conditional accuracy)`` of a report:
-    one point of the admitted-vs-accuracy curves of :func:`sdm_mlx.plots.plot_admitted_vs_accuracy`."""
+    one point of the admitted-vs-accuracy curves of :func:`sdm_mlx.evaluation.plots.plot_admitted_vs_accuracy`."""
     return (float(report["alpha"]), float(report["marginal"]["admitted_fraction"]),
             report["min_conditional_accuracy"])
 

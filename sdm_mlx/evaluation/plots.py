@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["plots_available", "plot_admitted_vs_accuracy", "plot_qbin_histogram"]
 
@@ -40,7 +40,7 @@ def _new_figure(figsize):
 
 def _save(fig, path) -> str:
     """Render ``fig`` as PNG and write it with :func:`sdm_mlx.storage.files.atomic_write` (mode 0644, never a temp name)."""
-    from .storage.files import atomic_write
+    from ..storage.files import atomic_write
 
     path = os.fspath(path)
     fig.tight_layout()
@@ -51,7 +51,7 @@ def _save(fig, path) -> str:
 
 def _accuracy_value(v) -> float | None:
     """Reduce the accuracy element of a curve point to one number (or None = N/A):
-    a number, a report dict from :func:`sdm_mlx.metrics.index_conditional_report`
+    a number, a report dict from :func:`sdm_mlx.evaluation.metrics.index_conditional_report`
     (its ``min_conditional_accuracy``), or a sequence of conditional accuracies (their
     minimum, ignoring None)."""
     if v is None:
@@ -92,7 +92,7 @@ def plot_admitted_vs_accuracy(curves: Mapping[str, Sequence[tuple]], path, *,
             ``accuracy`` is the min class-/prediction-conditional accuracy (a float, or None
             when nothing is admitted), a sequence of the conditional accuracies (min taken),
             or a metrics report dict (``min_conditional_accuracy`` used) -- e.g. built with
-            :func:`sdm_mlx.metrics.curve_point`.
+            :func:`sdm_mlx.evaluation.metrics.curve_point`.
         path: output PNG path (parent directories are created).
         title: optional figure title.
         annotate_alpha: label each point with its α'.

@@ -1,5 +1,5 @@
-"""Presentation of an evaluation report (:func:`sdm_mlx.evaluate.evaluate`): the text tables, the label-error
-records of admitted rows, and the plots.  Re-exported by :mod:`sdm_mlx.evaluate`."""
+"""Presentation of an evaluation report (:func:`sdm_mlx.evaluation.evaluate.evaluate`): the text tables, the label-error
+records of admitted rows, and the plots.  Re-exported by :mod:`sdm_mlx.evaluation.evaluate`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .storage.datasets import Dataset
+from ..storage.datasets import Dataset
 from .metrics import format_results_table, label_error_rows
 
 __all__ = ["format_evaluation", "label_error_records", "write_plots"]
@@ -91,7 +91,7 @@ def write_plots(report: Mapping[str, Any], directory) -> list[str]:
 
     if not plots.plots_available():
         raise ImportError("plotting needs matplotlib; install it with: pip install 'sdm_mlx[plots]'")
-    from .storage.files import make_parent
+    from ..storage.files import make_parent
 
     make_parent(os.path.join(directory, "x"))  # the directory (0755) if missing; existing files are kept
     paths = []

@@ -24,7 +24,7 @@ logits + labels) and ``predict(z) -> (y_pred, admitted, score)``:
                      penalty λ·(o - k_reg)^+; admit iff the prediction set is a singleton
 ===================  ==================================================================
 
-The conformal notation and algorithms of APS and RAPS are in :mod:`sdm_mlx.conformal`.
+The conformal notation and algorithms of APS and RAPS are in :mod:`sdm_mlx.evaluation.conformal`.
 
 Defaults (documented choices; the paper's experiment used the RAPS reference code, which
 randomises, Platt-scales the probabilities first and tunes k_reg / λ on a 30% split):
@@ -45,7 +45,7 @@ from scipy.special import softmax
 from .metrics import index_conditional_report
 from .baseline_core import Baseline, _label_array, _logits, fit_temperature
 from .conformal import APS, RAPS, conformal_quantile, conformal_scores, prediction_set_sizes
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = [
     "Baseline",
@@ -132,7 +132,7 @@ def run_baselines(z_cal, y_cal, z_eval, y_eval, alpha: float, *, names=None,
                   options: dict[str, dict] | None = None) -> dict[str, dict[str, Any]]:
     """Fit each baseline on the calibration logits and evaluate it on the evaluation split.
 
-    Returns ``{name: index_conditional_report(...)}`` (see :mod:`sdm_mlx.metrics`), in
+    Returns ``{name: index_conditional_report(...)}`` (see :mod:`sdm_mlx.evaluation.metrics`), in
     ``names`` order (default: all of :data:`BASELINES`).  ``options`` maps a name to its
     constructor keyword arguments.
     """
