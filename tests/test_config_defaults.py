@@ -80,7 +80,7 @@ def test_help_shows_real_defaults_and_required():
 
 def test_network_train_options_come_from_network_config(tmp_path):
     from sdm_mlx.commands.network_train import network_config
-    from sdm_mlx.network_config import NetworkConfig
+    from sdm_mlx.network.config import NetworkConfig
 
     parser, subparsers = build_parser()
     common = ["network-train", "-m", "base", "--data", "d.jsonl", "--preset", "sentiment"]

@@ -92,7 +92,7 @@ def test_network_train_distributed_timeout_reaches_the_collectives(tiny_phi3_pat
     """--distributed-timeout (YAML distributed_timeout) bounds every collective wait (docs/distributed.md)."""
     from sdm_mlx.runtime import distributed
     from sdm_mlx.network import trainer
-    from sdm_mlx.network_config import NetworkConfig
+    from sdm_mlx.network.config import NetworkConfig
 
     seen = {}
 

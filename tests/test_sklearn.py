@@ -17,7 +17,7 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.base import clone, is_classifier  # noqa: E402
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
-from sdm_mlx.evaluation import baselines, metrics
+from sdm_mlx.evaluation import baselines, metrics  # noqa: E402
 from sdm_mlx import calibration  # noqa: E402
 from sdm_mlx.storage.datasets import check_labels  # noqa: E402
 from sdm_mlx.errors import InputError, NotFittedError  # noqa: E402

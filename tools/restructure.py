@@ -298,7 +298,8 @@ def fix_python(path: Path, text: str, known: set[str]) -> str:
             continue
         indent = lines[start][: node.col_offset]
         tail = lines[end][node.end_col_offset:]
-        lines[start: end + 1] = [indent + ("\n" + indent).join(new) + tail]
+        comment = tail.rstrip("\n") if tail.strip().startswith("#") else ""
+        lines[start: end + 1] = [indent + (comment + "\n" + indent).join(new) + tail]
     return fix_text("".join(lines), known)
 
 

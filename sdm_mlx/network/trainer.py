@@ -54,7 +54,7 @@ from ..storage.artifact import prepare_run_directory
 from ..storage.datasets import id_key
 from ..storage.files import strict, write_json, write_jsonl
 from ..runtime.callbacks import log, progress_bar as Progress
-from ..network_config import NetworkConfig
+from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .step import make_optimizer, make_train_step, train_epoch

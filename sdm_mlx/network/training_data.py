@@ -17,7 +17,7 @@ from ..llm import embed as _embed
 from ..runtime.callbacks import log, progress_bar as Progress
 from ..storage.datasets import read_objects
 from ..errors import InputError
-from ..network_config import NetworkConfig
+from .config import NetworkConfig
 from ..llm.verification_data import PRESETS, make_verification_rows
 from .heads import SDMHeads, token_hidden_states
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .llm import embed as _embed
-from .estimator.config import DISTRIBUTED_TIMEOUT, EstimatorConfig
-from .settings import option
-from .llm.verification_data import PAPER_SYSTEM, PRESETS
-from .errors import InputError
+from ..llm import embed as _embed
+from ..estimator.config import DISTRIBUTED_TIMEOUT, EstimatorConfig
+from ..settings import option
+from ..llm.verification_data import PAPER_SYSTEM, PRESETS
+from ..errors import InputError
 
 _E = EstimatorConfig()
 
