@@ -152,7 +152,7 @@ GEN_VERBS = ("generate", "chat", "serve", "mcp")
 def test_generation_defaults_cli_yaml_and_dataclass_agree(verb, tmp_path):
     from sdm_mlx.commands._common import SETTINGS as GEN_SETTINGS
     from sdm_mlx.commands._common import generation_config
-    from sdm_mlx.generation_config import GenerationConfig
+    from sdm_mlx.verified.config import GenerationConfig
 
     want = GenerationConfig(model="M", verifier="V")
     parser, subparsers = build_parser()
@@ -207,7 +207,7 @@ def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path)
     import numpy as np
 
     from sdm_mlx.llm import embed as E
-    from sdm_mlx.generation_config import BUILTIN, GenerationConfig
+    from sdm_mlx.verified.config import BUILTIN, GenerationConfig
     from sdm_mlx.network.heads import model_dims
     from sdm_mlx.verified import REASK_TEMPLATE, VerifiedGenerator
 

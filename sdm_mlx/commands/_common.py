@@ -2,7 +2,7 @@
 never each other or the dispatcher.
 
 The options of ``generate``, ``chat``, ``serve`` and ``mcp`` that configure the verified generator are
-generated from :class:`sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there);
+generated from :class:`sdm_mlx.verified.config.GenerationConfig` (defaults and help text live there);
 :func:`generation_config` resolves them (CLI > YAML > defaults) and :func:`build_generator` builds the
 generator from the result.
 """
@@ -15,7 +15,7 @@ import sys
 
 from ..estimator.config import EstimatorConfig
 from ..errors import CLIError
-from ..generation_config import GenerationConfig
+from ..verified.config import GenerationConfig
 
 #: The settings classes whose fields are the generation verbs' options and YAML keys.
 SETTINGS = (GenerationConfig,)

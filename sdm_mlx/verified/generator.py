@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..llm import embed as _embed
-from ..generation_config import ON_REJECT, GenerationConfig
+from .config import ON_REJECT, GenerationConfig
 from .decoding import GreedyDecoder
 from .verification import AnswerVerifier, Verdict
 from ..errors import InputError
@@ -167,7 +167,7 @@ class VerifiedGenerator:
 
     ``VerifiedGenerator(model_path, verifier_path, head_path=None, on_reject="abstain", max_attempts=3, ...)``
     or ``VerifiedGenerator.from_config(GenerationConfig(...))``; every keyword setting is a field of
-    :class:`~sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there):
+    :class:`~sdm_mlx.verified.config.GenerationConfig` (defaults and help text live there):
 
     * ``model_path``: mlx-lm model directory or hub id (default with a head: its base model);
     * ``verifier_path``: a saved ``SDMEstimator`` trained on features of force-decoded prompt +

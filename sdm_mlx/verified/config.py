@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .llm import embed as _embed
-from .settings import option
-from .errors import InputError
+from ..llm import embed as _embed
+from ..settings import option
+from ..errors import InputError
 
 #: What happens to a rejected answer (see :mod:`sdm_mlx.verified.generator`).
 ON_REJECT = ("abstain", "reask", "return")
