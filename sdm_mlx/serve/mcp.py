@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .serve.engine import Engine
+from .engine import Engine
 
 #: One sentence per rejection reason (``rejection_reason`` -> ``why``).
 WHY = {
