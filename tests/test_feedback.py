@@ -21,7 +21,8 @@ import pytest
 from sdm_mlx.storage.artifact import ArtifactError
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.estimator.feedback import LOG_FILE, RETRAIN_FRACTION, add_support_to_model, remove_support_from_model
+from sdm_mlx.estimator.feedback import LOG_FILE, RETRAIN_FRACTION
+from sdm_mlx.estimator.updates import add_support_to_model, remove_support_from_model
 
 FAR_SHIFT = 6.0
 

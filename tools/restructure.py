@@ -96,7 +96,8 @@ NAMES: dict[tuple[str, str], str] = {
        for n in ("DISTANCE_BLOCK_BYTES", "HOST_SCREEN_ELEMENTS", "HOST_MATMUL_MULTIPLY_ADDS", "screening_tolerance",
                  "_squared_distances", "_screen_top", "_count_before_first_bad", "_host_view", "_Grouping",
                  "_hard_positions", "_excluded_inf", "_xp", "_evaluate")},
-    **{("sdm_mlx.feedback", n): "sdm_mlx.estimator.updates"
+    **{(m, n): "sdm_mlx.estimator.updates"
+       for m in ("sdm_mlx.feedback", "sdm_mlx.estimator.feedback")
        for n in ("update_model", "artifact_lock", "add_support_to_model", "remove_support_from_model")},
 }
 

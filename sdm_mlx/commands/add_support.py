@@ -47,7 +47,8 @@ def run(args) -> int:
 
     from ..storage.datasets import check_model_width, read_jsonl
     from ..errors import CLIError
-    from ..estimator.feedback import summary, update_model
+    from ..estimator.feedback import summary
+    from ..estimator.updates import update_model
     from ..storage.files import refuse_inputs_inside
 
     if (args.input is None) == (args.undo is None):

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..runtime.distributed import DISTRIBUTED_TIMEOUT
 from ..settings import defaults, option
-
-#: Seconds a rank waits in one collective for the other ranks under ``mlx.launch`` before it stops (a dead or
-#: hung rank; :mod:`sdm_mlx.runtime.distributed`).  The one default of ``shard_timeout`` and ``distributed_timeout``.
-DISTRIBUTED_TIMEOUT = 900.0
 
 
 @dataclass(frozen=True)

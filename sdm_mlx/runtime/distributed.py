@@ -36,11 +36,11 @@ import time
 
 import numpy as np
 
-from ..estimator.config import DISTRIBUTED_TIMEOUT
 from ..errors import InputError, SDMError
 
-#: Seconds a collective may wait for the other ranks before the rank stops (settings: shard_timeout,
-#: distributed_timeout).
+#: Seconds a rank waits in one collective for the other ranks under ``mlx.launch`` before it stops (a dead or
+#: hung rank).  The one default of the ``shard_timeout`` and ``distributed_timeout`` settings.
+DISTRIBUTED_TIMEOUT = 900.0
 DEFAULT_TIMEOUT = DISTRIBUTED_TIMEOUT
 #: Exit status of a rank that the watchdog stops (timeout, or SIGTERM during a collective).
 WATCHDOG_EXIT = 75

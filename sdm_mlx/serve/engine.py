@@ -286,7 +286,8 @@ class Engine:
         ``feedback-<verdict_id>`` (so a verdict takes one label), and, with ``persist_feedback``, the
         verifier directory is rewritten atomically.  Later verdicts see the new row in q and d.
         """
-        from ..estimator.feedback import artifact_lock, summary
+        from ..estimator.updates import artifact_lock
+        from ..estimator.feedback import summary
 
         rec = self.verdicts.get(verdict_id)
         if rec is None:
