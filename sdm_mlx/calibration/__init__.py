@@ -9,9 +9,14 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.conditional` the index-conditional estimator at test time and its rejection reasons
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
+* :mod:`.rescaler`    Alg. 2, the rescaler W'' (``rescaler_*`` settings);  :mod:`.diagnosis` why rows are not admitted
+
+May import: layers 0-2 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm_mlx.storage`,
+:mod:`sdm_mlx.core`).  Unlike the other subpackages its ``__init__`` imports its modules at once: they are NumPy
+only, and ``sdm_mlx.calibration.estimate`` is the public path of each equation.
 
 Paper §"From SDM Activation Functions to SDM Calibration"; conventions fixed by
-DESIGN.md #7, #10-16, #23, #24 (they win over the paper and over the research
+``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the research
 code R where they differ).  Everything here is host-side, vectorised NumPy on
 sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.calibration.rescaler`).
 
