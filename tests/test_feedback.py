@@ -217,7 +217,7 @@ def test_persisted_updates_reload_equal_in_memory(trained, tmp_path):
 
 KILL_SCRIPT = """
 import sys, numpy as np
-from sdm_mlx.estimator.feedback import add_support_to_model
+from sdm_mlx.estimator.updates import add_support_to_model
 path, n = sys.argv[1], 0
 rng = np.random.default_rng(0)
 while True:
