@@ -143,7 +143,7 @@ def test_loss_equals_hand_computed_numpy_value():
     beta = 0.37
     total, (L, R, Rp) = network_loss(*(mx.array(a.astype(np.float32)) for a in (z_ref, z_neg, z_pos)),
                                      mx.array(t), mx.array(q.astype(np.float32)), mx.array(d.astype(np.float32)),
-                                     beta)
+                                     beta=beta)
     expect = _np_loss(z_ref, z_neg, z_pos, t, q, d, beta)
     np.testing.assert_allclose([float(total), float(L), float(R), float(Rp)], expect, rtol=2e-5)
     assert float(R) > 1.0 and 0.0 < float(Rp) - 1.0  # the rescaling is active on this example
@@ -188,7 +188,7 @@ def test_mask_with_coinciding_indices():
     assert np.flatnonzero(m[1] == 0).tolist() == [0, V + 0, V + 3]
     # at initialisation (W_pos = W_ref) the masked difference is exactly 0 and the gradient is finite
     q, d = mx.array([1.0, 2.0]), mx.array([1.0, 0.5])
-    g = mx.grad(lambda zp: network_loss(z, z, zp, t, q, d, mx.array(0.1))[0])(z)
+    g = mx.grad(lambda zp: network_loss(z, z, zp, t, q, d, beta=mx.array(0.1))[0])(z)
     assert np.isfinite(np.array(g)).all()
 
 

@@ -262,7 +262,7 @@ class ExactIndex:
             out_d[r, : order.shape[1]] = np.take_along_axis(d64, order, 1)
             out_i[r, : order.shape[1]] = np.take_along_axis(idx, order, 1)
 
-    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, ex, out_d, out_i) -> None:
+    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out_d, out_i) -> None:
         """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
         n = out_d.shape[1]
         if n + (8 if n > 1 else 0) >= self.size:
@@ -307,7 +307,7 @@ class ExactIndex:
             if ex is not None:
                 dist = _excluded_inf(dist, ex[rows], cols)
             _evaluate(dist, q_sq)
-            self._top_into(queries, rows, dist, q_sq, support[1], identity, ex, top_d, top_i)
+            self._top_into(queries, rows, dist, q_sq, support[1], identity, ex=ex, out_d=top_d, out_i=top_i)
         top_i[~np.isfinite(top_d)] = -1
         return top_d.astype(np.float32), top_i
 
@@ -364,7 +364,7 @@ class ExactIndex:
                     dist = _excluded_inf(dist, ex_cols, cols)
                 _evaluate(dist, q_sq)  # once: the q count and the top-n screening both read it
                 q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
-                self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex, top_d, top_i)
+                self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex=ex, out_d=top_d, out_i=top_i)
         np.minimum(q_out, k_eff, out=q_out)
         top_i[~np.isfinite(top_d)] = -1
         d0 = top_d[:, 0].astype(np.float32)
@@ -390,11 +390,11 @@ class ExactIndex:
         for r in np.flatnonzero(np.array(ambiguous)):
             q[r] = self._resolve_near_ties(
                 queries[rows[r]], np.asarray(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
-                float(q_sq[int(r)].item()), grouping,
+                float(q_sq[int(r)].item()), grouping=grouping,
             )
         return q
 
-    def _resolve_near_ties(self, query, dist_row, first_bad, a, b, q_sq, grouping) -> int:
+    def _resolve_near_ties(self, query, dist_row, first_bad, a, b, q_sq, *, grouping) -> int:
         """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
         excluded = ~np.isfinite(dist_row)
         band = self._tau * (2.0 * q_sq + grouping.support_sq_np + self._max_support_sq) + 1e-30

@@ -125,7 +125,8 @@ class ShardedExactIndex:
         identity = np.arange(self.local.size)
         for rows in self._blocks(np.arange(queries.shape[0])):
             dist_b, q_sq = self._distances(qc, rows, self.local._support, self.local._support_sq, ex_l)
-            self.local._top_into(queries, rows, dist_b, q_sq, self.local._support_sq, identity, ex_l, top_d, top_i)
+            self.local._top_into(queries, rows, dist_b, q_sq, self.local._support_sq, identity,
+                                 ex=ex_l, out_d=top_d, out_i=top_i)
         top_d, top_i = self._merge(top_d, self._to_global(top_i), "merging the top-n neighbours")
         top_i[~np.isfinite(top_d)] = -1
         return top_d.astype(np.float32), top_i
@@ -158,15 +159,15 @@ class ShardedExactIndex:
         for c in range(good_np.shape[0]):
             for rows in self._blocks(np.flatnonzero(y_hat == c)):
                 dist_b, q_sq = self._distances(qc, rows, grouping.support, grouping.support_sq, ex_cols)
-                bad_d, bad_i = self._first_bad(queries, rows, dist_b, q_sq, grouping, c, ex_l)
-                self.local._top_into(queries, rows, dist_b, q_sq, grouping.support_sq, grouping.perm, ex_l,
-                                     top_d, top_i)
+                bad_d, bad_i = self._first_bad(queries, rows, dist_b, q_sq, grouping, c, ex_l=ex_l)
+                self.local._top_into(queries, rows, dist_b, q_sq, grouping.support_sq, grouping.perm, ex=ex_l,
+                                     out_d=top_d, out_i=top_i)
                 both_d = np.concatenate([bad_d[:, None], top_d[rows]], axis=1)
                 both_i = np.concatenate([bad_i[:, None], self._to_global(top_i[rows])], axis=1)
                 packed_d, packed_i = self._merge_block(both_d, both_i)
                 top_d[rows], top_i[rows] = packed_d[:, 1:], packed_i[:, 1:]
                 count[rows] = self._count_before(queries, rows, dist_b, q_sq, grouping, c,
-                                                 packed_d[:, 0], packed_i[:, 0])
+                                                 bound_d=packed_d[:, 0], bound_i=packed_i[:, 0])
         q = dist.all_sum(count, "summing q over the shards", self.timeout, self.group)
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         np.minimum(q, k_eff, out=q)
@@ -185,7 +186,7 @@ class ShardedExactIndex:
         top_d, top_i = dist.smallest_pairs(side(d, slice(1, None)), side(i, slice(1, None)), both_d.shape[1] - 1)
         return np.concatenate([bad_d, top_d], 1), np.concatenate([bad_i, top_i], 1)
 
-    def _first_bad(self, queries, rows, dist_b, q_sq, grouping, c, ex_l):
+    def _first_bad(self, queries, rows, dist_b, q_sq, grouping, c, *, ex_l):
         """This shard's first bad neighbour per row (exact float64 distance, global index; (inf, −1): none).
 
         Bad = not good for c (the columns outside G_c); the float32 screen and float64 re-rank are
@@ -203,10 +204,10 @@ class ShardedExactIndex:
         if finite.any():
             keep = mx.array(np.flatnonzero(finite))
             self.local._top_into(queries, rows[finite], bad[keep], q_sq[keep], grouping.support_sq[cols_mx],
-                                 grouping.perm[cols], ex_l, out_d, out_i)
+                                 grouping.perm[cols], ex=ex_l, out_d=out_d, out_i=out_i)
         return out_d[rows, 0], self._to_global(out_i[rows, 0])
 
-    def _count_before(self, queries, rows, dist_b, q_sq, grouping, c, bound_d, bound_i) -> np.ndarray:
+    def _count_before(self, queries, rows, dist_b, q_sq, grouping, c, *, bound_d, bound_i) -> np.ndarray:
         """Per row, this shard's good neighbours (G_c, self excluded) ordered before (bound_d, bound_i).
 
         Float32 decides where the gap to the bound exceeds the screening band (``screening_tolerance``

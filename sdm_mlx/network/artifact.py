@@ -80,7 +80,7 @@ def resolve_base_model(config: dict, artifact_dir: str) -> str:
 
 
 def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dict | None = None,
-                 training: dict | None = None, overwrite: bool = False) -> str:
+                 training: dict | None = None, *, overwrite: bool = False) -> str:
     """Write the network directory ``path`` atomically; returns its absolute path.
 
     ``verifier``: a fitted ``SDMEstimator`` (saved with its ``save``) or the path

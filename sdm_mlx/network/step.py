@@ -34,7 +34,7 @@ def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool =
     def loss_fn(hd, h, t, q, d, beta):
         z_ref = hd.ref_logits(h)
         z_pos = hd.pos_logits(h)
-        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta)
+        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta=beta)
         return total, parts
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)

@@ -253,13 +253,13 @@ class SDMNetworkTrainer:
         c = self.config
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                     c.embed_batch_size, c.verbose)
+                                     c.embed_batch_size, verbose=c.verbose)
         need = [max(pos) + 1 if pos else 0 for pos in (
             completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter, c.max_length)[1]
             for r in pos_rows)]  # token_hidden_states' sort key
         mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
         cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, c.verbose)
+                                  c.max_length, c.embed_batch_size, verbose=c.verbose)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
         hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
         doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token

@@ -108,7 +108,7 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
 
 
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
+                      batch_size: int = 8, *, verbose: bool = True) -> TokenCache:
     """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):
