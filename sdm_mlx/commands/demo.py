@@ -109,10 +109,9 @@ def _fit(est, pool, out: str, cfg: dict, callback) -> tuple[str, float]:
     callback.message(f"training ({cfg['mode']} settings: J={cfg['iterations']}, {cfg['epochs']} epochs, "
                      f"M={cfg['exemplar_dim']}, alpha'={est.alpha}) ...")
     t0 = time.perf_counter()
-    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback)
+    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback, feature_field="attributes")
     seconds = time.perf_counter() - t0
     model_dir = os.path.join(out, "model")
-    est.feature_field_ = "attributes"
     est.save(model_dir, overwrite=True)  # inside our own run directory (checked by the caller)
     est.verbose = False
     return model_dir, seconds

@@ -106,7 +106,7 @@ def run(args) -> int:
         est.fit(
             train.X, train.y, None if cal is None else cal.X, None if cal is None else cal.y,
             ids_train=train.ids, ids_cal=None if cal is None else cal.ids,
-            num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint,
+            num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint, feature_field=train.features,
         )
     except KeyboardInterrupt:
         done = checkpoint_rounds(checkpoint) if checkpoint else 0
@@ -114,7 +114,6 @@ def run(args) -> int:
             "resume (--restart to start over)" if done else "interrupted before the first round finished", True)
         raise
     seconds = time.perf_counter() - t0
-    est.feature_field_ = train.features
     if distributed_run and not is_primary():
         return 0  # rank 0 alone writes the model and the report
     est.save(args.output, overwrite=args.overwrite)

@@ -34,8 +34,9 @@ from .chunking import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .config import EstimatorConfig
 from .config import PAPER_SETTINGS
 from ..calibration.diagnosis import admission_diagnosis, diagnosis_message
-from ..errors import InputError, NotFittedError
-from .persistence import load_estimator, save_estimator
+from ..errors import ArtifactError, InputError, NotFittedError
+from .persistence import load_state, save_state
+from .state import FittedState
 from ..storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from ..core.distance import distance_quantile
@@ -77,6 +78,7 @@ class SDMEstimator:
 
     def __init__(
         self,
+        *,
         alpha: float = _D.alpha,
         iterations: int = _D.iterations,
         epochs: int = _D.epochs,
@@ -160,12 +162,7 @@ class SDMEstimator:
     _estimator_type = "classifier"
 
     def _train_config(self) -> TrainConfig:
-        return TrainConfig(
-            epochs=self.epochs, batch_size=self.batch_size, learning_rate=self.learning_rate,
-            exemplar_dim=self.exemplar_dim, k=self.k, normalize=self.normalize, iterations=self.iterations,
-            stratified=self.stratified, seed=self.seed, index_backend=self.index_backend, patience=self.patience,
-            shard_index=self.shard_index, shard_timeout=self.shard_timeout,
-        )
+        return TrainConfig.of(self.get_params())
 
     @property
     def is_fitted(self) -> bool:
@@ -176,7 +173,7 @@ class SDMEstimator:
             raise NotFittedError("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
-    def _pooled_data(self, X, y, X_cal, y_cal, ids_train, ids_cal, num_classes):
+    def _pooled_data(self, X, y, X_cal, y_cal, *, ids_train, ids_cal, num_classes):
         """(X, classes_, y as indices, ids) of train (+ calibration) rows, validated once."""
         X = validation.features(X, "training features")
         if y is None:
@@ -227,8 +224,8 @@ class SDMEstimator:
             raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
         return alpha
 
-    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, num_classes=None, checkpoint=None,
-            callback=None):
+    def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, *, num_classes=None, checkpoint=None,
+            callback=None, feature_field=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
@@ -239,26 +236,36 @@ class SDMEstimator:
         (bit-identical to an uninterrupted fit), with other settings or data it starts over.  The
         checkpoint is left in place: remove it with :func:`sdm_mlx.estimator.checkpoint.remove_checkpoint` once
         the model is saved.  ``callback``: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress
-        (default: silent, or tqdm progress on stderr with ``verbose=True``).
+        (default: silent, or tqdm progress on stderr with ``verbose=True``).  ``feature_field``: the JSONL field
+        the features were read from, kept as the fitted ``feature_field_`` (saved with the model; None: the
+        default lookup).
         """
         callback = as_callback(callback, self.verbose)
-        X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train, ids_cal, num_classes)
+        X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal,
+                                               num_classes=num_classes)
         C = len(classes)
         alpha = self._check_classes(y, C)
         config = self._train_config()
         config.validate()
 
-        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config, checkpoint,
-                                                                    callback)
-        self.classes_ = classes
-        self.n_features_in_ = X.shape[1]
-        self._store_fit(X, y, ids, C, best, best_j, rounds, summaries)
+        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config,
+                                                                    checkpoint=checkpoint, callback=callback)
+        self._set_fitted(FittedState(
+            model=best.model, classes=classes, num_classes=C, input_dim=X.shape[1], k=best.k, best_round=best_j,
+            rounds=rounds, round_summaries=summaries, history=best.history,
+            exemplar_basis=best.basis,  # the basis the support coordinates were computed in
+            support_vectors=best.train.h, support_labels=y[best.train_idx], support_predictions=best.train.y_hat,
+            support_ids=[ids[i] for i in best.train_idx], calibration_ids=[ids[i] for i in best.cal_idx],
+            calibration_logits=np.asarray(best.calibration.z, dtype=np.float32),  # z' of the calibration rows
+            calibration_labels=y[best.cal_idx], calibration_distance_ecdfs=best.calibration_distance_ecdfs,
+            training_distance_ecdfs=best.train_distance_ecdfs, feature_field=feature_field,
+        ))
         self._apply_alpha(alpha)
         callback.message(f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
                          f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}")
         return self
 
-    def _train_and_calibrate(self, X, y, ids, C, alpha, config, checkpoint, callback):
+    def _train_and_calibrate(self, X, y, ids, C, alpha, config, *, checkpoint, callback):
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
         rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
                         learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
@@ -279,27 +286,22 @@ class SDMEstimator:
             summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
         return best, best_j, summaries, rounds
 
-    def _store_fit(self, X, y, ids, C, best, best_j, rounds, summaries) -> None:
-        """The fitted state of the best round (support set, adaptor, eCDFs) and of all rounds."""
-        self.num_classes_ = C
-        self.input_dim_ = X.shape[1]
-        self.k_ = best.k
-        self.best_round_ = best_j
-        self.rounds_ = rounds
-        self.round_summaries_ = summaries
-        self.history_ = best.history
-        self.model_ = best.model
-        self.exemplar_basis_ = best.basis  # the basis the support coordinates were computed in
-        self.support_vectors_ = best.train.h
-        self.support_labels_ = y[best.train_idx]
-        self.support_predictions_ = best.train.y_hat
-        self.support_ids_ = [ids[i] for i in best.train_idx]
-        self.calibration_ids_ = [ids[i] for i in best.cal_idx]
-        self.calibration_logits_ = np.asarray(best.calibration.z, dtype=np.float32)  # z' of calibration_ids_ rows
-        self.calibration_labels_ = y[best.cal_idx]
-        self.calibration_distance_ecdfs_ = best.calibration_distance_ecdfs
-        self.training_distance_ecdfs_ = best.train_distance_ecdfs
+    def _set_fitted(self, state: FittedState) -> None:
+        """Take ``state`` as this estimator's fitted state (from ``fit`` or ``load``) and build the index."""
+        for name, value in state.attributes().items():
+            setattr(self, name, value)
+        self.n_features_in_ = state.input_dim
+        self.__dict__.pop("_taken", None)
+        n_train = state.n_training_support or len(state.support_ids)
+        self._feedback = FeedbackState(self.support_ids_, n_train, list(state.feedback_log))
         self._prepare_predict()
+
+    def fitted_state(self) -> FittedState:
+        """The fitted state as one object (what :meth:`save` writes); the arrays are shared, not copied."""
+        self._check_fitted()
+        feedback = self.feedback_state_
+        return FittedState(**{name[:-1]: getattr(self, name) for name in FittedState.attribute_names()},
+                           n_training_support=feedback.n_training, feedback_log=feedback.log)
 
     def _prepare_predict(self) -> None:
         """The support index and the batch-invariant forward map, built once per fit / load (so that
@@ -548,14 +550,17 @@ class SDMEstimator:
         state.log.extend(entries)
         return entries
 
-    # -- persistence (sdm_mlx/estimator_io.py) ------------------------------------------------
+    # -- persistence (sdm_mlx/estimator/persistence.py) ----------------------------------------
     def save(self, path, overwrite: bool = False) -> None:
         """Write a versioned safetensors + JSON artifact directory atomically.
 
         An existing artifact at ``path`` is replaced only with ``overwrite=True``; any other existing
         non-empty directory (or a file) is refused with :class:`~sdm_mlx.errors.ArtifactError` and left untouched.
         Fitted under ``mlx.launch`` with a sharded index, rank 0 alone writes (the other ranks return)."""
-        save_estimator(self, path, overwrite=overwrite)
+        self._check_fitted()
+        if getattr(self._index, "group", None) is not None and self._index.group.rank() != 0:
+            return  # sharded under mlx.launch: rank 0 alone writes the artifact (docs/distributed.md)
+        save_state(path, self.fitted_state(), self.get_params(), self.robust_min_valid_, overwrite=overwrite)
 
     @classmethod
     def load(cls, path, shard_index: bool | None = None) -> "SDMEstimator":
@@ -563,7 +568,16 @@ class SDMEstimator:
 
         ``shard_index`` overrides the stored setting (under ``mlx.launch``: split the exact index over the
         ranks or not); None keeps the model's."""
-        return load_estimator(cls, path, shard_index=shard_index)
+        params, state = load_state(path)
+        try:
+            est = cls(**params)
+        except TypeError as e:
+            raise ArtifactError(f"{path}: artifact content is incomplete or inconsistent ({e!r})") from None
+        if shard_index is not None:
+            est.shard_index = bool(shard_index)
+        est._set_fitted(state)
+        est._apply_alpha(est.alpha)
+        return est
 
 
 def _same(a, b) -> bool:
