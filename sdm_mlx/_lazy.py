@@ -8,6 +8,7 @@ imported on first attribute access, so importing a package (for example to read 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 
 def lazy_exports(package: str, exports: dict[str, str]):
@@ -15,6 +16,8 @@ def lazy_exports(package: str, exports: dict[str, str]):
 
     def __getattr__(name: str):
         if name not in exports:
+            if not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+                return importlib.import_module(f"{package}.{name}")  # a submodule: pkg.sub works without import
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f".{exports[name]}", package), name)
         setattr(importlib.import_module(package), name, value)

@@ -52,12 +52,9 @@ import mlx.optimizers as optim
 import numpy as np
 from ..errors import InputError
 
-#: Alg. 2 defaults (DESIGN #10).
-DEFAULT_LEARNING_RATE = 1e-4
-DEFAULT_MAX_EPOCHS = 1000
-DEFAULT_PATIENCE = 10
-DEFAULT_BETAS = (0.9, 0.999)
-DEFAULT_EPS = 1e-8
+from .defaults import (  # noqa: F401  (Alg. 2 defaults, DESIGN #10; re-exported)
+    DEFAULT_BETAS, DEFAULT_ENGINE, DEFAULT_EPS, DEFAULT_LEARNING_RATE, DEFAULT_MAX_EPOCHS, DEFAULT_PATIENCE,
+)
 
 _F32 = np.float32
 
@@ -271,7 +268,7 @@ def train_rescaler(
     learning_rate: float = DEFAULT_LEARNING_RATE,
     betas: tuple[float, float] = DEFAULT_BETAS,
     eps: float = DEFAULT_EPS,
-    engine: str = "numpy",
+    engine: str = DEFAULT_ENGINE,
     W_init: np.ndarray | None = None,
     on_epoch: Callable[[int, float], None] | None = None,
 ) -> RescalerFit:

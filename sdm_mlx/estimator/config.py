@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..calibration import defaults as R
 from ..runtime.distributed import DISTRIBUTED_TIMEOUT
 from ..settings import defaults, option
 
@@ -32,10 +33,10 @@ class EstimatorConfig:
     normalize: bool = option(True, "scalar input normalisation")
     stratified: bool = option(True, "split rounds stratified by label (--unstratified: as the research code)")
     index_backend: str = option("exact", "support index backend", choices=("exact", "hnsw"), aliases=("--index",))
-    rescaler_max_epochs: int = option(1000, "Alg. 2: most epochs of the rescaler W''")
-    rescaler_patience: int = option(10, "Alg. 2: stop after this many epochs without a better loss")
-    rescaler_learning_rate: float = option(1e-4, "Alg. 2: Adam learning rate of W''")
-    rescaler_engine: str = option("numpy", "numpy: host loop (fast); mlx: compiled MLX step (same math, ~10x slower "
+    rescaler_max_epochs: int = option(R.DEFAULT_MAX_EPOCHS, "Alg. 2: most epochs of the rescaler W''")
+    rescaler_patience: int = option(R.DEFAULT_PATIENCE, "Alg. 2: stop after this many epochs without a better loss")
+    rescaler_learning_rate: float = option(R.DEFAULT_LEARNING_RATE, "Alg. 2: Adam learning rate of W''")
+    rescaler_engine: str = option(R.DEFAULT_ENGINE, "numpy: host loop (fast); mlx: compiled MLX step (same math, ~10x slower "
                                            "on CPU)", choices=("numpy", "mlx"))
     n_exemplars: int = option(5, "nearest training exemplars reported per row")
     seed: int = option(0, "random seed of splits and initialisation")

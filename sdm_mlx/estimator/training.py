@@ -25,7 +25,7 @@ the same metric (≥, later wins).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Callable
 
@@ -38,30 +38,38 @@ from mlx.utils import tree_flatten
 from ..core.activation import Q_SOFTMAX, sdm, sdm_nll_loss
 from ..runtime.callbacks import SILENT, Callback
 from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
-from .config import DISTRIBUTED_TIMEOUT
+from .config import EstimatorConfig
 from ..core.distance import distance_ecdfs, distance_quantile
 from ..index import default_k, good_neighbours_by_class, make_index
 from ..errors import InputError
 
 
+_D = EstimatorConfig()  #: the package defaults (declared once, in EstimatorConfig)
+
+
 @dataclass
 class TrainConfig:
-    """Alg. 1 settings.  The defaults are the paper's; :class:`sdm_mlx.estimator.SDMEstimator` holds the
-    package defaults (see ``docs/defaults.md``)."""
+    """Alg. 1 settings: the training subset of :class:`~sdm_mlx.estimator.config.EstimatorConfig`, with its
+    defaults (the paper's are :data:`~sdm_mlx.estimator.config.PAPER_SETTINGS`; see ``docs/defaults.md``)."""
 
-    epochs: int = 50  #: per round (a cap when ``patience`` is set)
-    batch_size: int = 50
-    learning_rate: float = 1e-5
-    exemplar_dim: int = 1000
-    k: int | None = None  #: neighbours scanned for q; None = largest class count of the training split
-    normalize: bool = True
-    iterations: int = 10  #: J
-    stratified: bool = True
-    seed: int = 0
-    index_backend: str = "exact"
-    patience: int | None = None  #: stop a round after this many epochs without a better balanced median q
-    shard_index: bool = False  #: under mlx.launch, split the exact index over the ranks (sdm_mlx.index.sharded)
-    shard_timeout: float = DISTRIBUTED_TIMEOUT  #: seconds a sharded-index collective waits for the other ranks
+    epochs: int = _D.epochs  #: per round (a cap when ``patience`` is set)
+    batch_size: int = _D.batch_size
+    learning_rate: float = _D.learning_rate
+    exemplar_dim: int = _D.exemplar_dim
+    k: int | None = _D.k  #: neighbours scanned for q; None = largest class count of the training split
+    normalize: bool = _D.normalize
+    iterations: int = _D.iterations  #: J
+    stratified: bool = _D.stratified
+    seed: int = _D.seed
+    index_backend: str = _D.index_backend
+    patience: int | None = _D.patience  #: stop a round after this many epochs without a better balanced median q
+    shard_index: bool = _D.shard_index  #: under mlx.launch, split the exact index over the ranks (index.sharded)
+    shard_timeout: float = _D.shard_timeout  #: seconds a sharded-index collective waits for the other ranks
+
+    @classmethod
+    def of(cls, params: dict) -> "TrainConfig":
+        """The training settings among an estimator's parameters (``SDMEstimator.get_params()``)."""
+        return cls(**{f.name: params[f.name] for f in fields(cls)})
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
