@@ -41,7 +41,8 @@ def compare(path: str, dp: DataParallel, optimizer: str, exchange: str) -> dict:
         else:
             step, use = make_dp_train_step(heads, opt, dp, exchange=exchange), dp
         order = np.random.default_rng(1)
-        runs[mode] = {"epochs": [train_epoch(step, heads, opt, H, T, q, d, 11, 0.5, 3.0, order, dp=use)
+        runs[mode] = {"epochs": [train_epoch(step, heads, opt, H, T, q, d_tok=d, batch_size=11, beta_min=0.5,
+                                             beta_max=3.0, rng=order, dp=use)
                                  for _ in range(2)], "w": np.array(heads.pos.weight)}
     a, b = runs["single"], runs["data_parallel"]
     return {

@@ -1,4 +1,4 @@
-"""SDM network (issue 6): heads, loss, mask, β schedule, compiled step, generation, artifacts — fast unit tests."""
+"""SDM network (DESIGN #17-21): heads, loss, mask, β schedule, compiled step, generation, artifacts — fast unit tests."""
 
 import json
 import math
@@ -214,8 +214,8 @@ def test_beta_resets_every_epoch_and_tokens_are_shuffled():
     T = mx.arange(7)
     rng = np.random.default_rng(0)
     for _ in range(2):
-        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), H, T, np.ones(7), np.ones(7), 3,
-                        0.0, 0.1, rng)
+        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), H, T, np.ones(7), d_tok=np.ones(7),
+                        batch_size=3, beta_min=0.0, beta_max=0.1, rng=rng)
         assert m["batches"] == 3 and m["beta_first"] == 0.0
     betas = [b for b, _ in seen]
     np.testing.assert_allclose(betas, [0.0, 0.1 / 3, 0.2 / 3] * 2, rtol=1e-6)

@@ -33,7 +33,7 @@ REJECTION_REASONS = (
 )
 
 
-def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, psi, min_valid_own, robust_min):
+def _variant(W, v_var, log_base, y_hat, sdm_flip, offsets, *, psi, min_valid_own, robust_min):
     """Process one of centroid / lower / upper: q~, o, flip rule, offset, validity.
 
     Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ):
@@ -89,7 +89,7 @@ def _validate_calibration(cal: "Calibration") -> tuple:
     return W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays
 
 
-def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low) -> np.ndarray:
+def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, *, low) -> np.ndarray:
     """First failing condition per row, in the order of :data:`REJECTION_REASONS` ("" = admitted)."""
     (_, cen_floor_ok, cen_o_flip, _), (low_v, low_floor_ok, low_o_flip, low_singleton) = cen, low
     conditions = [
@@ -144,7 +144,7 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
     low = _variant(v_var=v_lower, **common)
     up = _variant(v_var=v_upper, **common)
-    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low)
+    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low=low)
     admitted = low[0].valid
     # the reasons are exhaustive for the conditions of `valid`
     assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"

@@ -113,7 +113,7 @@ def _position(args) -> str:
     return position
 
 
-def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> dict:
+def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, *, out) -> dict:
     """Append the embedded rows of ``todo`` to ``out``, chunk by chunk; counts of truncated / missing rows."""
     from ..llm.embed import DocumentError, document_features
 
@@ -183,6 +183,6 @@ def run(args) -> int:
 
     model, tokenizer = load_model(args.model)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:
-        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out)
+        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out=out)
     _report(args, stats, len(todo), position, tokenizer, say)
     return 0

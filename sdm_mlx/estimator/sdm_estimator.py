@@ -269,7 +269,7 @@ class SDMEstimator:
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
         rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
                         learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
-        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback)
+        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback=callback)
         progress, saver = None, None
         if checkpoint is not None:
             from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint

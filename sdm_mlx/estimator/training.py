@@ -142,7 +142,7 @@ def sdm_numpy(z: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def split_state(z, h, labels, support_index, good, k, num_classes, exclude=None):
+def split_state(z, h, labels, support_index, good, k, *, num_classes, exclude=None):
     """One split's q, d0, its own distance eCDFs (``equation:d``), d and the flip rule.
 
     Training rows pass ``exclude`` (their own support index) and get training eCDFs;
@@ -191,7 +191,7 @@ def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
     return step
 
 
-def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr, order, batch_size) -> float:
+def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, *, d_tr, order, batch_size) -> float:
     """One pass of Adam over the training split in ``order``; returns the mean batch loss."""
     q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
     total, batches = 0.0, 0
@@ -204,7 +204,7 @@ def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr, order, batc
     return total / max(batches, 1)
 
 
-def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
+def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, *, k, config):
     """Forward both splits by the batch-invariant forward that predict uses, rebuild the support index,
     refresh q, d0, d (training: self-excluded); also returns the exemplar basis the coordinates are in."""
     basis = exemplar_basis(model)
@@ -213,8 +213,8 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
     z_ca, h_ca = forward(X_ca)
     good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
     index = make_index(h_tr, config.index_backend, shard=config.shard_index, shard_timeout=config.shard_timeout)
-    tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes, exclude=np.arange(X_tr.shape[0]))
-    ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes)
+    tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes=num_classes, exclude=np.arange(X_tr.shape[0]))
+    ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes=num_classes)
     return tr, ca, basis
 
 
@@ -239,7 +239,7 @@ def train_round(
     y_ca: np.ndarray,
     num_classes: int,
     config: TrainConfig,
-    seed: int,
+    *, seed: int,
     train_idx: np.ndarray | None = None,
     cal_idx: np.ndarray | None = None,
     callback: Callback = SILENT,
@@ -263,10 +263,10 @@ def train_round(
     y_tr_mx, X_tr_mx = mx.array(y_tr.astype(np.int32)), mx.array(X_tr)
     best, history, stale = None, [], 0
     for epoch in range(1, config.epochs + 1):
-        loss = _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr, rng.permutation(n_tr),
-                          config.batch_size)
-        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k,
-                                                                     config)
+        loss = _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr=d_tr, order=rng.permutation(n_tr),
+                          batch_size=config.batch_size)
+        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k=k,
+                                                                     config=config)
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
         moved = adaptor_movement(model, initial)
@@ -350,7 +350,7 @@ class RoundCalibrator(Callback):
     training does not depend on the calibration math); the results collect in ``rounds``."""
 
     def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
-                 rescaler: dict, callback: Callback = SILENT, rounds: list | None = None):
+                 rescaler: dict, *, callback: Callback = SILENT, rounds: list | None = None):
         self.calibrate = calibrate
         self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
         self.rescaler, self.callback = rescaler, callback

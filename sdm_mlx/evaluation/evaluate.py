@@ -220,7 +220,7 @@ def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndar
     return np.asarray(z, dtype=np.float32), np.asarray(sub.y, dtype=np.int64)
 
 
-def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped, options) -> dict:
+def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped, *, options) -> dict:
     fitted = {}
     for name in names:
         if name not in BASELINES:
@@ -272,10 +272,10 @@ def _check_calibration_logits(z_cal, y_cal, C: int):
     return z_cal, y_cal
 
 
-def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat) -> dict[str, np.ndarray]:
+def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, *, z, y_hat) -> dict[str, np.ndarray]:
     """Baselines refitted at α' and applied to the set's logits z' (they never change argmax z')."""
     admitted = {}
-    fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options)
+    fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options=options)
     for b in run_baselines:
         b_pred, b_adm, _ = fitted[b].predict(z)
         if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
@@ -284,7 +284,7 @@ def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat) -
     return admitted
 
 
-def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baselines, z_cal, y_cal, C, options,
+def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, *, order, run_baselines, z_cal, y_cal, C, options,
                 callback: Callback) -> dict:
     """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
     y = np.asarray(ds.y, dtype=np.int64)
@@ -296,7 +296,7 @@ def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, order, run_baseline
     sweep: dict[str, list] = {e: [] for e in order}
     reports: dict[str, dict] = {}
     for a in sweep_alphas:
-        admitted = _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z, y_hat)
+        admitted = _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z=z, y_hat=y_hat)
         admitted.update(sdm_at[a][name])
         for e in order:
             rep = index_conditional_report(y, y_hat, admitted[e], C, a)
@@ -343,7 +343,7 @@ def _model_summary(estimator) -> dict:
     }
 
 
-def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params, out_sets,
+def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, *, options, run_baselines, params, out_sets,
               notes) -> dict:
     """The report dict (schema: module docstring) from the three steps' results."""
     return {
@@ -397,7 +397,7 @@ def evaluate(
     y_cal=None,
     alphas: Sequence[float] | None = None,
     baselines: Sequence[str] = DEFAULT_BASELINES,
-    predictions: Mapping[str, Any] | None = None,
+    *, predictions: Mapping[str, Any] | None = None,
     callback: Callback = SILENT,
     options: Mapping[str, dict] | None = None,
 ) -> dict[str, Any]:
@@ -436,14 +436,15 @@ def evaluate(
     options = baseline_options() if options is None else {k: dict(v) for k, v in options.items()}
     skipped: dict[str, str] = {}
     params = {n: b.get_params()
-              for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options).items()}
+              for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options=options).items()}
     run_baselines = [b for b in baselines if b not in skipped]
     order = run_baselines + list(SDM_ESTIMATORS)
     # step 2: SDM admissions at every α' (no change to the estimator)
     sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
     # step 3: reports
-    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order, run_baselines,
-                                  z_cal, y_cal, C, options, callback) for name, ds in datasets.items()}
-    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options, run_baselines, params,
-                       out_sets, notes)
+    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order=order,
+                                  run_baselines=run_baselines, z_cal=z_cal, y_cal=y_cal, C=C, options=options,
+                                  callback=callback) for name, ds in datasets.items()}
+    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options=options,
+                       run_baselines=run_baselines, params=params, out_sets=out_sets, notes=notes)
     return strict(report)

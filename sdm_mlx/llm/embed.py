@@ -1,4 +1,4 @@
-"""Hidden-state features of an mlx-lm language model (DESIGN #21, reference_spec §8.2).
+"""Hidden-state features of an mlx-lm language model (DESIGN #21).
 
 Positions, explicitly
 ---------------------
@@ -282,7 +282,7 @@ class Features:
     missing_delimiter: np.ndarray
 
 
-def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx):
+def _plan(tokenizer, doc, span, position, delimiter, max_length, *, on_missing, idx):
     """Token ids and position bookkeeping for one document."""
     if isinstance(doc, str):
         ids = encode(tokenizer, doc)
@@ -376,7 +376,7 @@ def document_features(
     spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
 
     plans = [
-        _plan(tokenizer, d, s, position, delimiter, max_length, on_missing, i)
+        _plan(tokenizer, d, s, position, delimiter, max_length, on_missing=on_missing, idx=i)
         for i, (d, s) in enumerate(zip(documents, spans))
     ]
     n_kept = np.array([p[1] for p in plans], dtype=np.int64)
@@ -408,7 +408,8 @@ def prompt_completion_kept_lengths(tokenizer, prompts: Sequence[str], completion
                                    on_missing: str = "error") -> np.ndarray:
     """Token counts :func:`prompt_completion_features` keeps per (string) pair — its batches' sort key
     (longest first, stable); tokenisation only (data-parallel training splits by whole batches)."""
-    return np.array([_plan(tokenizer, p + c, (len(p), None), "delimiter", delimiter, max_length, on_missing, i)[1]
+    return np.array([_plan(tokenizer, p + c, (len(p), None), "delimiter", delimiter, max_length,
+                           on_missing=on_missing, idx=i)[1]
                      for i, (p, c) in enumerate(zip(prompts, completions))], dtype=np.int64)
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel SDM-network training over ``mlx.core.distributed`` (issue 14 §2).
+"""Data-parallel SDM-network training over ``mlx.core.distributed`` (docs/network-data-parallel.md).
 
 Under ``mlx.launch -n N`` every rank runs the same Alg. 4 (:mod:`.trainer`) on the same
 inputs; without a launcher ``mx.distributed.init()`` gives a group of size 1 and nothing
@@ -166,19 +166,21 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
 
     logit_objective = _logit_objective(dp)
 
-    def local_objective(hd, h, t, q, d, beta, n_global):
-        return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta, n_global)
+    def local_objective(hd, h, t, q, d, *, beta, n_global):
+        return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta=beta,
+                               n_global=n_global)
 
     loss_and_grad = nn.value_and_grad(heads, local_objective)
     logit_grad = mx.value_and_grad(logit_objective)  # ∂objective/∂z_pos
 
     def step(h, t, q, d, beta, n_global):
-        (_, parts), grads = loss_and_grad(heads, h, t, q, d, beta, n_global)
+        (_, parts), grads = loss_and_grad(heads, h, t, q, d, beta=beta, n_global=n_global)
         optimizer.update(heads, dp.sum_gradients(grads))
         return parts
 
-    def factor_step(h, t, q, d, valid, beta, n_global):
-        (_, parts), dz = logit_grad(heads.pos_logits(h), heads.ref_logits(h), t, q, d, valid, beta, n_global)
+    def factor_step(h, t, q, d, valid, *, beta, n_global):
+        (_, parts), dz = logit_grad(heads.pos_logits(h), heads.ref_logits(h), t, q, d, valid, beta=beta,
+                                    n_global=n_global)
         dz_all = mx.distributed.all_gather(dz, group=dp.group)
         h_all = mx.distributed.all_gather(h, group=dp.group)
         optimizer.update(heads, {"pos": {"weight": dz_all.T @ h_all}})
@@ -193,7 +195,8 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
     def dispatch(h, t, q, d, beta, n_global):
         n_batch = int(n_global.item())
         if exchange_for(heads.vocab_size, heads.hidden_size, n_batch, dp.size, exchange) == "factors":
-            out = factor_step(*_padded(h, t, q, d, -(-n_batch // dp.size), heads.vocab_size), beta, n_global)
+            out = factor_step(*_padded(h, t, q, d, -(-n_batch // dp.size), heads.vocab_size), beta=beta,
+                              n_global=n_global)
         elif int(h.shape[0]) == 0:
             out = empty_step(beta, n_global)
         else:
@@ -205,13 +208,13 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
 
 
 def _logit_objective(dp: DataParallel) -> Callable:
-    """``objective(z_pos, z_ref, t, q, d, valid, beta, n_global) -> (objective, global losses)`` of one slice.
+    """``objective(z_pos, z_ref, t, q, d, valid, *, beta, n_global) -> (objective, global losses)`` of one slice.
 
     The slice's (masked by ``valid``) sums of the loss terms are ``all_sum``-ed over the ranks for the
     global mini-batch's losses; the objective's gradient is this rank's share of the global one.
     """
 
-    def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
+    def logit_objective(z_pos, z_ref, t, q, d, valid, *, beta, n_global):
         nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)
         local = mx.stack([(valid * nll_rows).sum(), (valid * reg_rows).sum()])
         sums = mx.stop_gradient(mx.distributed.all_sum(local, group=dp.group))

@@ -56,7 +56,7 @@ def make_optimizer(learning_rate: float) -> optim.Optimizer:
 
 
 def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
-                q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
+                q_tok: np.ndarray, *, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
                 rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
     """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
 

@@ -1,6 +1,6 @@
 """SDM-network training, Alg. 4 (``alg:sdm-network-training``) with a frozen trunk (DESIGN #17-21).
 
-Steps (reference_spec §8.1/8.2 for what the paper and the research code do):
+Steps (DESIGN #17-21 fix what the paper leaves open):
 
 (a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)``
     become verification rows (``sdm_mlx.llm.verification_data``: each row is a
@@ -323,7 +323,7 @@ class SDMNetworkTrainer:
             f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
             "finished=false in its network_config.json; re-run network-train to train it fully", True)
 
-    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer, metrics, best,
+    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, *, targets, step, optimizer, metrics, best,
                   selected) -> tuple[int, int]:
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
         c = self.config
@@ -332,8 +332,8 @@ class SDMNetworkTrainer:
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
-            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
-                            c.beta_min, c.beta_max, self.rng, progress=bar.update, dp=self.dp)
+            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok=d_tok, batch_size=c.batch_size,
+                            beta_min=c.beta_min, beta_max=c.beta_max, rng=self.rng, progress=bar.update, dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         cal = self.calibration_count(est, cal_rows)
         improved = select_improved(cal["count"], best)
@@ -379,8 +379,9 @@ class SDMNetworkTrainer:
         epoch = 0
         try:
             for epoch in range(1, c.epochs + 1):
-                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets, step,
-                                                optimizer, metrics, best, selected)
+                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
+                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
+                                                selected=selected)
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise

@@ -266,7 +266,7 @@ def prepare_run_directory(path, kind: str, overwrite: bool, inputs=(), flag: str
 
 
 def save_artifact(path, kind: str, version: int, groups: dict[str, dict], meta: dict,
-                  overwrite: bool = False, texts: dict[str, str] | None = None) -> None:
+                  overwrite: bool = False, *, texts: dict[str, str] | None = None) -> None:
     """Write ``groups`` ({group: {name: array}}) and JSON ``meta`` to the directory ``path`` atomically.
 
     ``meta`` must be strict JSON already (no NaN/Infinity: see :func:`sdm_mlx.storage.files.put_float`).

@@ -155,7 +155,7 @@ class GreedyDecoder:
     """
 
     def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True,
-                 features: bool = False, max_length: int = _embed.DEFAULT_MAX_LENGTH):
+                 features: bool = False, *, max_length: int = _embed.DEFAULT_MAX_LENGTH):
         if not delimiter:
             raise InputError("delimiter must be a non-empty string")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads

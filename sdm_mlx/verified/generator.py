@@ -314,7 +314,8 @@ class VerifiedGenerator:
         for k in range(1, limit + 1):
             if on_attempt_start is not None:
                 on_attempt_start(k)
-            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id, reask_message)
+            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id=id,
+                                reask_message=reask_message)
             attempts.append(att)
             if on_attempt is not None:
                 on_attempt(att)
@@ -331,7 +332,7 @@ class VerifiedGenerator:
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
 
-    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, id,
+    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, *, id,
                  reask_message) -> Attempt:
         """Attempt ``k``: decode from ``gen_ids`` and verify the output against the original ``base_ids``."""
         t0 = time.perf_counter()
