@@ -1,4 +1,4 @@
-"""One row, one answer: a row's prediction does not depend on the batch it arrives in (issue 10 §4).
+"""One row, one answer: a row's prediction does not depend on the batch it arrives in.
 
 Every field of :class:`Predictions` is compared bit for bit (``==`` on the JSON rows and
 ``np.array_equal`` on the arrays) for rows scored alone, in the whole batch and in shuffled

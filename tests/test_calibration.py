@@ -1,4 +1,4 @@
-"""Calibration layer: reference_spec §15 micro-examples, hand-worked cases and edge cases."""
+"""Calibration layer: micro-examples, hand-worked cases and edge cases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sharded exact index under mlx.distributed (issue 14 §1): two local ranks of the ring backend give
+"""The sharded exact index under mlx.distributed (docs/distributed.md): two local ranks of the ring backend give
 the single-process results bit for bit (random data with ties and self-exclusion, the embedded factcheck
 fit + estimate, the CLI), and a rank that dies or hangs ends the other with a clear error in bounded time.
 

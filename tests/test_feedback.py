@@ -1,4 +1,4 @@
-"""Feedback without retraining (issue 13 §3): support-set appends/removals through the API and the CLI.
+"""Feedback without retraining (docs/feedback.md): support-set appends/removals through the API and the CLI.
 
 One small Gaussian model (two classes in 8-D) is fitted per module.  A far cluster (every
 coordinate shifted by +6, all class 1) is rejected as out of distribution; enough correctly

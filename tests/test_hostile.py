@@ -1,4 +1,4 @@
-"""Hostile paths and bad inputs through the CLI (issue 10 §1, §2): every case must fail with
+"""Hostile paths and bad inputs through the CLI: every case must fail with
 ``sdm-mlx <verb>: error: <message naming the problem>``, exit != 0, no traceback, and leave every
 pre-existing file of the sandbox byte-identical (a snapshot of the sandbox is compared)."""
 

@@ -1,4 +1,4 @@
-"""Safe outputs, strict JSON and input handling (issue 10 §1, §2) — what must work, end to end."""
+"""Safe outputs, strict JSON and input handling — what must work, end to end."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""``sdm-mlx network-train`` smoke test with a tiny YAML recipe (issue 6)."""
+"""``sdm-mlx network-train`` smoke test with a tiny YAML recipe."""
 
 import json
 import os

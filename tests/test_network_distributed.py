@@ -1,4 +1,4 @@
-"""Data-parallel ``network-train`` under ``mlx.launch`` (issue 14 §2), two local ranks over the ring backend.
+"""Data-parallel ``network-train`` under ``mlx.launch`` (docs/network-data-parallel.md), two local ranks over the ring backend.
 
 * the data-parallel W_pos step equals the one-process step on the same global batches (Adam and SGD,
   including a rank with an empty slice) — ``tests/dp_step_check.py`` under ``mlx.launch``;

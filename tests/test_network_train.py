@@ -1,4 +1,4 @@
-"""SDM network end to end on a tiny local Phi-3 (issue 6): Alg. 4 raises the admitted calibration count, the
+"""SDM network end to end on a tiny local Phi-3: Alg. 4 raises the admitted calibration count, the
 selection rule holds, and the saved network reloads onto a fresh base model with identical outputs."""
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""SDMEstimator as scikit-learn users expect it (issue 11 item 5): scikit-learn's own estimator checks,
+"""SDMEstimator as scikit-learn users expect it: scikit-learn's own estimator checks,
 labels of any sortable type, predict / predict_proba / score / estimate, get/set_params, clone, quiet library.
 
 scikit-learn is a test-only dependency (``pip install -e '.[test]'``).

@@ -51,12 +51,12 @@ from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 SIZES = {"tiny": (616, 64), "mid": (8192, 1024), "phi35": (32064, 3072)}
 
-# Sizes of the paper's experiments (reference_spec §11, §8.2) used by the estimate.
+# Sizes of the paper's experiments used by the estimate.
 PHI35 = {
     "vocab": 32064, "hidden": 3072, "params_4bit_gb": 2.2, "params_bf16_gb": 7.6, "layers": 32, "kv_heads": 32,
 }
 TASKS = {
-    # pooled verification rows (reference_spec §11); ~half are training rows, half of those y = 1; tokens per
+    # pooled verification rows; ~half are training rows, half of those y = 1; tokens per
     # completion up to and incl. the closing delimiter (Phi-3 tokenizer); typical chat prompt length in tokens
     # (IMDb reviews average ~230 words; fact-check statements ~10 words) and generated tokens per answer.
     "sentiment": {"pooled": 18000, "completion_tokens": 8, "prompt_tokens": 350, "new_tokens": 9},

@@ -1,4 +1,4 @@
-"""Per-step time of data-parallel W_pos training and its communication share (issue 14 §2).
+"""Per-step time of data-parallel W_pos training and its communication share (docs/network-data-parallel.md).
 
     python tools/bench_network_dp.py --hidden 64                        # 1 rank
     mlx.launch -n 2 --backend ring --python $(which python) -- tools/bench_network_dp.py --hidden 64

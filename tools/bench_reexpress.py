@@ -1,4 +1,4 @@
-"""Benchmark: prediction throughput of sdm_mlx vs the author's PyTorch package reexpress-sdm (issue 14 §3).
+"""Benchmark: prediction throughput of sdm_mlx vs the author's PyTorch package reexpress-sdm (docs/performance.md).
 
     python tools/bench_reexpress.py --reexpress-python /path/to/venv/bin/python [--data factcheck random]
     python tools/bench_reexpress.py --venv ~/.cache/sdm_mlx_reexpress      # creates it: pip install reexpress-sdm

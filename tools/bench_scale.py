@@ -1,4 +1,4 @@
-"""Benchmark: the exact support index and hnswlib at 100k, 1M and 4M support rows (issue 14 §3).
+"""Benchmark: the exact support index and hnswlib at 100k, 1M and 4M support rows (docs/scale.md).
 
     python tools/bench_scale.py [--sizes 100000 1000000 4000000] [--dims 1000 128] [--queries 256]
                                 [--data-dir DIR] [--shard-rows 1000000] [--hnsw-max-cells 2e8] [--lock FILE]

@@ -1,4 +1,4 @@
-"""The default-selection sweep behind ``docs/defaults.md`` (issue 10 §3).
+"""The default-selection sweep behind ``docs/defaults.md``.
 
 For every (dataset, setting) it fits an :class:`~sdm_mlx.estimator.SDMEstimator` and measures
 

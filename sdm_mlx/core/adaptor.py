@@ -108,7 +108,7 @@ class InvariantForward:
     Every value that feeds q, d0, d and z' at calibration and predict time comes from here
     (the training loop's gradients keep the fast batched MLX forward).  Each row's result is
     a function of that row and the weights alone, bit for bit, whatever the batch around it
-    (issue 10 §4): the linear maps are error-free float64 products
+    (docs/how-it-works.md): the linear maps are error-free float64 products
     (:class:`~sdm_mlx.core.exact_product.ExactRowProduct`), rounded once to float32.
 
     * D ≥ M: h' = W_g x_norm + b_g (the coordinates), z' = W' h' + b' (h' in float32, as in the model);

@@ -4,7 +4,7 @@ A float32 GEMM gives a row different low bits depending on the batch around it: 
 kernels accumulate rows at different positions of a micro-tile in different orders, and
 one row takes the GEMV path (measured with OpenBLAS on this machine: a row's output depends
 on its position within a 6-row panel and on the thread count; MLX's bundled BLAS happened
-to be invariant).  For predictions that must not depend on the batch (issue 10 §4),
+to be invariant).  For predictions that must not depend on the batch,
 ``Y = X Wᵀ`` is instead computed as an *error-free* float64 product:
 
 * every row of W is scaled by a power of two so that its largest entry is below 2^β_w and

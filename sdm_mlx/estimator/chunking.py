@@ -1,6 +1,6 @@
 """Bounded-memory prediction: ``SDMEstimator.estimate`` over many rows, one chunk of rows at a time.
 
-Every per-row result is a function of that row and the model alone (batch invariance, issue 10 §4),
+Every per-row result is a function of that row and the model alone (batch invariance: docs/how-it-works.md),
 so scoring N rows in chunks of ``chunk_rows`` gives the same answers, bit for bit, as one call.
 What a chunk costs is bounded independently of N:
 
