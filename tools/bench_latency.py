@@ -35,7 +35,7 @@ from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.core.distance import distance_quantile
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.results import Predictions
-from sdm_mlx.estimator.training import sdm_numpy
+from sdm_mlx.core.activation import sdm_numpy
 
 
 def factcheck_model(smoke: bool) -> tuple[SDMEstimator, np.ndarray]:

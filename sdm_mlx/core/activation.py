@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
+
 from ..errors import InputError
 
 #: The offset added to q in the base of the exponent, ``2 + q``.
@@ -42,6 +44,12 @@ def sdm(z: mx.array, q, d) -> mx.array:
     """SDM activation, ``eq:sdmActivation``: (2+q)^(d·z'_i) / Σ_c (2+q)^(d·z'_c), row-wise."""
     scaled, _ = _scaled_logits(z, q, d)
     return mx.softmax(scaled, axis=-1)
+
+
+def sdm_numpy(z: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """:func:`sdm` of host arrays, evaluated eagerly to NumPy (the estimator's scoring path)."""
+    out = sdm(mx.array(z), mx.array(q.astype(np.float32)), mx.array(d.astype(np.float32)))
+    return np.array(out)
 
 
 def log_sdm(z: mx.array, q, d) -> mx.array:

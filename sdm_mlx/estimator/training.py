@@ -35,7 +35,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..core.activation import Q_SOFTMAX, sdm, sdm_nll_loss
+from ..calibration.bins import unique_argmax_is
+from ..core.activation import Q_SOFTMAX, sdm_nll_loss, sdm_numpy
 from ..runtime.callbacks import SILENT, Callback
 from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
 from .config import EstimatorConfig
@@ -131,15 +132,7 @@ def balanced_median(values: np.ndarray, labels: np.ndarray, num_classes: int) ->
 
 def flip_rule(s: np.ndarray, y_hat: np.ndarray) -> np.ndarray:
     """True where the SDM output has no unique argmax equal to ŷ (DESIGN #7: then q := 0)."""
-    top = s.max(axis=1, keepdims=True)
-    unique = (s == top).sum(axis=1) == 1
-    return ~(unique & (s.argmax(axis=1) == y_hat))
-
-
-def sdm_numpy(z: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The SDM activation evaluated eagerly to NumPy."""
-    out = sdm(mx.array(z), mx.array(q.astype(np.float32)), mx.array(d.astype(np.float32)))
-    return np.array(out)
+    return ~unique_argmax_is(s, y_hat)
 
 
 def split_state(z, h, labels, support_index, good, k, *, num_classes, exclude=None):
