@@ -17,6 +17,11 @@ calibration q, and aggregates the Cauchy robust min valid q~ and offsets over
 all J rounds.  ``estimate`` gives, per row, the index-conditional estimate
 p̂_lower or ⊥ (``admitted = False``) with the reason, plus every quantity the
 paper reports and the nearest training exemplars.
+
+Why this module is over 400 lines: it is the one class users hold -- parameters, fit, estimate, recalibration,
+feedback and save/load -- and each of those delegates the work to its own module (:mod:`.training`,
+:mod:`.chunking`, :mod:`.feedback`, :mod:`.persistence`, :mod:`sdm_mlx.calibration`); splitting the class
+itself over files would hide its API.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from ..core.distance import distance_quantile
 from ..index import good_neighbours_by_class, make_index
 from ..runtime.callbacks import CallbackList, as_callback
 from ..results import Predictions
-from .training import RoundCalibrator, TrainConfig, sdm_numpy, train_rounds
+from .training import RoundCalibrator, TrainConfig, train_rounds
+from ..core.activation import sdm_numpy
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
 
@@ -59,21 +65,69 @@ class SDMEstimator:
     full per-row results.  Parameters are stored as given and validated in ``fit``.
 
     Defaults: :class:`sdm_mlx.estimator.config.EstimatorConfig` (evidence in ``docs/defaults.md``);
-    ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.
-    Parameters: ``alpha`` α' (max(0.5, 1/C) < α < 1); ``iterations`` J;
-    ``epochs`` per round (a cap when ``patience`` is set); ``patience`` convergence-aware stopping:
-    end a round after this many epochs without a better balanced median calibration q (None: run
-    every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
-    ``k`` neighbours scanned for q (None: largest class count of the training split);
-    ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
-    ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
-    (Alg. 2: ``rescaler_max_epochs``, ``rescaler_patience``, ``rescaler_learning_rate``,
-    ``rescaler_engine`` "numpy" (default: the sequential batch-1 Adam loop on the host, ~10x faster than
-    per-row MLX dispatch) or "mlx" (compiled MLX step; the same math, tested to agree)); ``n_exemplars``
-    nearest training exemplars returned per row by ``estimate``; ``seed``; ``verbose`` progress on stderr
-    (off by default; the CLI turns it on); ``class_names`` display names, one per class of ``classes_``;
-    ``shard_index`` under ``mlx.launch`` (more than one rank) split the exact index over the ranks, with
-    ``shard_timeout`` seconds for a dead or hung rank (``docs/distributed.md``).
+    ``SDMEstimator.paper(**overrides)`` gives the paper's exact Alg. 1 settings.  All parameters are keywords.
+
+    Parameters
+    ----------
+    alpha : float
+        α', the target conditional accuracy; max(0.5, 1/C) < α < 1 (DESIGN #23).
+    iterations : int
+        J, the rounds over re-splits of the pooled train + calibration rows (DESIGN #9).
+    epochs : int
+        Epochs per round (a cap when ``patience`` is set).
+    exemplar_dim : int
+        M, the width of the exemplar vectors h'.
+    batch_size, learning_rate : int, float
+        Alg. 1's mini-batch size and Adam learning rate.
+    k : int or None
+        Neighbours scanned for q (None: the largest class count of the training split).
+    normalize : bool
+        Scalar input normalisation (DESIGN #2).
+    stratified : bool
+        Re-split each round per class.
+    index_backend : {"exact", "hnsw"}
+        The support index: exact (MLX) or hnswlib (approximate).
+    rescaler_max_epochs, rescaler_patience, rescaler_learning_rate : int, int, float
+        Alg. 2's training of the rescaler W'' (DESIGN #10).
+    rescaler_engine : {"numpy", "mlx"}
+        "numpy": the sequential batch-1 Adam loop on the host (~10x faster on CPU); "mlx": a compiled MLX step
+        (the same math, tested to agree).
+    n_exemplars : int
+        Nearest training exemplars returned per row by ``estimate`` (DESIGN #22).
+    seed : int
+        Seed of the splits and the initialisation.
+    verbose : bool
+        Progress on stderr (off by default; the CLI turns it on).
+    class_names : list or None
+        Display names, one per class of ``classes_``.
+    patience : int or None
+        End a round after this many epochs without a better balanced median calibration q (None: every
+        epoch, as the paper).
+    shard_index : bool
+        Under ``mlx.launch`` with more than one rank, split the exact index over the ranks.
+    shard_timeout : float
+        Seconds a sharded-index collective waits for a dead or hung rank (``docs/distributed.md``).
+
+    Attributes
+    ----------
+    The fitted state, one attribute per field of :class:`~sdm_mlx.estimator.state.FittedState` (its
+    docstring describes each): ``model_``, ``classes_``, ``num_classes_``, ``input_dim_``, ``k_``,
+    ``best_round_``, ``rounds_``, ``round_summaries_``, ``history_``, ``exemplar_basis_``, ``support_vectors_``,
+    ``support_labels_``, ``support_predictions_``, ``support_ids_``, ``calibration_ids_``,
+    ``calibration_logits_``, ``calibration_labels_``, ``calibration_distance_ecdfs_``,
+    ``training_distance_ecdfs_``, ``feature_field_``; and, derived at the current α':
+    calibration_ : Calibration
+        The test-time calibration (Alg. 3 + Cauchy over the stored rounds).
+    robust_min_valid_, offsets_ : float, ndarray
+        The Cauchy robust minimum valid q~ and the per-class offsets.
+    admission_ : dict
+        Whether any row can be admitted at α', and why not (``calibration/diagnosis.py``).
+    resumed_rounds_ : int
+        Rounds taken from a checkpoint by the last ``fit``.
+    n_features_in_ : int
+        The feature width D (scikit-learn's name).
+    feedback_state_ : FeedbackState
+        The training-support size and the feedback log.
     """
 
     def __init__(

@@ -133,11 +133,31 @@ class NetworkTrainResult:
 class SDMNetworkTrainer:
     """Alg. 4 with a frozen trunk; see the module docstring.  ``run()`` does everything.
 
-    ``model`` / ``tokenizer`` may be passed (already loaded) instead of loading
-    ``config.model``; ``estimator_factory(**params)`` builds the verification
-    layer (default :class:`sdm_mlx.estimator.SDMEstimator`).  Under ``mlx.launch`` the work is
-    split over the ranks of ``dp`` (default: ``mx.distributed.init()``; :mod:`.data_parallel`)
-    and rank 0 alone reports and writes the run directory.
+    Under ``mlx.launch`` the work is split over the ranks of ``dp`` and rank 0 alone reports and writes the
+    run directory.
+
+    Parameters
+    ----------
+    config : NetworkConfig
+        The ``network-train`` settings (:mod:`sdm_mlx.network.config`); validated here.
+    model, tokenizer : optional
+        An already loaded mlx-lm model and its tokenizer instead of loading ``config.model``.
+    estimator_factory : callable, optional
+        ``estimator_factory(**params)`` builds the verification layer (default
+        :class:`sdm_mlx.estimator.SDMEstimator`).
+    dp : DataParallel, optional
+        The ranks to split the work over (default: ``mx.distributed.init()``; :mod:`.data_parallel`).
+
+    Attributes
+    ----------
+    config : NetworkConfig
+        The settings in force (progress off on every rank but 0).
+    dp : DataParallel
+        The ranks; ``dp.writer`` is rank 0.
+    model, tokenizer :
+        The frozen trunk's language model and its tokenizer.
+    heads : SDMHeads
+        The frozen reference/negative head and the trained float32 ``W_pos`` (DESIGN #19).
     """
 
     def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
