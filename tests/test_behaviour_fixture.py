@@ -1,6 +1,6 @@
 """Predictions on the embedded factcheck data are bit-identical to the stored fixture (behaviour unchanged).
 
-The fixture was written by ``tests/behaviour_fixture.py`` BEFORE the typed-results / scikit-learn API change
+The fixture was written by ``tests/helpers/behaviour_fixture.py`` BEFORE the typed-results / scikit-learn API change
 (then with ``predict`` + ``recalibrate``); every JSON value, float repr included, must still match.
 """
 

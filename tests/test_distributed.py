@@ -25,11 +25,11 @@ from sdm_mlx.runtime import distributed as dist
 from sdm_mlx.index import ExactIndex, make_index
 
 HERE = Path(__file__).parent
-SCRIPT = HERE / "distributed_script.py"
+SCRIPT = HERE / "helpers" / "distributed_script.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 FIXTURE = HERE / "data" / "fixtures" / "factcheck_estimates.json"
 
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "helpers"))
 from distributed_script import index_results, random_case, tiny_case  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")

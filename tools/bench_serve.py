@@ -44,6 +44,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))  # server_process.py
 
 from bench_common import SIZES, write_report  # noqa: E402
 from bench_generate import make_verifier  # noqa: E402

@@ -1,6 +1,6 @@
 """Generator of the behaviour fixture: per-row JSON results of a small model on the embedded factcheck data.
 
-``python tests/behaviour_fixture.py`` (re)writes ``tests/data/fixtures/factcheck_estimates.json``;
+``python tests/helpers/behaviour_fixture.py`` (re)writes ``tests/data/fixtures/factcheck_estimates.json``;
 ``tests/test_behaviour_fixture.py`` retrains with the same settings and compares bit for bit (exact float
 ``repr`` through JSON).  Regenerate ONLY for an intended change of behaviour.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
 
-FIXTURE = Path(__file__).parent / "data" / "fixtures" / "factcheck_estimates.json"
+FIXTURE = Path(__file__).parents[1] / "data" / "fixtures" / "factcheck_estimates.json"
 SETTINGS = dict(iterations=2, epochs=3, exemplar_dim=64, learning_rate=1e-3, rescaler_max_epochs=40,
                 n_exemplars=3, verbose=False)
 ROWS = 120  #: rows kept per evaluation set (the fixture stays small)
