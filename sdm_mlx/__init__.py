@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from .runtime.blas import preload_openblas  # noqa: E402
 
-preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/blas.py)
+preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/runtime/blas.py)
 
 #: public name -> the module that defines it
 _EXPORTS = {

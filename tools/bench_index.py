@@ -7,7 +7,7 @@ and ``ExactIndex.search`` (top-10), the GFLOP/s they achieve counting the 2·N_q
 flops of the distance matmul, and a plain ``mx.matmul`` of the same shape; then the wall time
 of one Alg. 1 epoch (training steps + q/d refresh) on the embedded factcheck data, and how
 far hnswlib's approximate q departs from the exact q on exemplars of a trained model.
-States which BLAS MLX used.  Uses ``import sdm_mlx`` loading OpenBLAS (see sdm_mlx/blas.py); set SDM_MLX_NO_BLAS_PRELOAD=1 to measure
+States which BLAS MLX used.  Uses ``import sdm_mlx`` loading OpenBLAS (see sdm_mlx/runtime/blas.py); set SDM_MLX_NO_BLAS_PRELOAD=1 to measure
 MLX's bundled BLAS instead. The report says which was used.
 """
 

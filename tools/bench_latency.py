@@ -3,7 +3,7 @@
     python tools/bench_latency.py [--model DIR] [--batches 1 64 1024 8192] [--repeat 200] [--json out.json]
     python tools/bench_latency.py --smoke          # seconds: a tiny model, batches 1 and 8
 
-The stages are those of ``estimate`` (sdm_mlx/estimator.py), timed one after the other on the same
+The stages are those of ``estimate`` (sdm_mlx/estimator/sdm_estimator.py), timed one after the other on the same
 inputs: input validation, the batch-invariant adaptor forward (z', exemplar coordinates), the
 support index (q, d0 and the nearest exemplars in one pass), the distance quantile d, the SDM
 activation, the index-conditional estimate (calibration) and the result object.  ``total`` is a

@@ -136,7 +136,7 @@ def ttft(port: int, texts: list, tokens: int, extra: dict) -> float:
 
 
 def start_mlx_lm(model_path: str, port: int) -> subprocess.Popen:
-    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/blas.py)."""
+    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/runtime/blas.py)."""
     from sdm_mlx.runtime.blas import find_openblas
 
     env = dict(os.environ)

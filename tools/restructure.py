@@ -343,7 +343,21 @@ def _fix_import_text(match: re.Match, known: set[str]) -> str:
     return f"from {dests.pop()} import {match.group(2)}" if len(dests) == 1 and None not in dests else match.group(0)
 
 
+PATH = re.compile(r"(?<![\w/.])sdm_mlx/([\w/]+)\.py\b")
+
+
+def _fix_path(match: re.Match, known: set[str]) -> str:
+    """``sdm_mlx/x.py`` in prose: the file's new path (an old module that became a package: its __init__)."""
+    dotted = f"{PKG}.{match.group(1).replace('/', '.')}"
+    if dotted.endswith(".__init__") or (dotted in known and dotted not in PUBLIC):
+        return match.group(0)
+    if active(dotted, known):
+        return MOVES[dotted].replace(".", "/") + ".py"
+    return f"sdm_mlx/{match.group(1)}/__init__.py" if dotted in known else match.group(0)
+
+
 def fix_text(text: str, known: set[str]) -> str:
+    text = PATH.sub(lambda m: _fix_path(m, known), text)
     text = IMPORT_TEXT.sub(lambda m: _fix_import_text(m, known), text)
     return DOTTED.sub(lambda m: _fix_dotted(m, known), text)
 

@@ -34,7 +34,7 @@ HELP = "Train and evaluate on the embedded factcheck data (in-distribution and s
 PAPER_FLAGS = "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)"
 
 #: Settings per mode for the options whose default depends on the mode (the learning rate and
-#: convergence-aware stopping follow the estimator defaults, sdm_mlx/defaults.py; --paper is the paper's).
+#: convergence-aware stopping follow the estimator defaults, sdm_mlx/estimator/config.py; --paper is the paper's).
 _DEFAULT_TRAINING = {k: ESTIMATOR_DEFAULTS[k] for k in ("learning_rate", "patience", "batch_size")}
 MODES = {
     "default": {"iterations": 5, "epochs": 20, "exemplar_dim": 1000, "rescaler_max_epochs": 1000, **_DEFAULT_TRAINING},

@@ -51,7 +51,7 @@ from ..results import Predictions
 from .training import RoundCalibrator, TrainConfig, train_rounds
 from ..core.activation import sdm_numpy
 
-_D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/defaults.py)
+_D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/estimator/config.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def describe_blas() -> str:
         return f"OpenBLAS via LD_PRELOAD ({os.environ['LD_PRELOAD']})"
     if _loaded_in_process:
         return f"OpenBLAS loaded by sdm_mlx before MLX ({_loaded_in_process})"
-    return "mlx[cpu] wheel's bundled reference BLAS (slow; see sdm_mlx/blas.py)"
+    return "mlx[cpu] wheel's bundled reference BLAS (slow; see sdm_mlx/runtime/blas.py)"
 
 
 def maybe_warn_slow_blas() -> None:
