@@ -51,3 +51,9 @@ def test_the_tree_has_no_leftovers():
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "restructure.py"), "--check"], capture_output=True,
                          text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout
+
+
+def test_file_paths_in_prose():
+    text = "(`sdm_mlx/defaults.py`) sdm_mlx/estimator.py sdm_mlx/errors.py sdm_mlx/data/x.zip"
+    assert restructure.fix_text(text, KNOWN) == ("(`sdm_mlx/estimator/config.py`) sdm_mlx/estimator/sdm_estimator.py "
+                                                 "sdm_mlx/errors.py sdm_mlx/data/x.zip")
