@@ -374,30 +374,32 @@ def files_to_fix(root: Path = REPO) -> list[Path]:
     return [p for p in out if p.resolve() not in skip]
 
 
-def fix_all(root: Path = REPO) -> list[Path]:
-    """Rewrite every file; return the changed ones."""
+def rewrites(root: Path = REPO):
+    """``(path, text, new text)`` of every file the table changes."""
     known = existing_modules(root)
-    changed = []
     for path in files_to_fix(root):
         text = path.read_text(encoding="utf-8")
         new = fix_python(path, text, known) if path.suffix == ".py" else fix_text(text, known)
         if new != text:
-            path.write_text(new, encoding="utf-8")
-            changed.append(path)
+            yield path, text, new
+
+
+def fix_all(root: Path = REPO) -> list[Path]:
+    """Rewrite every file; return the changed ones."""
+    changed = []
+    for path, _, new in rewrites(root):
+        path.write_text(new, encoding="utf-8")
+        changed.append(path)
     return changed
 
 
 def leftovers(root: Path = REPO) -> list[str]:
     """Old paths still in the text, and top-level modules outside :data:`TOP_LEVEL`."""
-    known = existing_modules(root)
     out = []
-    for path in files_to_fix(root):
-        text = path.read_text(encoding="utf-8")
-        new = fix_python(path, text, known) if path.suffix == ".py" else fix_text(text, known)
-        if new != text:
-            for i, (a, b) in enumerate(zip(text.splitlines(), new.splitlines()), 1):
-                if a != b:
-                    out.append(f"{path.relative_to(root)}:{i}: {a.strip()}")
+    for path, text, new in rewrites(root):
+        for i, (a, b) in enumerate(zip(text.splitlines(), new.splitlines()), 1):
+            if a != b:
+                out.append(f"{path.relative_to(root)}:{i}: {a.strip()}")
     for p in sorted((root / PKG).glob("*.py")):
         if p.stem not in TOP_LEVEL:
             where = PLACE_NEW.get(p.stem) or MOVES.get(f"{PKG}.{p.stem}")
