@@ -13,5 +13,5 @@ imported until used (PEP 562), so ``EstimatorConfig`` is read at ``sdm-mlx --hel
 
 from .._lazy import lazy_exports
 
-_EXPORTS = {"SDMEstimator": "sdm_estimator", "EstimatorConfig": "config"}
+_EXPORTS = {"SDMEstimator": "sdm_estimator", "EstimatorConfig": "config", "FittedState": "state"}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
