@@ -102,8 +102,16 @@ NAMES: dict[tuple[str, str], str] = {
        for n in ("update_model", "artifact_lock", "add_support_to_model", "remove_support_from_model")},
 }
 
-#: Where a new top-level module that another branch created belongs (``--move`` places it).
-PLACE_NEW: dict[str, str] = {}
+#: Where a new top-level module that another branch created belongs (``--move`` places it; then it is a move
+#: like the others).  Add a row when ``--check`` reports "a top-level module outside the layout".
+PLACE_NEW: dict[str, str] = {
+    "sdm_mlx.model_path": "sdm_mlx.llm.model_path",  # where an LLM --model points (imported by llm.embed)
+    "sdm_mlx.selective": "sdm_mlx.evaluation.selective",  # a selective score for model selection
+    "sdm_mlx.writer": "sdm_mlx.storage.writer",  # the writer protocol of artifact directories
+    "sdm_mlx.artifact_load": "sdm_mlx.storage.artifact_load",  # reading artifact directories
+    "sdm_mlx.verdict_html": "sdm_mlx.evaluation.verdict_html",  # verdict pages
+}
+MOVES.update(PLACE_NEW)
 
 #: Top-level modules that belong at the top (``--check`` flags any other).
 TOP_LEVEL = {"__init__", "__main__", "_lazy", "errors", "settings", "validation", "results", "cli"}
@@ -402,7 +410,7 @@ def leftovers(root: Path = REPO) -> list[str]:
                 out.append(f"{path.relative_to(root)}:{i}: {a.strip()}")
     for p in sorted((root / PKG).glob("*.py")):
         if p.stem not in TOP_LEVEL:
-            where = PLACE_NEW.get(p.stem) or MOVES.get(f"{PKG}.{p.stem}")
+            where = MOVES.get(f"{PKG}.{p.stem}")
             out.append(f"sdm_mlx/{p.name}: a top-level module outside the layout"
                        + (f" (belongs at {where})" if where else " (add it to PLACE_NEW)"))
     return out
@@ -411,8 +419,7 @@ def leftovers(root: Path = REPO) -> list[str]:
 def move_all(root: Path = REPO) -> list[str]:
     """``git mv`` every old top-level module that still exists to its new home."""
     moved = []
-    table = {**MOVES, **{f"{PKG}.{k}": v for k, v in PLACE_NEW.items()}}
-    for old, new in table.items():
+    for old, new in MOVES.items():
         src = root / Path(*old.split(".")).with_suffix(".py")
         dst = root / Path(*new.split(".")).with_suffix(".py")
         if src.exists() and not dst.exists():
