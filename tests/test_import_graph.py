@@ -96,3 +96,13 @@ def test_help_and_configs_do_not_import_mlx():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_no_test_imports_another_test_module():
+    """Shared fixtures live in tests/conftest.py and shared helpers in tests/helpers/, never in a test file."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[0].startswith("test_")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}: move what it shares to conftest.py or tests/helpers/"

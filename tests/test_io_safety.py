@@ -18,7 +18,7 @@ from sdm_mlx.storage.artifact import prepare_run_directory
 from sdm_mlx.errors import ArtifactError, OutputError, SDMError
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.storage.files import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
-from test_hostile import TINY, cli, lab, rows, snapshot, write_rows  # noqa: F401 (lab: the shared fixture)
+from cli_lab import TINY, cli, rows, snapshot, write_rows  # tests/helpers/ (the lab fixture: conftest.py)
 
 
 @pytest.fixture
