@@ -57,3 +57,9 @@ def test_file_paths_in_prose():
     text = "(`sdm_mlx/defaults.py`) sdm_mlx/estimator.py sdm_mlx/errors.py sdm_mlx/data/x.zip"
     assert restructure.fix_text(text, KNOWN) == ("(`sdm_mlx/estimator/config.py`) sdm_mlx/estimator/sdm_estimator.py "
                                                  "sdm_mlx/errors.py sdm_mlx/data/x.zip")
+
+
+def test_an_import_split_over_two_modules_in_a_code_block():
+    text = "```python\nfrom sdm_mlx.feedback import add_support_to_model, summary\n```\n"
+    assert restructure.fix_text(text, KNOWN) == ("```python\nfrom sdm_mlx.estimator.updates import add_support_to_model\n"
+                                                 "from sdm_mlx.estimator.feedback import summary\n```\n")

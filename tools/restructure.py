@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import re
 import subprocess
 import sys
@@ -341,14 +342,22 @@ def _fix_import_text(match: re.Match, known: set[str]) -> str:
     """``from sdm_mlx.x import a, b`` inside a string (code run in a subprocess): the names' new module, when
     they all went to one place."""
     module, names = match.group(1), match.group(2).split(", ")
-    dests = set()
+    dests: dict = {}
     for n in names:
         if f"{module}.{n}" in known or f"{module}.{n}" in MOVES:
             dest, _, leaf = map_module(f"{module}.{n}", known).rpartition(".")
-            dests.add(dest if leaf == n else None)
+            dests.setdefault(dest if leaf == n else None, []).append(n)
         else:
-            dests.add(map_name(module, n, known))
-    return f"from {dests.pop()} import {match.group(2)}" if len(dests) == 1 and None not in dests else match.group(0)
+            dests.setdefault(map_name(module, n, known), []).append(n)
+    if None in dests:
+        return match.group(0)
+    if len(dests) == 1:
+        return f"from {next(iter(dests))} import {match.group(2)}"
+    line_start = match.string.rfind("\n", 0, match.start()) + 1
+    indent = match.string[line_start:match.start()]
+    if indent.strip():
+        return match.group(0)  # inside a string: cannot split into two statements
+    return ("\n" + indent).join(f"from {d} import {', '.join(ns)}" for d, ns in dests.items())
 
 
 PATH = re.compile(r"(?<![\w/.])sdm_mlx/([\w/]+)\.py\b")
@@ -405,9 +414,10 @@ def leftovers(root: Path = REPO) -> list[str]:
     """Old paths still in the text, and top-level modules outside :data:`TOP_LEVEL`."""
     out = []
     for path, text, new in rewrites(root):
-        for i, (a, b) in enumerate(zip(text.splitlines(), new.splitlines()), 1):
-            if a != b:
-                out.append(f"{path.relative_to(root)}:{i}: {a.strip()}")
+        old_lines = text.splitlines()
+        matcher = difflib.SequenceMatcher(None, old_lines, new.splitlines(), autojunk=False)
+        for tag, i1, i2, _, _ in matcher.get_opcodes():
+            out += [f"{path.relative_to(root)}:{i + 1}: {old_lines[i].strip()}" for i in range(i1, i2) if tag != "equal"]
     for p in sorted((root / PKG).glob("*.py")):
         if p.stem not in TOP_LEVEL:
             where = MOVES.get(f"{PKG}.{p.stem}")
