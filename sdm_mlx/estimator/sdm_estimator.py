@@ -155,27 +155,9 @@ class SDMEstimator:
         shard_index: bool = _D.shard_index,
         shard_timeout: float = _D.shard_timeout,
     ):
-        self.alpha = alpha
-        self.iterations = iterations
-        self.epochs = epochs
-        self.exemplar_dim = exemplar_dim
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.k = k
-        self.normalize = normalize
-        self.stratified = stratified
-        self.index_backend = index_backend
-        self.rescaler_max_epochs = rescaler_max_epochs
-        self.rescaler_patience = rescaler_patience
-        self.rescaler_learning_rate = rescaler_learning_rate
-        self.rescaler_engine = rescaler_engine
-        self.n_exemplars = n_exemplars
-        self.seed = seed
-        self.verbose = verbose
-        self.class_names = class_names
-        self.patience = patience
-        self.shard_index = shard_index
-        self.shard_timeout = shard_timeout
+        given = locals()
+        for name in self._get_param_names():  # stored as given, validated in fit (scikit-learn)
+            setattr(self, name, given[name])
 
     @classmethod
     def paper(cls, **overrides) -> "SDMEstimator":
