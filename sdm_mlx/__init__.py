@@ -2,24 +2,24 @@
 
 The public names below are imported on first use (PEP 562), so ``import sdm_mlx`` and
 ``sdm-mlx --help`` stay instant and do not load MLX; importing the package does load a fast
-BLAS for MLX on Linux first (see :mod:`sdm_mlx.blas`).
+BLAS for MLX on Linux first (see :mod:`sdm_mlx.runtime.blas`).
 """
 
 __version__ = "0.1.0"
 
-from .blas import preload_openblas  # noqa: E402
+from .runtime.blas import preload_openblas  # noqa: E402
 
-preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/blas.py)
+preload_openblas()  # Linux: a fast BLAS for MLX, loaded before mlx.core (see sdm_mlx/runtime/blas.py)
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "sdm": "activation", "log_sdm": "activation", "sdm_nll_loss": "activation",
-    "ExemplarAdaptor": "adaptor",
-    "Dataset": "data", "load_factcheck": "data", "read_jsonl": "data",
-    "distance_ecdfs": "distance", "distance_quantile": "distance",
+    "sdm": "core.activation", "log_sdm": "core.activation", "sdm_nll_loss": "core.activation",
+    "ExemplarAdaptor": "core.adaptor",
+    "Dataset": "storage.datasets", "load_factcheck": "storage.datasets", "read_jsonl": "storage.datasets",
+    "distance_ecdfs": "core.distance", "distance_quantile": "core.distance",
     "Predictions": "results", "Estimate": "results", "Variant": "results", "SDMEstimator": "estimator",
     "Calibration": "calibration",
-    "ExactIndex": "index", "HnswIndex": "hnsw_index", "make_index": "index", "similarity_from_neighbours": "index",
+    "ExactIndex": "index", "HnswIndex": "index", "make_index": "index", "similarity_from_neighbours": "index",
     "SDMError": "errors", "InputError": "errors", "OutputError": "errors", "ArtifactError": "errors",
     "NotFittedError": "errors",
 }

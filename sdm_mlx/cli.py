@@ -48,7 +48,7 @@ __all__ = ["CLIError", "VERBS", "build_parser", "load_yaml_config", "main", "req
 def user_message(e: BaseException) -> str:
     """The one-line message for a user error (an OSError names its path and reason, never a traceback)."""
     if isinstance(e, OSError) and not isinstance(e, SDMError):
-        from .io import describe_os_error
+        from .storage.files import describe_os_error
 
         if e.errno in (errno.ENOSPC, errno.EROFS, errno.EFBIG, errno.EDQUOT):
             return f"cannot write {describe_os_error(e)}"
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
             args = parse_verb_arguments(parser, subparsers, argv)
-        from .blas import maybe_warn_slow_blas
+        from .runtime.blas import maybe_warn_slow_blas
 
         maybe_warn_slow_blas()
         require(args, *getattr(mod, "REQUIRED", ()))
-        from .distributed import install_sigterm_message, quiet_unless_primary
+        from .runtime.distributed import install_sigterm_message, quiet_unless_primary
 
         install_sigterm_message()
         with quiet_unless_primary():  # under mlx.launch, rank 0 alone reports

@@ -35,7 +35,7 @@ class InputNotFoundError(InputError, FileNotFoundError):
 
 class ModelNotFoundError(InputNotFoundError):
     """An LLM ``--model`` that is neither an existing directory nor a reachable hub id (see
-    :mod:`sdm_mlx.model_path`)."""
+    :mod:`sdm_mlx.llm.model_path`)."""
 
 
 class NotFittedError(SDMError, AttributeError):

@@ -1,11 +1,12 @@
 """Settings as dataclasses: each default and its help text live in one field; CLI flags and YAML keys
 are generated from them.
 
-A component declares its settings once::
+A component declares its settings once (:class:`sdm_mlx.estimator.config.EstimatorConfig`,
+:class:`sdm_mlx.network.config.NetworkConfig`, :class:`sdm_mlx.verified.config.GenerationConfig`)::
 
     @dataclass(frozen=True)
-    class RescalerConfig:
-        learning_rate: float = option(1e-4, "Adam learning rate of W'' (DESIGN #10)")
+    class EstimatorConfig:
+        alpha: float = option(0.95, "target conditional accuracy α'")
 
 :func:`add_arguments` turns the fields into argparse options (``--learning-rate``; booleans get
 ``--x/--no-x``; lists take several values; ``choices``, short flags and old spellings come from the

@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random mlx-lm models built locally (see tools/tiny_models.py)."""
 
-import sdm_mlx  # noqa: F401  (first: loads OpenBLAS for MLX on Linux, see sdm_mlx/blas.py)
+import sdm_mlx  # noqa: F401  (first: loads OpenBLAS for MLX on Linux, see sdm_mlx/runtime/blas.py)
 import os
 
 import pytest
@@ -31,3 +31,19 @@ def tiny_llama_path(tmp_path_factory):
     from tiny_models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_models"), "llama")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A directory with train/test files and a tiny model trained on the ``embedding`` field (tests/helpers/cli_lab.py)."""
+    from cli_lab import build_lab
+
+    return build_lab(tmp_path_factory.mktemp("lab"))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_phi3_path, tmp_path_factory):
+    """The verified-generation lab on the tiny Phi-3: head, verifier, network (tests/helpers/verified_lab.py)."""
+    from verified_lab import build_verified_lab
+
+    return build_verified_lab(tiny_phi3_path, tmp_path_factory.mktemp("verified"))

@@ -2,7 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from sdm_mlx.activation import Q_SOFTMAX, log_sdm, sdm, sdm_nll_loss
+from sdm_mlx.core.activation import Q_SOFTMAX, log_sdm, sdm, sdm_nll_loss
 
 
 def test_hand_computed_value():

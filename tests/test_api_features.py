@@ -1,4 +1,4 @@
-"""The paper's 7-dim black-box LLM attribute vector: sdm_mlx.api_features and `sdm-mlx api-features`."""
+"""The paper's 7-dim black-box LLM attribute vector: sdm_mlx.llm.api_features and `sdm-mlx api-features`."""
 
 import json
 import math
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdm_mlx.api_features import APIFeatureError, attribute_vector, feature_row, parse_letter, value_spans
+from sdm_mlx.llm.api_features import APIFeatureError, attribute_vector, feature_row, parse_letter, value_spans
 from sdm_mlx.cli import main
 
 EXAMPLE = Path(__file__).parent / "data" / "api_answers_example.jsonl"

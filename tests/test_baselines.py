@@ -1,4 +1,4 @@
-"""Known-answer tests for sdm_mlx.baselines."""
+"""Known-answer tests for sdm_mlx.evaluation.baselines."""
 
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from sdm_mlx import baselines as B
-from sdm_mlx.metrics import REPORT_KEYS
+from sdm_mlx.evaluation import baselines as B
+from sdm_mlx.evaluation.metrics import REPORT_KEYS
 
 
 def logits_of(p):

@@ -1,4 +1,4 @@
-"""One row, one answer: a row's prediction does not depend on the batch it arrives in (issue 10 §4).
+"""One row, one answer: a row's prediction does not depend on the batch it arrives in.
 
 Every field of :class:`Predictions` is compared bit for bit (``==`` on the JSON rows and
 ``np.array_equal`` on the arrays) for rows scored alone, in the whole batch and in shuffled
@@ -19,7 +19,7 @@ import pytest
 
 from sdm_mlx import calibration as cal
 from sdm_mlx.calibration.threshold import _quantile_index
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.index import ExactIndex, HnswIndex, good_neighbours_by_class, similarity_from_neighbours
 
@@ -289,8 +289,8 @@ def test_alg3_alpha_071_n100_uses_rank_29():
 
 
 def test_exact_row_product_is_row_local_and_accurate(monkeypatch):
-    from sdm_mlx import exact_product
-    from sdm_mlx.exact_product import ExactRowProduct
+    from sdm_mlx.core import exact_product
+    from sdm_mlx.core.exact_product import ExactRowProduct
 
     rng = np.random.default_rng(8)
     W = rng.uniform(-0.03, 0.03, size=(64, 1000)).astype(np.float32)

@@ -1,9 +1,9 @@
 """Predictions on the embedded factcheck data match the stored cross-version fixture (behaviour unchanged).
 
-The fixture was written by ``tests/behaviour_fixture.py`` before the typed-results / scikit-learn API change,
+The fixture was written by ``tests/helpers/behaviour_fixture.py`` before the typed-results / scikit-learn API change,
 on another machine.  Discrete fields (prediction, admission, rejection reason, q, bins, n̂, exemplar ids) must
 match exactly; floats to ``ATOL + RTOL·|stored|``, a tolerance set from the measured cross-machine spread
-(documented in ``behaviour_fixture.py``: ≤ 3.81e-4 relative, ≤ 9.0e-7 absolute over AVX-512 Intel and AMD,
+(documented in ``tests/helpers/behaviour_fixture.py``: ≤ 3.81e-4 relative, ≤ 9.0e-7 absolute over AVX-512 Intel and AMD,
 with OpenBLAS and with MLX's bundled BLAS).  A decision may flip only on a row that lies within that tolerance
 of its decision boundary.  Bit-for-bit properties of one machine are tested against same-run references
 (``test_batch_invariance.py``, ``test_defaults.py``, ``test_distributed.py``).

@@ -1,4 +1,4 @@
-"""Calibration layer: reference_spec §15 micro-examples, hand-worked cases and edge cases."""
+"""Calibration layer: micro-examples, hand-worked cases and edge cases."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sdm_mlx import calibration as cal
-from sdm_mlx.rescaler import (
+from sdm_mlx.calibration.rescaler import (
     _row_loss_mlx,
     init_rescaler_weights,
     rescaled_output,

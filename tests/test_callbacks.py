@@ -1,4 +1,4 @@
-"""One callback protocol (sdm_mlx.callbacks): the library is silent by default, a Callback receives the
+"""One callback protocol (sdm_mlx.runtime.callbacks): the library is silent by default, a Callback receives the
 Alg. 1 events, the CLI shows tqdm progress (elapsed, ETA) on stderr and --quiet silences it."""
 
 import io
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from sdm_mlx.callbacks import SILENT, Callback, CallbackList, TqdmProgress, as_callback
+from sdm_mlx.runtime.callbacks import SILENT, Callback, CallbackList, TqdmProgress, as_callback
 from sdm_mlx.estimator import SDMEstimator
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")  # tiny fits admit little

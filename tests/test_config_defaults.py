@@ -10,7 +10,7 @@ import pytest
 from sdm_mlx.cli import build_parser, load_yaml_config
 from sdm_mlx.commands._common import estimator_config, paper_base
 from sdm_mlx.commands.train import SETTINGS
-from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, EstimatorConfig
+from sdm_mlx.estimator.config import ESTIMATOR_DEFAULTS, EstimatorConfig
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.settings import resolve
 
@@ -80,7 +80,7 @@ def test_help_shows_real_defaults_and_required():
 
 def test_network_train_options_come_from_network_config(tmp_path):
     from sdm_mlx.commands.network_train import network_config
-    from sdm_mlx.network_config import NetworkConfig
+    from sdm_mlx.network.config import NetworkConfig
 
     parser, subparsers = build_parser()
     common = ["network-train", "-m", "base", "--data", "d.jsonl", "--preset", "sentiment"]
@@ -152,7 +152,7 @@ GEN_VERBS = ("generate", "chat", "serve", "mcp")
 def test_generation_defaults_cli_yaml_and_dataclass_agree(verb, tmp_path):
     from sdm_mlx.commands._common import SETTINGS as GEN_SETTINGS
     from sdm_mlx.commands._common import generation_config
-    from sdm_mlx.generation_config import GenerationConfig
+    from sdm_mlx.verified.config import GenerationConfig
 
     want = GenerationConfig(model="M", verifier="V")
     parser, subparsers = build_parser()
@@ -206,8 +206,8 @@ def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path)
 
     import numpy as np
 
-    from sdm_mlx import embed as E
-    from sdm_mlx.generation_config import BUILTIN, GenerationConfig
+    from sdm_mlx.llm import embed as E
+    from sdm_mlx.verified.config import BUILTIN, GenerationConfig
     from sdm_mlx.network.heads import model_dims
     from sdm_mlx.verified import REASK_TEMPLATE, VerifiedGenerator
 

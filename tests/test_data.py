@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from sdm_mlx.data import check_features, check_labels, factcheck_splits, load_factcheck, read_jsonl
+from sdm_mlx.storage.datasets import check_features, check_labels, factcheck_splits, load_factcheck, read_jsonl
 
 
 def write(path, rows):

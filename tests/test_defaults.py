@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 import pytest
 
-from sdm_mlx.defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
-from sdm_mlx.diagnosis import admission_diagnosis, diagnosis_message
+from sdm_mlx.estimator.config import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
+from sdm_mlx.calibration.diagnosis import admission_diagnosis, diagnosis_message
 from sdm_mlx.estimator import SDMEstimator
 from gaussians import gaussian_classes  # tools/gaussians.py (tools/ is on pytest's pythonpath)
 
@@ -183,7 +183,7 @@ def test_training_report_has_per_round_trajectories_movement_and_admission(tmp_p
 
 
 def test_interrupted_fit_resumes_to_the_same_model(tmp_path, monkeypatch):
-    import sdm_mlx.train as T
+    import sdm_mlx.estimator.training as T
 
     X, y = gaussian_classes(300, 3, 8, separation=6.0, seed=1)
     kw = {**TINY, "learning_rate": 1e-2}

@@ -1,6 +1,6 @@
 import numpy as np
 
-from sdm_mlx.distance import distance_ecdfs, distance_quantile
+from sdm_mlx.core.distance import distance_ecdfs, distance_quantile
 
 
 def test_strict_left_reverse_quantile():

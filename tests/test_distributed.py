@@ -1,4 +1,4 @@
-"""The sharded exact index under mlx.distributed (issue 14 §1): two local ranks of the ring backend give
+"""The sharded exact index under mlx.distributed (docs/distributed.md): two local ranks of the ring backend give
 the single-process results of the same machine, computed in the same run, bit for bit (random data with ties and self-exclusion, the embedded factcheck
 fit + estimate, the CLI), and a rank that dies or hangs ends the other with a clear error in bounded time.
 
@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdm_mlx import distributed as dist
+from sdm_mlx.runtime import distributed as dist
 from sdm_mlx.index import ExactIndex, make_index
 
 HERE = Path(__file__).parent
-SCRIPT = HERE / "distributed_script.py"
+SCRIPT = HERE / "helpers" / "distributed_script.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "helpers"))
 from distributed_script import POOL_EVERY, index_results, random_case, tiny_case  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")
@@ -146,7 +146,7 @@ def test_fit_and_estimate_on_factcheck_equal_the_single_process_run(tmp_path):
     single-process results bit for bit.  The reference is computed in this run on this machine (float32 BLAS
     rounds differently per CPU, so a file written elsewhere is no reference: see behaviour_fixture.py)."""
     from behaviour_fixture import ROWS, canonical, fit_fixture_estimator, fixture_results
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
     from sdm_mlx.estimator import SDMEstimator
 
     run = launch([str(SCRIPT), "fixture", str(tmp_path)])
@@ -177,7 +177,7 @@ def _write_jsonl(path: Path, ds, rows: slice) -> None:
 
 @needs_launch
 def test_cli_train_under_launch_then_single_process_predict_equals_distributed_predict(tmp_path):
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     pool, heldout, _ = factcheck_splits()
     _write_jsonl(tmp_path / "train.jsonl", pool, slice(0, 2400))

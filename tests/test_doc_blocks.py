@@ -102,7 +102,7 @@ def blocks(path: pathlib.Path) -> list[tuple[str, str, str | None]]:
 def _sandbox_data(tmp: pathlib.Path) -> None:
     import json
 
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     pool, heldout, generated = factcheck_splits()
     parts = {"train.jsonl": pool.subset(range(0, len(pool), 8)), "calibration.jsonl": pool.subset(range(1, len(pool), 8)),

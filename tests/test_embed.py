@@ -1,4 +1,4 @@
-"""sdm_mlx.embed and `sdm-mlx embed` on tiny local mlx-lm models (no network)."""
+"""sdm_mlx.llm.embed and `sdm-mlx embed` on tiny local mlx-lm models (no network)."""
 
 import json
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from sdm_mlx import embed as E
+from sdm_mlx.llm import embed as E
 from sdm_mlx.cli import main
 
 SYSTEM = "You are a helpful AI assistant."

@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from sdm_mlx.artifact import ArtifactError
+from sdm_mlx.storage.artifact import ArtifactError
 from sdm_mlx.cli import main
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.errors import NotFittedError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.metrics import index_conditional_report
+from sdm_mlx.evaluation.metrics import index_conditional_report
 
 FAST = dict(iterations=2, epochs=4, exemplar_dim=32, learning_rate=1e-3, rescaler_max_epochs=60, verbose=False)
 
@@ -173,7 +173,7 @@ def test_atomic_save_keeps_previous_on_crash(gaussian_model, tmp_path, monkeypat
     est.save(path)
     X, _ = gaussians(rng, 20)
     before = SDMEstimator.load(path).estimate(X).p_lower
-    import sdm_mlx.artifact as artifact
+    import sdm_mlx.storage.artifact as artifact
 
     def boom(*a, **k):
         raise OSError("disk full")

@@ -1,4 +1,4 @@
-"""Evaluation (sdm_mlx.evaluate), the `evaluate` CLI verb and `demo --quick`."""
+"""Evaluation (sdm_mlx.evaluation.evaluate), the `evaluate` CLI verb and `demo --quick`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from sdm_mlx import cli
-from sdm_mlx.baselines import run_baselines
-from sdm_mlx.data import Dataset, read_jsonl
+from sdm_mlx.evaluation.baselines import run_baselines
+from sdm_mlx.storage.datasets import Dataset, read_jsonl
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.evaluate import (
+from sdm_mlx.evaluation.evaluate import (
     DEFAULT_BASELINES,
     SDM_ESTIMATORS,
     baseline_options,
@@ -27,9 +27,9 @@ from sdm_mlx.evaluate import (
     label_error_records,
     predict_datasets,
 )
-from sdm_mlx.io import loads_strict, write_jsonl
-from sdm_mlx.metrics import REPORT_KEYS, index_conditional_report
-from sdm_mlx.plots import plots_available
+from sdm_mlx.storage.files import loads_strict, write_jsonl
+from sdm_mlx.evaluation.metrics import REPORT_KEYS, index_conditional_report
+from sdm_mlx.evaluation.plots import plots_available
 
 C = 3
 ALPHA = 0.6
@@ -286,7 +286,7 @@ def cli_files(setup, tmp_path_factory):
 
 
 def test_cli_evaluate_end_to_end(cli_files, capsys, monkeypatch):
-    import sdm_mlx.plots as plots_mod
+    import sdm_mlx.evaluation.plots as plots_mod
 
     monkeypatch.setattr(plots_mod, "plots_available", lambda: False)  # as without matplotlib
     d = cli_files.dir

@@ -1,4 +1,4 @@
-"""Feedback without retraining (issue 13 §3): support-set appends/removals through the API and the CLI.
+"""Feedback without retraining (docs/feedback.md): support-set appends/removals through the API and the CLI.
 
 One small Gaussian model (two classes in 8-D) is fitted per module.  A far cluster (every
 coordinate shifted by +6, all class 1) is rejected as out of distribution; enough correctly
@@ -18,10 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from sdm_mlx.artifact import ArtifactError
+from sdm_mlx.storage.artifact import ArtifactError
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.feedback import LOG_FILE, RETRAIN_FRACTION, add_support_to_model, remove_support_from_model
+from sdm_mlx.estimator.feedback import LOG_FILE, RETRAIN_FRACTION
+from sdm_mlx.estimator.updates import add_support_to_model, remove_support_from_model
 
 FAR_SHIFT = 6.0
 
@@ -216,7 +217,7 @@ def test_persisted_updates_reload_equal_in_memory(trained, tmp_path):
 
 KILL_SCRIPT = """
 import sys, numpy as np
-from sdm_mlx.feedback import add_support_to_model
+from sdm_mlx.estimator.updates import add_support_to_model
 path, n = sys.argv[1], 0
 rng = np.random.default_rng(0)
 while True:

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from sdm_mlx.data import Dataset, factcheck_splits, read_jsonl
+from sdm_mlx.storage.datasets import Dataset, factcheck_splits, read_jsonl
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import io
 import json
-import random
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -34,97 +32,10 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from sdm_mlx import embed as E  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
 from sdm_mlx.cli import main  # noqa: E402
 
-SYSTEM = "You are a helpful AI assistant."
-TEMPLATE = ("Classify the sentiment of the following movie review. "
-            'Respond using the following JSON: {"sentiment": str}. REVIEW: {document}')
-ANSWERS = ['{"sentiment": "negative"}', '{"sentiment": "positive"}']
-WRONG = ['{"correctness": true}', '{"correctness": false}', '{"sentiment": "sentiment"}', '{"answer_letter": "A"}']
-POS = ["warm", "funny", "wonderful", "moving", "sharp", "lovely", "great"]
-NEG = ["dull", "wooden", "boring", "bad", "long", "weak", "awful"]
-PATTERNS = ["The film is {a} and {b}.", "A {a}, {b} movie.", "The acting is {a} and the plot is {b}.",
-            "I found it {a} but also {b}."]
-OOD_PROMPT = "0123456789 ;;;; ---- ???? 9876543210 !!!! 55555 11111 @@@@ #### %%%% 2468 ]]]] ^^^^ 13579"
-N_DOCS = 200
-
-
-def reviews(n: int, seed: int) -> list[tuple[str, int]]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        label = i % 2
-        a, b = rng.sample(POS if label else NEG, 2)
-        out.append((rng.choice(PATTERNS).format(a=a, b=b), label))
-    return out
-
-
-def _fit_head(model, tok, docs, steps: int = 150):
-    """W_pos fitted on the frozen states predicting the JSON answer tokens (see the module docstring)."""
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-
-    from sdm_mlx.network.heads import token_hidden_states
-
-    seqs, positions = [], []
-    for doc, label in docs:
-        prompt = E.chat_text(tok, doc, system=SYSTEM, prompt_template=TEMPLATE)
-        p_ids, full = E.encode(tok, prompt), E.encode(tok, prompt + ANSWERS[label])
-        seqs.append(full)
-        positions.append(list(range(len(p_ids) - 1, len(full) - 1)))
-    H = mx.array(token_hidden_states(model, seqs, positions))
-    Y = mx.array(np.concatenate([np.asarray(s)[np.asarray(p) + 1] for s, p in zip(seqs, positions)]).astype(np.int32))
-    params = {"W": E.lm_head_weight(model)}
-    loss_and_grad = mx.value_and_grad(lambda p: nn.losses.cross_entropy(H @ p["W"].T, Y, reduction="mean"))
-    opt = optim.Adam(learning_rate=1e-2)
-    for _ in range(steps):
-        _, g = loss_and_grad(params)
-        opt.update(params, g)
-        mx.eval(params, opt.state)
-    return params["W"]
-
-
-@pytest.fixture(scope="module")
-def setup(tiny_phi3_path, tmp_path_factory):
-    from sdm_mlx.estimator import SDMEstimator
-    from sdm_mlx.network.artifact import save_network
-    from sdm_mlx.network.generation import greedy_generate
-    from sdm_mlx.network.heads import SDMHeads
-
-    root = tmp_path_factory.mktemp("verified")
-    model, tok = E.load_model(tiny_phi3_path)
-    docs = reviews(N_DOCS, seed=0)
-    heads = SDMHeads(model, _fit_head(model, tok, docs[:24]))
-    prompts = [E.chat_text(tok, d, system=SYSTEM, prompt_template=TEMPLATE) for d, _ in docs]
-    outs = greedy_generate(heads, tok, prompts, max_new_tokens=16, batch_size=25, features=False)
-    rng = random.Random(1)
-    seqs, spans, labels, ids = [], [], [], []
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        p_ids = E.encode(tok, prompt)
-        seqs += [p_ids + out.token_ids, E.encode(tok, prompt + rng.choice(WRONG))]
-        spans += [(len(p_ids), None)] * 2
-        labels += [1, 0]
-        ids += [f"own-{i}", f"perturbed-{i}"]
-    X = E.document_features(model, tok, seqs, spans, batch_size=16, on_missing="error").embeddings
-    y = np.array(labels)
-    est = SDMEstimator(alpha=0.9, iterations=1, epochs=10, exemplar_dim=16, batch_size=8, learning_rate=3e-3,
-                       rescaler_max_epochs=300, rescaler_learning_rate=3e-3, rescaler_patience=5, verbose=False,
-                       seed=0)
-    est.fit(X, y, ids_train=ids)
-    verifier_dir = str(root / "verifier")
-    est.save(verifier_dir)
-    settings = {"system": SYSTEM, "prompt_template": TEMPLATE, "delimiter": "}", "max_new_tokens": 24,
-                "max_length": 500, "use_chat_template": True}
-    head_dir = save_network(root / "network", heads, tiny_phi3_path, est, settings=settings)
-    pred = est.estimate(X[y == 1])
-    ok = np.flatnonzero(pred.admitted & (pred.prediction == 1))
-    assert ok.size, "fixture: the verifier admits none of the model's own answers"
-    return types.SimpleNamespace(
-        model_path=tiny_phi3_path, verifier_dir=verifier_dir, head_dir=head_dir, root=root,
-        outs=outs, docs=docs, verified_doc=docs[int(ok[0])][0],
-        verified_answer=outs[int(ok[0])].text, admitted_fraction=float(pred.admitted.mean()),
-    )
+from verified_lab import OOD_PROMPT, SYSTEM, TEMPLATE  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
 
 def _generator(s, **kw):
@@ -396,7 +307,7 @@ def test_cli_head_on_another_base_model_is_a_user_error(setup, tiny_qwen2_path):
 @pytest.mark.parametrize("joint", [False, True])
 def test_decoding_features_equal_the_feature_pass(setup, joint):
     """``GreedyDecoder(features=True)``: the pooled decoding states = a separate force-decoded feature pass."""
-    from sdm_mlx.embed import trunk
+    from sdm_mlx.llm.embed import trunk
     from sdm_mlx.verified import GreedyDecoder
 
     gen = _generator(setup)

@@ -1,76 +1,14 @@
-"""Hostile paths and bad inputs through the CLI (issue 10 §1, §2): every case must fail with
+"""Hostile paths and bad inputs through the CLI: every case must fail with
 ``sdm-mlx <verb>: error: <message naming the problem>``, exit != 0, no traceback, and leave every
 pre-existing file of the sandbox byte-identical (a snapshot of the sandbox is compared)."""
 
-import hashlib
 import json
 import os
 import shutil
-import stat
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
-CLI = [sys.executable, "-m", "sdm_mlx"]
-TINY = ["--epochs", "2", "--iterations", "1", "--exemplar-dim", "8", "--rescaler-max-epochs", "20", "--quiet"]
-
-
-def rows(n=80, seed=0, both=True):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        y = i % 2
-        r = {"id": i, "label": y, "embedding": (rng.normal(size=6) + 3 * y).round(4).tolist()}
-        if both:
-            r["attributes"] = (rng.normal(size=4) - 2 * y).round(4).tolist()
-        out.append(r)
-    return out
-
-
-def write_rows(path, rs):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rs:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
-
-
-def cli(*args, cwd, stdin=None, prefix=(), timeout=300):
-    return subprocess.run([*prefix, *CLI, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          input=stdin, timeout=timeout)
-
-
-def snapshot(root) -> dict:
-    """{relative path: what it is} for everything under root (files by content hash; links not followed)."""
-    snap = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            rel = os.path.relpath(p, root)
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                snap[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    snap[rel] = ("file", hashlib.sha256(f.read()).hexdigest())
-            elif stat.S_ISDIR(st.st_mode):
-                snap[rel] = ("dir",)
-            else:
-                snap[rel] = ("special", stat.S_IFMT(st.st_mode))
-    return snap
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A directory with train/test files and a tiny model trained on the ``embedding`` field."""
-    root = tmp_path_factory.mktemp("lab")
-    write_rows(root / "train.jsonl", rows())
-    write_rows(root / "test.jsonl", rows(12, seed=1))
-    r = cli("train", "--train", "train.jsonl", "--output", "model", "--features", "embedding", "--alpha", "0.6",
-            *TINY, cwd=root)
-    assert r.returncode == 0, r.stderr
-    return root
+from cli_lab import TINY, cli, rows, snapshot, write_rows  # tests/helpers/ (the lab fixture: conftest.py)
 
 
 # ------------------------------------------------------------------------------------ the battery

@@ -1,4 +1,4 @@
-"""Verdict pages (``sdm_mlx.verdict_html``): escaping, ``predict --html`` / ``evaluate --html`` through the CLI,
+"""Verdict pages (``sdm_mlx.evaluation.verdict_html``): escaping, ``predict --html`` / ``evaluate --html`` through the CLI,
 the server's ``/v1/verdicts/{id}`` as HTML, MCP ``explain(html=...)``, and headless Chromium rendering (slow)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.verdict_html import PageContext, render_index, render_page
+from sdm_mlx.evaluation.verdict_html import PageContext, render_index, render_page
 
 EVIL = '<script>document.documentElement.setAttribute("data-pwned","1")</script> "quoted" \'single\' & مرحبا بالعالم'
 LONG = "x" * 6000  # one unbreakable word: must wrap, not widen the page

@@ -1,5 +1,6 @@
-"""The package's import graph (tools/import_graph.py): acyclic at load time, and the verbs never import
-the dispatcher (sdm_mlx/cli.py) or each other — shared CLI pieces live in commands/_common.py."""
+"""The package's import graph (tools/import_graph.py): no cycle and no import up a layer, counting imports made
+inside functions as well as at load time; the verbs never import the dispatcher (sdm_mlx/cli.py) or each other --
+shared CLI pieces live in commands/_common.py; and the subpackages stay lazy."""
 
 import ast
 import pathlib
@@ -11,13 +12,47 @@ import import_graph  # tools/ is on pytest's pythonpath
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_load_time_graph_is_acyclic_and_the_tool_prints_it():
+def test_graph_has_no_cycle_and_no_upward_import_counting_deferred_imports():
     graph = import_graph.import_graph()
+    assert import_graph.cycles(graph) == []
     assert import_graph.find_cycle(graph) is None
-    assert "calibration.rounds" in graph and "callbacks" in graph["train"]
+    assert import_graph.upward_imports(graph) == []
+    assert import_graph.undeclared(graph) == [], "add the module's package to LAYERS in tools/import_graph.py"
+    assert "calibration.rounds" in graph and "runtime.callbacks" in graph["estimator.training"]
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "import_graph.py"), "--check"], capture_output=True,
                          text=True)
-    assert res.returncode == 0 and res.stdout.strip().endswith("acyclic") and "cli -> " in res.stdout
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert res.stdout.strip().endswith("acyclic and layered") and "cli -> " in res.stdout
+
+
+def _graph_of(tmp_path, files: dict[str, str]) -> dict[str, list[str]]:
+    for name, text in files.items():
+        path = tmp_path / "sdm_mlx" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return import_graph.import_graph(tmp_path / "sdm_mlx")
+
+
+def test_a_deferred_import_makes_a_cycle_and_a_lazy_export_resolves_to_its_module(tmp_path):
+    graph = _graph_of(tmp_path, {
+        "__init__.py": "",
+        "estimator/__init__.py": '_EXPORTS = {"SDMEstimator": "model"}\n',
+        "estimator/model.py": "from .feedback import parse_log\n",
+        "estimator/feedback.py": "def update():\n    from . import SDMEstimator\n",
+    })
+    assert graph["estimator.feedback"] == ["estimator.model"]
+    assert import_graph.cycles(graph) == [["estimator.feedback", "estimator.model"]]
+    assert import_graph.import_graph(tmp_path / "sdm_mlx", deferred=False)["estimator.feedback"] == []
+
+
+def test_an_upward_import_is_reported(tmp_path):
+    graph = _graph_of(tmp_path, {
+        "__init__.py": "", "errors.py": "", "runtime/__init__.py": "",
+        "runtime/distributed.py": "def timeout():\n    from ..estimator.config import T\n",
+        "estimator/__init__.py": "", "estimator/config.py": "from ..errors import E\n",
+    })
+    assert import_graph.upward_imports(graph) == [("runtime.distributed", "estimator.config")]
+    assert import_graph.cycles(graph) == []
 
 
 def test_find_cycle_reports_one():
@@ -43,3 +78,31 @@ def test_verbs_import_neither_the_dispatcher_nor_each_other():
         assert "cli" not in mods, f"{path.name} imports sdm_mlx.cli"
         others = {m for m in mods if m.startswith("commands.") and m.split(".")[1] in verbs - {path.stem}}
         assert not others, f"{path.name} imports other verbs: {others}"
+
+
+def test_every_package_init_says_what_it_may_import_and_imports_no_submodule_at_load():
+    for init in sorted((ROOT / "sdm_mlx").glob("*/__init__.py")):
+        pkg = init.parent.name
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "May import" in doc or pkg == "commands" and "may import" in doc, f"{pkg}/__init__ lacks 'May import'"
+        loaded = import_graph.import_graph(deferred=False).get(pkg, [])
+        assert all(d == "_lazy" or d == "errors" for d in loaded), f"{pkg}/__init__ imports {loaded} at load time"
+
+
+def test_help_and_configs_do_not_import_mlx():
+    code = ("import sys\nfrom sdm_mlx.estimator.config import EstimatorConfig\nfrom sdm_mlx.network.config import "
+            "NetworkConfig\nfrom sdm_mlx.verified.config import GenerationConfig\nfrom sdm_mlx import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\nprint('mlx.core' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_no_test_imports_another_test_module():
+    """Shared fixtures live in tests/conftest.py and shared helpers in tests/helpers/, never in a test file."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[0].startswith("test_")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}: move what it shares to conftest.py or tests/helpers/"

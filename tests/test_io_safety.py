@@ -1,4 +1,4 @@
-"""Safe outputs, strict JSON and input handling (issue 10 §1, §2) — what must work, end to end."""
+"""Safe outputs, strict JSON and input handling — what must work, end to end."""
 
 import json
 import math
@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from sdm_mlx.artifact import prepare_run_directory
+from sdm_mlx.storage.artifact import prepare_run_directory
 from sdm_mlx.errors import ArtifactError, OutputError, SDMError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.io import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
-from test_hostile import TINY, cli, lab, rows, snapshot, write_rows  # noqa: F401 (lab: the shared fixture)
+from sdm_mlx.storage.files import atomic_write, get_float, iter_jsonl, loads_strict, put_float, strict, write_jsonl
+from cli_lab import TINY, cli, rows, snapshot, write_rows  # tests/helpers/ (the lab fixture: conftest.py)
 
 
 @pytest.fixture
@@ -287,7 +287,7 @@ def test_kill_9_during_save_keeps_a_loadable_artifact(tmp_path):
 
 # ------------------------------------------------------------------------------------ network heads
 def test_network_base_model_is_relative_and_survives_a_move(tiny_phi3_path, lab, tmp_path):
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import SDMHeads, load_network, save_network
     from sdm_mlx.network.artifact import read_network_config
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 mcp = pytest.importorskip("mcp")
 
-from test_generate import OOD_PROMPT, setup  # noqa: E402,F401  (module fixture)
+from verified_lab import OOD_PROMPT  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
 TIMEOUT = 90
 

@@ -1,4 +1,4 @@
-"""Tests for sdm_mlx.metrics (index-conditional report, table, label errors) and sdm_mlx.plots."""
+"""Tests for sdm_mlx.evaluation.metrics (index-conditional report, table, label errors) and sdm_mlx.evaluation.plots."""
 
 import json
 import sys
@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from sdm_mlx import metrics
-from sdm_mlx.metrics import (
+from sdm_mlx.evaluation import metrics
+from sdm_mlx.evaluation.metrics import (
     format_results_table,
     index_conditional_report,
     label_error_rows,
@@ -295,7 +295,7 @@ def test_label_error_rows_string_ids_and_missing_field():
 
 
 def test_plots_missing_matplotlib_message(monkeypatch, tmp_path):
-    from sdm_mlx import plots
+    from sdm_mlx.evaluation import plots
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -313,7 +313,7 @@ def _is_png(path):
 
 def test_plot_admitted_vs_accuracy_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from sdm_mlx import plots
+    from sdm_mlx.evaluation import plots
     assert plots.plots_available() is True
     r = index_conditional_report(Y, P, A, 2, 0.6)
     curves = {
@@ -329,7 +329,7 @@ def test_plot_admitted_vs_accuracy_png(tmp_path):
 
 def test_plot_qbin_histogram_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from sdm_mlx import plots
+    from sdm_mlx.evaluation import plots
     out = tmp_path / "hist.png"
     plots.plot_qbin_histogram([3, 4, 4, 5, 7], np.array([0, 0, 1, 2, 3]), out, title="bins")
     assert _is_png(out)

@@ -20,7 +20,7 @@ import pytest
 
 from sdm_mlx.calibration import DEFAULT_ALPHA_GRID, anchored_region, nested_admissions
 from sdm_mlx.calibration.nested import DecisionPolicy, alpha_grid, decisions, level_admissions
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.errors import InputError
 from sdm_mlx.estimator import SDMEstimator
 

@@ -1,4 +1,4 @@
-"""SDM network (issue 6): heads, loss, mask, β schedule, compiled step, generation, artifacts — fast unit tests."""
+"""SDM network (DESIGN #17-21): heads, loss, mask, β schedule, compiled step, generation, artifacts — fast unit tests."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from sdm_mlx.embed import chat_text, load_model, prompt_completion_features
+from sdm_mlx.llm.embed import chat_text, load_model, prompt_completion_features
 from sdm_mlx.network import (
     HeadShapeError, NetworkArtifactError, SDMHeads, beta_schedule, greedy_generate, joint_argmax, load_network,
     network_loss, parse_task_prediction, regularization_mask, save_network,
@@ -19,7 +19,7 @@ from sdm_mlx.network.generation import first_json_object, is_closed
 from sdm_mlx.network.heads import model_dims
 from sdm_mlx.network.loss import rescaled_regularizer
 from sdm_mlx.network.trainer import completion_token_positions, make_optimizer, make_train_step, train_epoch
-from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS
+from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 
 TEMPLATE = PRESETS["sentiment"]["prompt_template"]
 DOCS = ["A warm and funny film with a wonderful cast.", "The plot is dull and the acting is wooden.",
@@ -143,7 +143,7 @@ def test_loss_equals_hand_computed_numpy_value():
     beta = 0.37
     total, (L, R, Rp) = network_loss(*(mx.array(a.astype(np.float32)) for a in (z_ref, z_neg, z_pos)),
                                      mx.array(t), mx.array(q.astype(np.float32)), mx.array(d.astype(np.float32)),
-                                     beta)
+                                     beta=beta)
     expect = _np_loss(z_ref, z_neg, z_pos, t, q, d, beta)
     np.testing.assert_allclose([float(total), float(L), float(R), float(Rp)], expect, rtol=2e-5)
     assert float(R) > 1.0 and 0.0 < float(Rp) - 1.0  # the rescaling is active on this example
@@ -188,7 +188,7 @@ def test_mask_with_coinciding_indices():
     assert np.flatnonzero(m[1] == 0).tolist() == [0, V + 0, V + 3]
     # at initialisation (W_pos = W_ref) the masked difference is exactly 0 and the gradient is finite
     q, d = mx.array([1.0, 2.0]), mx.array([1.0, 0.5])
-    g = mx.grad(lambda zp: network_loss(z, z, zp, t, q, d, mx.array(0.1))[0])(z)
+    g = mx.grad(lambda zp: network_loss(z, z, zp, t, q, d, beta=mx.array(0.1))[0])(z)
     assert np.isfinite(np.array(g)).all()
 
 
@@ -214,8 +214,8 @@ def test_beta_resets_every_epoch_and_tokens_are_shuffled():
     T = mx.arange(7)
     rng = np.random.default_rng(0)
     for _ in range(2):
-        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), H, T, np.ones(7), np.ones(7), 3,
-                        0.0, 0.1, rng)
+        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), H, T, np.ones(7), d_tok=np.ones(7),
+                        batch_size=3, beta_min=0.0, beta_max=0.1, rng=rng)
         assert m["batches"] == 3 and m["beta_first"] == 0.0
     betas = [b for b, _ in seen]
     np.testing.assert_allclose(betas, [0.0, 0.1 / 3, 0.2 / 3] * 2, rtol=1e-6)
@@ -316,7 +316,7 @@ def test_generation_features_equal_force_decoded_features(phi3):
     comp_ids = tok.encode('{"sentiment": "positive"}', add_special_tokens=False)
     ref = prompt_completion_features(model, tok, [tok.encode(prompts[0])], [comp_ids], on_missing="error")
     from sdm_mlx.network.generation import _pool
-    from sdm_mlx.embed import generated_n_kept
+    from sdm_mlx.llm.embed import generated_n_kept
 
     p_ids = tok.encode(prompts[0])
     h = heads.hidden_states([p_ids + comp_ids])[0]

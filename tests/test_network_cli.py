@@ -1,4 +1,4 @@
-"""``sdm-mlx network-train`` smoke test with a tiny YAML recipe (issue 6)."""
+"""``sdm-mlx network-train`` smoke test with a tiny YAML recipe."""
 
 import json
 import os
@@ -90,9 +90,9 @@ def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):
 
 def test_network_train_distributed_timeout_reaches_the_collectives(tiny_phi3_path, tmp_path, monkeypatch):
     """--distributed-timeout (YAML distributed_timeout) bounds every collective wait (docs/distributed.md)."""
-    from sdm_mlx import distributed
+    from sdm_mlx.runtime import distributed
     from sdm_mlx.network import trainer
-    from sdm_mlx.network_config import NetworkConfig
+    from sdm_mlx.network.config import NetworkConfig
 
     seen = {}
 

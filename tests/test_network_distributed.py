@@ -1,7 +1,7 @@
-"""Data-parallel ``network-train`` under ``mlx.launch`` (issue 14 §2), two local ranks over the ring backend.
+"""Data-parallel ``network-train`` under ``mlx.launch`` (docs/network-data-parallel.md), two local ranks over the ring backend.
 
 * the data-parallel W_pos step equals the one-process step on the same global batches (Adam and SGD,
-  including a rank with an empty slice) — ``tests/dp_step_check.py`` under ``mlx.launch``;
+  including a rank with an empty slice) — ``tests/helpers/dp_step_check.py`` under ``mlx.launch``;
 * the tiny recipe through the CLI at 2 ranks writes one run directory whose head equals the 1-process
   run's within float tolerance, with the same initial count, per-epoch counts and selected epoch;
 * a rank that dies makes the other stop with a clear error within a bounded time, not a hang.
@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
 
 
 def _dp_step_check(tmp_path, optimizers: tuple) -> dict:
-    res = launch([os.path.join(ROOT, "tests", "dp_step_check.py"), str(tmp_path), ",".join(optimizers)])
+    res = launch([os.path.join(ROOT, "tests", "helpers", "dp_step_check.py"), str(tmp_path), ",".join(optimizers)])
     lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1, (res.stdout, res.stderr)  # rank 0 alone prints
     out = json.loads(lines[0])
@@ -137,7 +137,7 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
     p = free_port_pair()
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"], [f"127.0.0.1:{p + 1}"]]))
     verifier = str(runs["tmp"] / "one" / "verifier")  # skip the verifier fit: reach epoch 1 fast
-    args = [PY, os.path.join(ROOT, "tests", "dp_die.py"),
+    args = [PY, os.path.join(ROOT, "tests", "helpers", "dp_die.py"),
             *recipe_args(runs["built"], tmp_path / "out", "--verifier", verifier)[2:]]
     args += ["--distributed-timeout", "20"]
     env = {**ENV, "MLX_HOSTFILE": str(hostfile)}
@@ -168,7 +168,7 @@ def test_a_dying_rank_stops_the_other_with_a_clear_error(runs, tmp_path):
 def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
     """The same under mlx.launch: the launcher stops the survivor; nothing hangs and no summary is printed."""
     verifier = str(runs["tmp"] / "one" / "verifier")
-    res = launch([os.path.join(ROOT, "tests", "dp_die.py"),
+    res = launch([os.path.join(ROOT, "tests", "helpers", "dp_die.py"),
                   *recipe_args(runs["built"], tmp_path / "out", "--verifier", verifier)[2:]])
     assert "rank 1 exited with code 3" in res.stderr, res.stderr
     assert not [x for x in res.stdout.splitlines() if x.startswith("{")]
@@ -176,7 +176,7 @@ def test_a_dying_rank_under_mlx_launch_ends_the_run(runs, tmp_path):
 
 def test_the_watchdog_ends_a_wait_that_outlives_its_deadline():
     """The bounded wait used around every collective: a blocked wait ends the process with a message."""
-    code = ("import time\nfrom sdm_mlx.distributed import watchdog\n"
+    code = ("import time\nfrom sdm_mlx.runtime.distributed import watchdog\n"
             "w = watchdog()\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n    time.sleep(0.1)\n"
             "print('short wait ok', flush=True)\nwith w.guard('all_gather', 0.5, 'rank 1 of 2'):\n"
             "    time.sleep(30)\nprint('not reached')")
@@ -201,7 +201,7 @@ def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
     (the key functions reproduce the batching of the real ones); uneven lengths, a last partial batch."""
     from tiny_models import make_tiny_model
 
-    from sdm_mlx import embed as E
+    from sdm_mlx.llm import embed as E
     from sdm_mlx.network.data_parallel import DataParallel
     from sdm_mlx.network.generation import generation_features, greedy_generate, prompt_lengths
     from sdm_mlx.network.heads import SDMHeads

@@ -1,4 +1,4 @@
-"""SDM network end to end on a tiny local Phi-3 (issue 6): Alg. 4 raises the admitted calibration count, the
+"""SDM network end to end on a tiny local Phi-3: Alg. 4 raises the admitted calibration count, the
 selection rule holds, and the saved network reloads onto a fresh base model with identical outputs."""
 
 import importlib.util
@@ -20,7 +20,7 @@ def _tool():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import NetworkConfig, train_network
 
     tmp = tmp_path_factory.mktemp("network_e2e")
@@ -93,7 +93,7 @@ def test_interrupted_network_train_says_it_holds_the_base_head(run, tmp_path, mo
     import shutil
     import warnings
 
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import load_network, train_network
     from sdm_mlx.network.artifact import read_network_config
     from sdm_mlx.network.trainer import SDMNetworkTrainer
@@ -128,7 +128,7 @@ def test_reused_verifier_embeds_one_row_only(run, tmp_path, monkeypatch):
     import dataclasses
     import warnings
 
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import train_network
     from sdm_mlx.network.trainer import SDMNetworkTrainer
 

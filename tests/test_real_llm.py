@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sdm_mlx import embed as E
-from sdm_mlx.data import load_factcheck
-from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS
+from sdm_mlx.llm import embed as E
+from sdm_mlx.storage.datasets import load_factcheck
+from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 
 pytestmark = pytest.mark.real_llm
 
@@ -337,7 +337,7 @@ def test_chat_abstains_on_an_out_of_distribution_prompt(network, lenient_results
 
 def test_serve_chat_completion_carries_the_verdict(network, lenient_results):
     """``sdm-mlx serve``: one /v1/chat/completions request (policy return): the same answer and verdict as generate."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
     import http.client
 
     from server_process import ServerProcess

@@ -19,10 +19,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from sdm_mlx import chunked, exact_product
-from sdm_mlx import index as index_mod
+from sdm_mlx.estimator import chunking as chunked
+from sdm_mlx.core import exact_product
+from sdm_mlx.index import exact as index_mod
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.exact_product import ExactRowProduct
+from sdm_mlx.core.exact_product import ExactRowProduct
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def test_chunked_estimate_is_one_call_bit_for_bit(small_model, monkeypatch):
     est, centres = small_model
     X = _queries(centres, 700)
     whole = est.estimate(X, ids=[f"r{i}" for i in range(700)])
-    monkeypatch.setattr("sdm_mlx.estimator.PREDICT_CHUNK_ROWS", 64)
+    monkeypatch.setattr("sdm_mlx.estimator.sdm_estimator.PREDICT_CHUNK_ROWS", 64)
     chunked_pred = est.estimate(X, ids=[f"r{i}" for i in range(700)], progress=False)
     assert chunked_pred.ids == whole.ids and 0 < whole.admitted.sum() < len(whole), whole.admitted.sum()
     for name in ARRAY_FIELDS:

@@ -22,9 +22,9 @@ pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
-from test_generate import OOD_PROMPT, SYSTEM, TEMPLATE, setup  # noqa: E402,F401  (module fixture)
+from verified_lab import OOD_PROMPT, SYSTEM, TEMPLATE  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
-from sdm_mlx import embed as E  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
 
 MAX_BODY = 20_000
 TIMEOUT = 60

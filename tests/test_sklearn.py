@@ -1,4 +1,4 @@
-"""SDMEstimator as scikit-learn users expect it (issue 11 item 5): scikit-learn's own estimator checks,
+"""SDMEstimator as scikit-learn users expect it: scikit-learn's own estimator checks,
 labels of any sortable type, predict / predict_proba / score / estimate, get/set_params, clone, quiet library.
 
 scikit-learn is a test-only dependency (``pip install -e '.[test]'``).
@@ -17,8 +17,9 @@ sklearn = pytest.importorskip("sklearn")
 from sklearn.base import clone, is_classifier  # noqa: E402
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
-from sdm_mlx import baselines, calibration, metrics  # noqa: E402
-from sdm_mlx.data import check_labels  # noqa: E402
+from sdm_mlx.evaluation import baselines, metrics  # noqa: E402
+from sdm_mlx import calibration  # noqa: E402
+from sdm_mlx.storage.datasets import check_labels  # noqa: E402
 from sdm_mlx.errors import InputError, NotFittedError  # noqa: E402
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 
@@ -183,8 +184,8 @@ def test_selective_scorer_lets_grid_search_tune_alpha():
     from sklearn.metrics import make_scorer
     from sklearn.model_selection import GridSearchCV, StratifiedKFold
 
-    from sdm_mlx.data import factcheck_splits
-    from sdm_mlx.selective import selective_score, selective_scorer
+    from sdm_mlx.storage.datasets import factcheck_splits
+    from sdm_mlx.evaluation.selective import selective_score, selective_scorer
 
     pool = factcheck_splits()[0]
     X, y = pool.X[:1600], np.asarray(["false", "true"], dtype=object)[pool.y[:1600]]

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from sdm_mlx.data import factcheck_splits
-from sdm_mlx.callbacks import Callback
-from sdm_mlx.train import TrainConfig, balanced_median, flip_rule, split_pool, train_rounds
+from sdm_mlx.storage.datasets import factcheck_splits
+from sdm_mlx.runtime.callbacks import Callback
+from sdm_mlx.estimator.training import TrainConfig, balanced_median, flip_rule, split_pool, train_rounds
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.errors import ArtifactError, InputError, SDMError
 
 
@@ -51,8 +51,8 @@ def box(tmp_path_factory):
 
 
 def test_user_error_classes_are_sdm_errors():
-    from sdm_mlx.api_features import APIFeatureError
-    from sdm_mlx.embed import DocumentError
+    from sdm_mlx.llm.api_features import APIFeatureError
+    from sdm_mlx.llm.embed import DocumentError
     from sdm_mlx.network.heads import HeadShapeError
 
     assert issubclass(HeadShapeError, ArtifactError) and issubclass(DocumentError, InputError)

@@ -1,4 +1,4 @@
-"""Universal verification encoding: sdm_mlx.verification_data and `sdm-mlx make-verification-data`."""
+"""Universal verification encoding: sdm_mlx.llm.verification_data and `sdm-mlx make-verification-data`."""
 
 import json
 from collections import Counter
@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from sdm_mlx.cli import main
-from sdm_mlx.verification_data import PRESETS, assign_negatives, make_verification_rows, phi3_chat_prompt
+from sdm_mlx.llm.verification_data import PRESETS, assign_negatives, make_verification_rows, phi3_chat_prompt
 
 FACT = PRESETS["factcheck"]["completions"]
 

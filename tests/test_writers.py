@@ -1,4 +1,4 @@
-"""The writer protocol of a model directory (``sdm_mlx.artifact``), through the CLI and the Python API.
+"""The writer protocol of a model directory (``sdm_mlx.storage.artifact``), through the CLI and the Python API.
 
 Concurrent ``add-support`` / ``--undo`` processes, a Python API writer and readers on one model: no row
 is lost (the rows on disk always equal the update log), no reader sees a mix of versions; ``kill -9`` at
@@ -25,7 +25,8 @@ import pytest
 
 from sdm_mlx.errors import ArtifactError
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.feedback import add_support_to_model, summary
+from sdm_mlx.estimator.updates import add_support_to_model
+from sdm_mlx.estimator.feedback import summary
 
 CLI = [sys.executable, "-m", "sdm_mlx"]
 DIM = 6
@@ -89,7 +90,7 @@ print(ok, bad)
 _API_WRITER = """
 import sys
 import numpy as np
-from sdm_mlx.feedback import add_support_to_model
+from sdm_mlx.estimator.updates import add_support_to_model
 path, rounds = sys.argv[1], int(sys.argv[2])
 rng = np.random.default_rng(7)
 for r in range(rounds):
@@ -132,7 +133,7 @@ def test_concurrent_cli_api_writers_and_readers_lose_nothing(model_dir, tmp_path
 _UPDATER = """
 import sys
 import numpy as np
-from sdm_mlx.feedback import add_support_to_model, remove_support_from_model
+from sdm_mlx.estimator.updates import add_support_to_model, remove_support_from_model
 path, tag = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(int(tag))
 print("ready", flush=True)

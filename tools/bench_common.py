@@ -29,7 +29,7 @@ def best_time(fn, repeat: int = 2) -> float:
 
 def write_report(path, report: dict) -> None:
     """Write a benchmark's JSON report and say where."""
-    from sdm_mlx.io import write_json
+    from sdm_mlx.storage.files import write_json
 
     write_json(path, report, indent=2)
     print(f"wrote {path}")
@@ -37,7 +37,7 @@ def write_report(path, report: dict) -> None:
 
 def load_bench_model(model: str | None, size: str):
     """(model, tokenizer, label): ``model`` (dir or hub id) via mlx-lm, else a random phi3 of ``size``."""
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
 
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if model:

@@ -23,7 +23,7 @@ import time
 import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
 import numpy as np
 
-from sdm_mlx import distributed as dist
+from sdm_mlx.runtime import distributed as dist
 
 CHUNK = 10_000
 
@@ -62,7 +62,7 @@ class _CollectiveClock:
 
 def bench_index(args) -> dict:
     from sdm_mlx.index import ExactIndex, good_neighbours_by_class
-    from sdm_mlx.sharded_index import ShardedExactIndex
+    from sdm_mlx.index.sharded import ShardedExactIndex
 
     rng = np.random.default_rng(args.seed + 1)
     labels = rng.integers(0, 2, args.rows)
@@ -91,7 +91,7 @@ def bench_index(args) -> dict:
 
 
 def bench_fit(args) -> dict:
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
     from sdm_mlx.estimator import SDMEstimator
 
     pool, heldout, _ = factcheck_splits()

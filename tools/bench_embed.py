@@ -1,4 +1,4 @@
-"""Benchmark: LLM feature extraction (``sdm_mlx.embed``) vs a plain mlx-lm forward pass.
+"""Benchmark: LLM feature extraction (``sdm_mlx.llm.embed``) vs a plain mlx-lm forward pass.
 
     python tools/bench_embed.py [--model PATH] [--docs 64] [--batch-size 1 8] [--json out.json]
     python tools/bench_embed.py --size phi3-like-small     # a larger random model, same tokenizer
@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sdm_mlx import embed as E  # noqa: E402
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from bench_common import SIZES, best_time, load_bench_model, write_report  # noqa: E402
 
 WORDS = ("the film was warm funny dull wooden long moving sharp plot cast acting review minute year classic "
@@ -56,8 +56,8 @@ def make_docs(n: int, seed: int = 0, min_words: int = 20, max_words: int = 120):
 
 def factcheck_docs(tok, n: int, seed: int = 0):
     """``n`` factcheck statements (seeded sample) as (chat prompts, completions) of the verification encoding."""
-    from sdm_mlx.data import load_factcheck
-    from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
+    from sdm_mlx.storage.datasets import load_factcheck
+    from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 
     ds = load_factcheck()
     idx = np.random.default_rng(seed).choice(len(ds.y), size=min(n, len(ds.y)), replace=False)

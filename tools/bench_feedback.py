@@ -27,7 +27,7 @@ import numpy as np
 
 from bench_common import write_report
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.feedback import add_support_to_model
+from sdm_mlx.estimator.updates import add_support_to_model
 
 
 def timed(fn) -> float:

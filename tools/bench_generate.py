@@ -7,7 +7,7 @@
 With ``--verifier`` a saved ``SDMEstimator`` (e.g. trained with ``sdm-mlx train`` on
 ``sdm-mlx embed`` features of this model) replaces the synthetic one; with
 ``--factcheck`` the prompts are factcheck statements in the paper's verification
-prompt (``sdm_mlx.verification_data.PRESETS["factcheck"]``) instead of random
+prompt (``sdm_mlx.llm.verification_data.PRESETS["factcheck"]``) instead of random
 movie-review words.
 
 Without ``--model`` a random model is built locally with ``tools/tiny_models.py``
@@ -48,8 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sdm_mlx import embed as E  # noqa: E402
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.llm import embed as E  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from bench_common import SIZES, load_bench_model, write_report  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."
@@ -75,8 +75,8 @@ def make_prompts(tok, n: int, factcheck: bool) -> list[str]:
     if not factcheck:
         return [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
                             prompt_template=TEMPLATE) for _ in range(n)]
-    from sdm_mlx.data import load_factcheck
-    from sdm_mlx.verification_data import PRESETS
+    from sdm_mlx.storage.datasets import load_factcheck
+    from sdm_mlx.llm.verification_data import PRESETS
 
     docs = load_factcheck("generated").documents
     template = PRESETS["factcheck"]["prompt_template"]

@@ -7,7 +7,7 @@ and ``ExactIndex.search`` (top-10), the GFLOP/s they achieve counting the 2·N_q
 flops of the distance matmul, and a plain ``mx.matmul`` of the same shape; then the wall time
 of one Alg. 1 epoch (training steps + q/d refresh) on the embedded factcheck data, and how
 far hnswlib's approximate q departs from the exact q on exemplars of a trained model.
-States which BLAS MLX used.  Uses ``import sdm_mlx`` loading OpenBLAS (see sdm_mlx/blas.py); set SDM_MLX_NO_BLAS_PRELOAD=1 to measure
+States which BLAS MLX used.  Uses ``import sdm_mlx`` loading OpenBLAS (see sdm_mlx/runtime/blas.py); set SDM_MLX_NO_BLAS_PRELOAD=1 to measure
 MLX's bundled BLAS instead. The report says which was used.
 """
 
@@ -23,10 +23,10 @@ import mlx.core as mx
 import numpy as np
 
 from bench_common import best_time, write_report
-from sdm_mlx.blas import describe_blas
-from sdm_mlx.data import factcheck_splits
+from sdm_mlx.runtime.blas import describe_blas
+from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
-from sdm_mlx.train import TrainConfig, train_round
+from sdm_mlx.estimator.training import TrainConfig, train_round
 
 
 def bench_index(n_support: int, n_queries: int, dim: int, seed: int = 0) -> dict:

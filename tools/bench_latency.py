@@ -3,7 +3,7 @@
     python tools/bench_latency.py [--model DIR] [--batches 1 64 1024 8192] [--repeat 200] [--json out.json]
     python tools/bench_latency.py --smoke          # seconds: a tiny model, batches 1 and 8
 
-The stages are those of ``estimate`` (sdm_mlx/estimator.py), timed one after the other on the same
+The stages are those of ``estimate`` (sdm_mlx/estimator/sdm_estimator.py), timed one after the other on the same
 inputs: input validation, the batch-invariant adaptor forward (z', exemplar coordinates), the
 support index (q, d0 and the nearest exemplars in one pass), the distance quantile d, the SDM
 activation, the index-conditional estimate (calibration) and the result object.  ``total`` is a
@@ -29,13 +29,13 @@ import numpy as np
 
 from bench_common import write_report
 from sdm_mlx import validation
-from sdm_mlx.blas import describe_blas
+from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.calibration import estimate as calibration_estimate
-from sdm_mlx.data import factcheck_splits
-from sdm_mlx.distance import distance_quantile
+from sdm_mlx.storage.datasets import factcheck_splits
+from sdm_mlx.core.distance import distance_quantile
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.results import Predictions
-from sdm_mlx.train import sdm_numpy
+from sdm_mlx.core.activation import sdm_numpy
 
 
 def factcheck_model(smoke: bool) -> tuple[SDMEstimator, np.ndarray]:

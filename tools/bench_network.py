@@ -47,16 +47,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 SIZES = {"tiny": (616, 64), "mid": (8192, 1024), "phi35": (32064, 3072)}
 
-# Sizes of the paper's experiments (reference_spec §11, §8.2) used by the estimate.
+# Sizes of the paper's experiments used by the estimate.
 PHI35 = {
     "vocab": 32064, "hidden": 3072, "params_4bit_gb": 2.2, "params_bf16_gb": 7.6, "layers": 32, "kv_heads": 32,
 }
 TASKS = {
-    # pooled verification rows (reference_spec §11); ~half are training rows, half of those y = 1; tokens per
+    # pooled verification rows; ~half are training rows, half of those y = 1; tokens per
     # completion up to and incl. the closing delimiter (Phi-3 tokenizer); typical chat prompt length in tokens
     # (IMDb reviews average ~230 words; fact-check statements ~10 words) and generated tokens per answer.
     "sentiment": {"pooled": 18000, "completion_tokens": 8, "prompt_tokens": 350, "new_tokens": 9},
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
               f"generation {e['generation_s_per_epoch'] / 60:6.1f} min/epoch  once {e['features_and_cache_s_once'] / 60:5.1f} min  "
               f"total (5 epochs, excl. verifier fit) {e['total_s_excl_verifier_fit'] / 3600:5.2f} h  memory "
               f"{e['memory_total_gb_4bit']} GB (4-bit) / {e['memory_total_gb_bf16']} GB (bf16)")
-    from sdm_mlx.io import dumps, write_text
+    from sdm_mlx.storage.files import dumps, write_text
 
     text = dumps(report, indent=1)
     if args.json:

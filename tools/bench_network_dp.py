@@ -1,4 +1,4 @@
-"""Per-step time of data-parallel W_pos training and its communication share (issue 14 §2).
+"""Per-step time of data-parallel W_pos training and its communication share (docs/network-data-parallel.md).
 
     python tools/bench_network_dp.py --hidden 64                        # 1 rank
     mlx.launch -n 2 --backend ring --python $(which python) -- tools/bench_network_dp.py --hidden 64
@@ -65,7 +65,7 @@ def bench(hidden: int, layers: int, vocab: int | None, batch: int, steps: int, t
     import numpy as np
     from tiny_models import make_tiny_model
 
-    from sdm_mlx.embed import load_model
+    from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network.data_parallel import DataParallel, exchange_for, make_dp_train_step
     from sdm_mlx.network.heads import SDMHeads
     from sdm_mlx.network.trainer import make_optimizer, make_train_step

@@ -1,4 +1,4 @@
-"""Benchmark: prediction throughput of sdm_mlx vs the author's PyTorch package reexpress-sdm (issue 14 §3).
+"""Benchmark: prediction throughput of sdm_mlx vs the author's PyTorch package reexpress-sdm (docs/performance.md).
 
     python tools/bench_reexpress.py --reexpress-python /path/to/venv/bin/python [--data factcheck random]
     python tools/bench_reexpress.py --venv ~/.cache/sdm_mlx_reexpress      # creates it: pip install reexpress-sdm
@@ -81,7 +81,7 @@ class Worker:
 # ---------------------------------------------------------------------------------------------
 # data
 def factcheck_data(path: Path, limit: int | None = None) -> Path:
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
 
     pool, heldout, _ = factcheck_splits()
     perm = np.random.default_rng(0).permutation(len(pool.y))[:limit]
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
             ["factcheck"], 1, 64, 64, 10, 1
     python = reexpress_python(args)
     worker = Worker(python) if python else None
-    from sdm_mlx.blas import describe_blas
+    from sdm_mlx.runtime.blas import describe_blas
 
     report = {"smoke": bool(args.smoke), "machine": platform.platform(), "cpu_count": os.cpu_count(),
               "sdm_mlx_blas": describe_blas(), "load_average_start": os.getloadavg(),

@@ -1,4 +1,4 @@
-"""Benchmark: the exact support index and hnswlib at 100k, 1M and 4M support rows (issue 14 §3).
+"""Benchmark: the exact support index and hnswlib at 100k, 1M and 4M support rows (docs/scale.md).
 
     python tools/bench_scale.py [--sizes 100000 1000000 4000000] [--dims 1000 128] [--queries 256]
                                 [--data-dir DIR] [--shard-rows 1000000] [--hnsw-max-cells 2e8] [--lock FILE]
@@ -28,7 +28,7 @@ float64 rounded to float32).  Runs of more than
 ~4 GB must be wrapped in ``flock /work/briefs/bigmem.lock`` on the shared machine.
 
 ``--sharded R``: also run the exact index sharded over R ranks under ``mlx.launch`` (ring backend, local
-hosts), if this checkout has ``sdm_mlx.sharded_index``; otherwise the column says why it is missing.
+hosts), if this checkout has ``sdm_mlx.index.sharded``; otherwise the column says why it is missing.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def run_sharded(cfg: dict) -> dict:
     import numpy as np
 
     from sdm_mlx.index import good_neighbours_by_class
-    from sdm_mlx.sharded_index import ShardedExactIndex
+    from sdm_mlx.index.sharded import ShardedExactIndex
 
     group = mx.distributed.init()
     path = Path(cfg["path"])
@@ -274,9 +274,9 @@ def run_sharded(cfg: dict) -> dict:
 
 def sharded_column(cfg: dict, ranks: int) -> dict:
     try:
-        import sdm_mlx.sharded_index  # noqa: F401
+        import sdm_mlx.index.sharded  # noqa: F401
     except ImportError:
-        return {"skipped": "sdm_mlx.sharded_index is not in this checkout"}
+        return {"skipped": "sdm_mlx.index.sharded is not in this checkout"}
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
 
 def drive(args) -> int:
     import sdm_mlx  # noqa: F401
-    from sdm_mlx.blas import describe_blas
+    from sdm_mlx.runtime.blas import describe_blas
 
     header = {"machine": platform.platform(), "cpu_count": os.cpu_count(), "blas": describe_blas(),
               "load_average_start": [round(x, 2) for x in os.getloadavg()], "smoke": bool(args.smoke)}

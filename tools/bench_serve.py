@@ -44,10 +44,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))  # server_process.py
 
 from bench_common import SIZES, write_report  # noqa: E402
 from bench_generate import make_verifier  # noqa: E402
-from sdm_mlx.blas import describe_blas  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
 WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
@@ -135,8 +136,8 @@ def ttft(port: int, texts: list, tokens: int, extra: dict) -> float:
 
 
 def start_mlx_lm(model_path: str, port: int) -> subprocess.Popen:
-    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/blas.py)."""
-    from sdm_mlx.blas import find_openblas
+    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/runtime/blas.py)."""
+    from sdm_mlx.runtime.blas import find_openblas
 
     env = dict(os.environ)
     if sys.platform.startswith("linux") and find_openblas():

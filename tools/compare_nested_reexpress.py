@@ -42,7 +42,7 @@ def load_reexpress(src: Path):
 
 
 def fitted(args):
-    from sdm_mlx.data import factcheck_splits
+    from sdm_mlx.storage.datasets import factcheck_splits
     from sdm_mlx.estimator import SDMEstimator
 
     train, _, test = factcheck_splits()

@@ -1,6 +1,6 @@
 """Write a stratified sample of the embedded factcheck statements as a task JSONL.
 
-The split is the demo's (``sdm_mlx.data.factcheck_splits``: 15 % of each topic held out,
+The split is the demo's (``sdm_mlx.storage.datasets.factcheck_splits``: 15 % of each topic held out,
 seed 0, plus the 245 shifted ``generated`` statements). From each part, ``--pool``,
 ``--heldout`` and ``--generated`` statements are drawn, balanced by label. Every row is
 ``{id, label, document, split}`` with ``split`` in ``pool | heldout_topics | generated``.
@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from sdm_mlx.data import factcheck_splits
-from sdm_mlx.io import atomic_write, make_dirs, write_jsonl
+from sdm_mlx.storage.datasets import factcheck_splits
+from sdm_mlx.storage.files import atomic_write, make_dirs, write_jsonl
 
 
 def balanced_pick(y: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -38,8 +38,8 @@ def build(out_dir: str, arch: str = "phi3", instruct: bool = True, rows: int = 1
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         raw = make_tiny_model(tmp, arch, seed=seed)
         if instruct:
-            from sdm_mlx.embed import chat_text, load_model
-            from sdm_mlx.verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
+            from sdm_mlx.llm.embed import chat_text, load_model
+            from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS, make_verification_rows
 
             model, tok = load_model(raw)
             preset = PRESETS["sentiment"]

@@ -1,4 +1,4 @@
-"""The default-selection sweep behind ``docs/defaults.md`` (issue 10 §3).
+"""The default-selection sweep behind ``docs/defaults.md``.
 
 For every (dataset, setting) it fits an :class:`~sdm_mlx.estimator.SDMEstimator` and measures
 
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from sdm_mlx.api_features import feature_row  # noqa: E402
-from sdm_mlx.data import factcheck_splits  # noqa: E402
+from sdm_mlx.llm.api_features import feature_row  # noqa: E402
+from sdm_mlx.storage.datasets import factcheck_splits  # noqa: E402
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 from gaussians import gaussian_classes  # noqa: E402  (tools/gaussians.py, next to this script)
 
@@ -78,7 +78,7 @@ def _simulated_answer(rng, truth: int, p_know: float, overconfident: bool) -> di
 
 
 def api_features_rows(n: int, seed: int, p_know: float, overconfident: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` simulated answers through :func:`sdm_mlx.api_features.feature_row` (the 7-dim attributes)."""
+    """``n`` simulated answers through :func:`sdm_mlx.llm.api_features.feature_row` (the 7-dim attributes)."""
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):

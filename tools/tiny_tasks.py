@@ -37,7 +37,7 @@ def synthetic_sentiment_rows(n: int = 1000, seed: int = 0, min_words: int = 3, m
 
 def write_synthetic_sentiment(path, n: int = 1000, seed: int = 0) -> str:
     """Write :func:`synthetic_sentiment_rows` as JSONL; returns the path."""
-    from sdm_mlx.io import write_jsonl
+    from sdm_mlx.storage.files import write_jsonl
 
     path = os.fspath(path)
     write_jsonl(path, synthetic_sentiment_rows(n, seed))

@@ -10,11 +10,16 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.nested`      every level of an α grid from the same rounds, α regions, decisions (DESIGN #25)
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
+* :mod:`.rescaler`    Alg. 2, the rescaler W'' (``rescaler_*`` settings);  :mod:`.diagnosis` why rows are not admitted
+
+May import: layers 0-2 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm_mlx.storage`,
+:mod:`sdm_mlx.core`).  Nothing is imported until used (PEP 562): ``sdm_mlx.calibration.estimate`` and the other
+names below resolve on first use, and :mod:`.defaults` (Alg. 2's defaults) is read at ``--help`` without MLX.
 
 Paper §"From SDM Activation Functions to SDM Calibration"; conventions fixed by
-DESIGN.md #7, #10-16, #23, #24 (they win over the paper and over the research
+``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the research
 code R where they differ).  Everything here is host-side, vectorised NumPy on
-sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.rescaler`).
+sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.calibration.rescaler`).
 
 Pipeline for one round (``calibrate_round``), calibration rows of the best epoch:
 
@@ -62,16 +67,21 @@ Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted):
 
 from __future__ import annotations
 
-from ..rescaler import rescaled_output
-from ._checks import check_alpha
-from .bins import apply_ood, hard_qbin, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is, v_vector
-from .bounds import dkw_bounds, dkw_epsilon, effective_sample_size, sample_size_arrays
-from .cauchy import cauchy_factor, cauchy_offsets, cauchy_robust_min, lookup_offsets, mad, magnitude_medians
-from .conditional import REJECTION_REASONS, estimate
-from .rounds import Calibration, RoundCalibration, aggregate_rounds, calibrate_round
-from .nested import (DEFAULT_ALPHA_GRID, DecisionPolicy, NestedCalibration, alpha_grid, anchored_region,
-                     estimate_nested, nested_admissions)
-from .threshold import exact_one_minus, min_valid_qbin
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "rescaled_output": "rescaler", "check_alpha": "_checks", "apply_ood": "bins", "hard_qbin": "bins",
+    "ood_mask": "bins", "output_ecdfs": "bins", "soft_qbin": "bins", "unique_argmax_is": "bins", "v_vector": "bins",
+    "dkw_bounds": "bounds", "dkw_epsilon": "bounds", "effective_sample_size": "bounds",
+    "sample_size_arrays": "bounds", "cauchy_factor": "cauchy", "cauchy_offsets": "cauchy",
+    "cauchy_robust_min": "cauchy", "lookup_offsets": "cauchy", "mad": "cauchy", "magnitude_medians": "cauchy",
+    "REJECTION_REASONS": "conditional", "estimate": "conditional", "Calibration": "rounds",
+    "RoundCalibration": "rounds", "aggregate_rounds": "rounds", "calibrate_round": "rounds",
+    "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler",
+    "DEFAULT_ALPHA_GRID": "nested", "DecisionPolicy": "nested", "NestedCalibration": "nested", "alpha_grid": "nested",
+    "anchored_region": "nested", "estimate_nested": "nested", "nested_admissions": "nested",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "DEFAULT_ALPHA_GRID",
@@ -104,6 +114,7 @@ __all__ = [
     "ood_mask",
     "output_ecdfs",
     "rescaled_output",
+    "train_rescaler",
     "sample_size_arrays",
     "soft_qbin",
     "unique_argmax_is",

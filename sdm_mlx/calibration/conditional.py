@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..results import Estimate, Variant
-from ..rescaler import rescaled_output
+from .rescaler import rescaled_output
 from ._checks import _check_lists, _finite, _matrix, _vector, check_alpha
 from .bins import _v_of, apply_ood, unique_argmax_is
 from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
@@ -97,7 +97,7 @@ def _validate_calibration(cal: "Calibration") -> tuple:
     return W, psi, min_valid_own, robust_min, offsets, ecdfs, arrays
 
 
-def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, low) -> np.ndarray:
+def _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, d, cen, *, low) -> np.ndarray:
     """First failing condition per row, in the order of :data:`REJECTION_REASONS` ("" = admitted)."""
     (_, cen_floor_ok, cen_o_flip, _), (low_v, low_floor_ok, low_o_flip, low_singleton) = cen, low
     conditions = [
@@ -176,7 +176,7 @@ def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.nda
     v_lower, v_upper = dkw_bounds(v, eps, y_hat)
     low = _variant(_geometry(W, v_lower, r["log_base"], y_hat, sdm_flip), y_hat, *thresholds)
     up = _variant(_geometry(W, v_upper, r["log_base"], y_hat, sdm_flip), y_hat, *thresholds)
-    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, r["d"], cen, low)
+    reason = _rejection_reasons(n, min_valid_own, robust_min, sdm_flip, r["d"], cen, low=low)
     admitted = low[0].valid
     # the reasons are exhaustive for the conditions of `valid`
     assert np.array_equal(admitted, reason == ""), "rejection reasons out of sync with admission"

@@ -8,8 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..io import get_float, put_float
-from ..rescaler import (
+from ..storage.files import get_float, put_float
+from .rescaler import (
+    DEFAULT_ENGINE,
     DEFAULT_LEARNING_RATE,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -120,7 +121,7 @@ def calibrate_round(
     max_epochs: int = DEFAULT_MAX_EPOCHS,
     patience: int = DEFAULT_PATIENCE,
     learning_rate: float = DEFAULT_LEARNING_RATE,
-    engine: str = "numpy",
+    engine: str = DEFAULT_ENGINE,
     W: np.ndarray | None = None,
     on_epoch=None,
 ) -> RoundCalibration:

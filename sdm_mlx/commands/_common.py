@@ -2,7 +2,7 @@
 never each other or the dispatcher.
 
 The options of ``generate``, ``chat``, ``serve`` and ``mcp`` that configure the verified generator are
-generated from :class:`sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there);
+generated from :class:`sdm_mlx.verified.config.GenerationConfig` (defaults and help text live there);
 :func:`generation_config` resolves them (CLI > YAML > defaults) and :func:`build_generator` builds the
 generator from the result.
 """
@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-from ..defaults import EstimatorConfig
+from ..estimator.config import EstimatorConfig
 from ..errors import CLIError
-from ..generation_config import GenerationConfig
+from ..verified.config import GenerationConfig
 
 #: The settings classes whose fields are the generation verbs' options and YAML keys.
 SETTINGS = (GenerationConfig,)
@@ -177,7 +177,7 @@ def mode_help(parser, modes: dict) -> None:
             action.help = action.help[:-1] + extra + ")" if action.help.endswith(")") else action.help + extra
 
 def add_estimator_arguments(p) -> None:
-    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.defaults.EstimatorConfig`."""
+    """Estimator settings shared by `train` and `demo`, generated from :class:`sdm_mlx.estimator.config.EstimatorConfig`."""
     import argparse
 
     from ..settings import add_arguments
@@ -201,7 +201,7 @@ def estimator_config(args, base: dict | None = None):
 
 def paper_base(args) -> dict:
     """The --paper overrides when --paper is on (explicit flags and YAML still win)."""
-    from ..defaults import PAPER_SETTINGS
+    from ..estimator.config import PAPER_SETTINGS
 
     return dict(PAPER_SETTINGS) if getattr(args, "paper", False) else {}
 
@@ -216,8 +216,8 @@ def estimator_from_args(args, class_names=None, base: dict | None = None):
 
 def training_report(est, seconds: float, resumed_rounds: int = 0) -> dict:
     """What training learned: per-round trajectories, the selected round/epoch, adaptor movement, admission."""
-    from ..estimator_io import ROBUST_INF_REASON
-    from ..io import put_float
+    from ..estimator.persistence import ROBUST_INF_REASON
+    from ..storage.files import put_float
 
     best = est.round_summaries_[est.best_round_]
     report = {
@@ -257,9 +257,9 @@ def emit(report: dict, args, datasets: dict, predictions: dict, class_names) -> 
     """Write the report, label errors and plots requested in ``args``; print the tables on stdout."""
     import sys
 
-    from ..evaluate import format_evaluation, label_error_records, write_plots
-    from ..callbacks import note
-    from ..io import write_json, write_jsonl
+    from ..evaluation.evaluate import format_evaluation, label_error_records, write_plots
+    from ..runtime.callbacks import note
+    from ..storage.files import write_json, write_jsonl
 
     print(format_evaluation(report), file=sys.stdout, flush=True)
     if getattr(args, "label_errors", None):

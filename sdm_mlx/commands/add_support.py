@@ -25,7 +25,7 @@ def _undo_ids(est, tokens: list) -> list:
     """The model's ids for command-line tokens (a token "7" also matches the integer id 7)."""
     import json
 
-    from ..data import id_key
+    from ..storage.datasets import id_key
 
     n_train = est.feedback_state_.n_training
     added = {id_key(i): i for i in est.support_ids_[n_train:]}
@@ -45,10 +45,11 @@ def _undo_ids(est, tokens: list) -> list:
 def run(args) -> int:
     import sys
 
-    from ..data import check_model_width, read_jsonl
+    from ..storage.datasets import check_model_width, read_jsonl
     from ..errors import CLIError
-    from ..feedback import summary, update_model
-    from ..io import refuse_inputs_inside
+    from ..estimator.feedback import summary
+    from ..estimator.updates import update_model
+    from ..storage.files import refuse_inputs_inside
 
     if (args.input is None) == (args.undo is None):
         raise CLIError("give exactly one of --input rows.jsonl (add rows) or --undo ID [ID ...] (remove rows)")

@@ -1,6 +1,6 @@
 """``sdm-mlx api-features``: the paper's 7-dim attribute vector from black-box LLM answers with top-1 logprobs.
 
-The input format is documented in :mod:`sdm_mlx.api_features` (example:
+The input format is documented in :mod:`sdm_mlx.llm.api_features` (example:
 ``tests/data/api_answers_example.jsonl``).
 """
 
@@ -36,9 +36,9 @@ def run(args) -> int:
     letters = str(args.letters).strip().upper()
     if len(letters) < 2 or len(set(letters)) != len(letters) or not letters.isalpha():
         raise CLIError("--letters must be at least two distinct letters, e.g. ABCD")
-    from ..api_features import APIFeatureError, feature_row
-    from ..data import read_objects as read_jsonl
-    from ..io import refuse_same_files, write_jsonl
+    from ..llm.api_features import APIFeatureError, feature_row
+    from ..storage.datasets import read_objects as read_jsonl
+    from ..storage.files import refuse_same_files, write_jsonl
 
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
 

@@ -39,7 +39,7 @@ def run(args) -> int:
     stream = args.stream is not False and not args.json
     from contextlib import nullcontext
 
-    from ..io import dumps, open_append
+    from ..storage.files import dumps, open_append
 
     out_ctx = open_append(args.output) if args.output else nullcontext()
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

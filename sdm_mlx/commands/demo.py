@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ..defaults import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
+from ..estimator.config import ESTIMATOR_DEFAULTS, PAPER_SETTINGS, EstimatorConfig
 from ._common import add_conformal_argument, add_estimator_arguments, estimator_config, mode_help
 from ..errors import InputError
 
@@ -34,7 +34,7 @@ HELP = "Train and evaluate on the embedded factcheck data (in-distribution and s
 PAPER_FLAGS = "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)"
 
 #: Settings per mode for the options whose default depends on the mode (the learning rate and
-#: convergence-aware stopping follow the estimator defaults, sdm_mlx/defaults.py; --paper is the paper's).
+#: convergence-aware stopping follow the estimator defaults, sdm_mlx/estimator/config.py; --paper is the paper's).
 _DEFAULT_TRAINING = {k: ESTIMATOR_DEFAULTS[k] for k in ("learning_rate", "patience", "batch_size")}
 MODES = {
     "default": {"iterations": 5, "epochs": 20, "exemplar_dim": 1000, "rescaler_max_epochs": 1000, **_DEFAULT_TRAINING},
@@ -114,18 +114,17 @@ def _fit(est, pool, out: str, cfg: dict, callback) -> tuple[str, float]:
 
     callback.message(f"training, {settings_line(cfg, est.alpha)} ...")
     t0 = time.perf_counter()
-    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback)
+    est.fit(pool.X, pool.y, ids_train=pool.ids, callback=callback, feature_field="attributes")
     seconds = time.perf_counter() - t0
     model_dir = os.path.join(out, "model")
-    est.feature_field_ = "attributes"
     est.save(model_dir, overwrite=True)  # inside our own run directory (checked by the caller)
     est.verbose = False
     return model_dir, seconds
 
 
 def _plots_dir(args, out: str) -> str | None:
-    from ..callbacks import note
-    from ..plots import plots_available
+    from ..runtime.callbacks import note
+    from ..evaluation.plots import plots_available
 
     if args.no_plots:
         return None
@@ -140,10 +139,10 @@ def run(args) -> int:
     import time
     from types import SimpleNamespace
 
-    from ..artifact import prepare_run_directory
-    from ..callbacks import cli_callback
-    from ..data import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
-    from ..evaluate import baseline_options, evaluate, predict_datasets
+    from ..storage.artifact import prepare_run_directory
+    from ..runtime.callbacks import cli_callback
+    from ..storage.datasets import FACTCHECK_CITATION, FACTCHECK_CLASS_NAMES, factcheck_splits
+    from ..evaluation.evaluate import baseline_options, evaluate, predict_datasets
     from ._common import emit, estimator_from_args, training_report
 
     if not 0.0 < args.heldout_fraction < 1.0:

@@ -2,7 +2,7 @@
 
 Each input row (``id`` required; ``label`` and every other field are kept) gets
 ``embedding = concat(mean of final-norm hidden states over the kept positions,
-the hidden state at the chosen position)`` — see :mod:`sdm_mlx.embed` for the
+the hidden state at the chosen position)`` — see :mod:`sdm_mlx.llm.embed` for the
 positions.  The text is the chat-templated ``--document-field`` (with
 ``--system`` and ``--prompt-template``), or an already templated
 ``--prompt-field``; ``--completion-field`` appends the assistant completion
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 
 from ..errors import CLIError, InputError
-from ..data import pending_rows
-from ..io import dumps
-from ..data import read_objects as read_jsonl
+from ..storage.datasets import pending_rows
+from ..storage.files import dumps
+from ..storage.datasets import read_objects as read_jsonl
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
@@ -72,7 +72,7 @@ def _texts(args, rows, tokenizer, path, foreign=None):
     ``foreign``: a list collecting the ids of ``--prompt-field`` prompts that do
     not end with the model's chat template tail (built for another chat template).
     """
-    from ..embed import chat_text, prompt_tail
+    from ..llm.embed import chat_text, prompt_tail
 
     docs, spans = [], []
     suffix = prompt_tail(tokenizer) if args.prompt_field and not args.no_chat_template else None
@@ -113,9 +113,9 @@ def _position(args) -> str:
     return position
 
 
-def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> dict:
+def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, *, out) -> dict:
     """Append the embedded rows of ``todo`` to ``out``, chunk by chunk; counts of truncated / missing rows."""
-    from ..embed import DocumentError, document_features
+    from ..llm.embed import DocumentError, document_features
 
     chunk = args.batch_size * 32
     stats = {"truncated": 0, "missing": 0, "width": None, "truncated_ids": [], "foreign": []}
@@ -143,7 +143,7 @@ def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> 
 
 def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
     """What was written, and the rows that were truncated, built for another template or lack the delimiter."""
-    from ..callbacks import note
+    from ..runtime.callbacks import note
 
     say(f"wrote {n} rows with {stats['width']}-dim embeddings to {args.output}")
     if stats["truncated"]:
@@ -151,7 +151,7 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
         say(f"{stats['truncated']} document(s) longer than --max-length {args.max_length}: their state at the last "
             f"kept position {args.max_length - 1} was used instead of the {position} position (e.g. ids {shown})")
     if stats["foreign"]:
-        from ..embed import prompt_tail
+        from ..llm.embed import prompt_tail
 
         foreign = stats["foreign"]
         note(f"sdm-mlx embed: warning: {len(foreign)} prompt(s) in field {args.prompt_field!r} do not end with this "
@@ -164,8 +164,8 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
 
 
 def run(args) -> int:
-    from ..callbacks import cli_callback
-    from ..io import open_append, refuse_same_files
+    from ..runtime.callbacks import cli_callback
+    from ..storage.files import open_append, refuse_same_files
 
     position = _position(args)
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
@@ -179,10 +179,10 @@ def run(args) -> int:
     if not todo:
         say("nothing to do")
         return 0
-    from ..embed import load_model
+    from ..llm.embed import load_model
 
     model, tokenizer = load_model(args.model)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:
-        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out)
+        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out=out)
     _report(args, stats, len(todo), position, tokenizer, say)
     return 0

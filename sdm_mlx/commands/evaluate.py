@@ -8,7 +8,7 @@ Example::
 
 One table per input on stdout (SDM p_lower / p_centroid / p_upper and the baselines NoReject,
 Softmax, temperature scaling, APS, RAPS over the same adaptor logits), the JSON report
-(schema: :mod:`sdm_mlx.evaluate`), optional PNG plots (needs matplotlib) and the admitted rows
+(schema: :mod:`sdm_mlx.evaluation.evaluate`), optional PNG plots (needs matplotlib) and the admitted rows
 whose label differs from the prediction (possible annotation errors), most confident first.
 The baselines are fitted on the model's calibration split: its logits and labels are stored in
 the model directory; for older models pass ``--calibration-data`` (the JSONL the model was
@@ -74,11 +74,11 @@ def dataset_names(paths) -> list[str]:
 
 def calibration_logits(est, calibration_data: str | None, features: str, callback):
     """(z_cal, y_cal) for the baselines, or (None, None) with a note on stderr."""
-    from ..callbacks import note
+    from ..runtime.callbacks import note
 
     if calibration_data:
-        from ..data import read_jsonl
-        from ..evaluate import calibration_from_data
+        from ..storage.datasets import read_jsonl
+        from ..evaluation.evaluate import calibration_from_data
 
         callback.message(f"recomputing the calibration logits from {calibration_data} ...")
         return calibration_from_data(est, read_jsonl(calibration_data, features,
@@ -93,17 +93,17 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
 
 
 def run(args) -> int:
-    from ..data import check_model_width, read_jsonl
+    from ..storage.datasets import check_model_width, read_jsonl
     from ..estimator import SDMEstimator
-    from ..io import refuse_same_files
-    from ..callbacks import cli_callback
-    from ..evaluate import baseline_options, evaluate, predict_datasets
+    from ..storage.files import refuse_same_files
+    from ..runtime.callbacks import cli_callback
+    from ..evaluation.evaluate import baseline_options, evaluate, predict_datasets
 
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
     refuse_same_files([("--report", args.report), ("--label-errors", args.label_errors)], in_flags)
     if args.html:
-        from ..io import refuse_inputs_inside
+        from ..storage.files import refuse_inputs_inside
 
         refuse_inputs_inside("--html", args.html, in_flags)
     callback = cli_callback(args.quiet)
@@ -125,9 +125,9 @@ def run(args) -> int:
     report["inputs"] = dict(zip(datasets, inputs))
     emit(report, args, datasets, predictions, est.class_names)
     if args.html:
-        from ..callbacks import note
-        from ..evaluate_output import write_html
-        from ..verdict_html import context_of
+        from ..runtime.callbacks import note
+        from ..evaluation.report import write_html
+        from ..evaluation.verdict_html import context_of
 
         note(f"html: {write_html(report, args.html, datasets, predictions, context_of(est))[0]}")
     return 0

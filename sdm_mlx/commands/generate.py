@@ -54,8 +54,8 @@ def _stderr_stream(enabled: bool):
 
 def _pending(args, say) -> list:
     """The ``(line, row)`` pairs of ``--input`` not yet in ``--output`` (rows checked for the document field)."""
-    from ..data import pending_rows
-    from ..data import read_objects as read_jsonl
+    from ..storage.datasets import pending_rows
+    from ..storage.datasets import read_objects as read_jsonl
 
     rows = read_jsonl(args.input, unique_ids=True)
     for lineno, row in rows:
@@ -68,7 +68,7 @@ def _pending(args, say) -> list:
 
 def _one(gen, args, say, options: dict) -> None:
     """``--prompt``: one result object on stdout, the streamed answer and verdicts on stderr."""
-    from ..io import dumps
+    from ..storage.files import dumps
 
     stream = (args.stream is not False) and not args.quiet
     on_text, on_start = _stderr_stream(stream)
@@ -86,7 +86,7 @@ def _one(gen, args, say, options: dict) -> None:
 
 def _batch(gen, todo: list, args, say, options: dict) -> None:
     """``--input``: one result per pending row appended to ``--output``, a line of progress per row."""
-    from ..io import dumps, open_append
+    from ..storage.files import dumps, open_append
 
     stream = bool(args.stream) and not args.quiet
     on_text, on_start = _stderr_stream(stream)
@@ -113,7 +113,7 @@ def _batch(gen, todo: list, args, say, options: dict) -> None:
 
 
 def run(args) -> int:
-    from ..io import refuse_same_files
+    from ..storage.files import refuse_same_files
 
     if (args.prompt is None) == (args.input is None):
         raise CLIError("give exactly one of --prompt and --input")

@@ -39,8 +39,8 @@ def run(args) -> int:
     import sys
 
     from ..estimator import SDMEstimator
-    from ..feedback import summary
-    from ..io import dumps
+    from ..estimator.feedback import summary
+    from ..storage.files import dumps
 
     est = SDMEstimator.load(args.model)
     s = summary(est)

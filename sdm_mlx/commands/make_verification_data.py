@@ -1,6 +1,6 @@
 """``sdm-mlx make-verification-data``: the universal verification encoding of a labelled task JSONL.
 
-See :mod:`sdm_mlx.verification_data`.  Example (the paper's sentiment task)::
+See :mod:`sdm_mlx.llm.verification_data`.  Example (the paper's sentiment task)::
 
     sdm-mlx make-verification-data --input reviews.jsonl --output ver.jsonl --preset sentiment
     sdm-mlx embed --model mlx-community/Phi-3.5-mini-instruct-4bit --input ver.jsonl \\
@@ -58,9 +58,9 @@ def _completions(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ..data import read_objects as read_jsonl
-    from ..io import refuse_same_files, write_jsonl
-    from ..verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
+    from ..storage.datasets import read_objects as read_jsonl
+    from ..storage.files import refuse_same_files, write_jsonl
+    from ..llm.verification_data import PRESETS, make_verification_rows, phi3_chat_prompt
 
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
 
@@ -81,7 +81,7 @@ def run(args) -> int:
     system = args.system or None
 
     if args.model:
-        from ..embed import chat_text, load_tokenizer
+        from ..llm.embed import chat_text, load_tokenizer
 
         tokenizer = load_tokenizer(args.model)
 

@@ -3,7 +3,7 @@
 
 Loads the model and verification layer once (same options as ``sdm-mlx serve``),
 then speaks MCP on stdin/stdout until the client closes stdin (exit 0).  Logs
-go to stderr; stdout carries only the protocol.  See :mod:`sdm_mlx.mcp_server`
+go to stderr; stdout carries only the protocol.  See :mod:`sdm_mlx.serve.mcp`
 and docs/serving.md for a client configuration.
 """
 
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..mcp_server import create_server, run_stdio
+    from ..serve.mcp import create_server, run_stdio
 
     engine = load_engine(args)
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from ..errors import CLIError
-from ..network_config import NetworkConfig
+from ..network.config import NetworkConfig
 
 HELP = "train an SDM network (duplicated LM head, verification layer, Alg. 4) on an mlx-lm model"
 
@@ -26,7 +26,7 @@ SETTINGS = (NetworkConfig,)
 
 
 def add_arguments(p) -> None:
-    """Options generated from :class:`sdm_mlx.network_config.NetworkConfig`, plus old spellings."""
+    """Options generated from :class:`sdm_mlx.network.config.NetworkConfig`, plus old spellings."""
     import argparse
 
     from ..settings import add_arguments as add_settings
@@ -87,8 +87,8 @@ def network_config(args) -> NetworkConfig:
 
 
 def run(args) -> int:
-    from ..distributed import DistributedError
-    from ..io import dumps
+    from ..runtime.distributed import DistributedError
+    from ..storage.files import dumps
     from ..network.data_parallel import DataParallel
     from ..network.trainer import train_network
 

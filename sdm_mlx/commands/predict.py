@@ -36,13 +36,13 @@ def run(args) -> int:
     import sys
     from collections import Counter
 
-    from ..chunked import read_jsonl_chunks
+    from ..estimator.chunking import read_jsonl_chunks
     from ..errors import InputError
     from ..estimator import SDMEstimator
-    from ..io import refuse_same_files, write_json, write_jsonl
-    from ..distributed import is_primary, launched_rank
+    from ..storage.files import refuse_same_files, write_json, write_jsonl
+    from ..runtime.distributed import is_primary, launched_rank
 
-    from ..io import refuse_inputs_inside
+    from ..storage.files import refuse_inputs_inside
 
     refuse_same_files([("--output", args.output), ("--summary", args.summary)],
                       [("--input", args.input), ("--model", args.model)])
@@ -52,7 +52,7 @@ def run(args) -> int:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
     trained_on = getattr(est, "feature_field_", None)
-    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.chunked)
+    # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.estimator.chunking)
     chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
     kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter(),
             "decisions": Counter()}
@@ -60,7 +60,7 @@ def run(args) -> int:
     writer = launched_rank() is None or is_primary()  # under mlx.launch rank 0 alone writes the results
     pages = None
     if args.html and writer:
-        from ..verdict_html import PageWriter, context_of
+        from ..evaluation.verdict_html import PageWriter, context_of
 
         pages = PageWriter(args.html, context_of(est))
     rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet, pages=pages)
@@ -83,10 +83,10 @@ def run(args) -> int:
 
 def _scored_rows(args, est, chunks, trained_on, kept: dict, *, show: bool, pages=None):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs;
-    ``pages`` (a :class:`~sdm_mlx.verdict_html.PageWriter`) gets each row's verdict page."""
-    from ..callbacks import progress_bar
-    from ..chunked import count_lines
-    from ..data import check_labels, check_model_width
+    ``pages`` (a :class:`~sdm_mlx.evaluation.verdict_html.PageWriter`) gets each row's verdict page."""
+    from ..runtime.callbacks import progress_bar
+    from ..estimator.chunking import count_lines
+    from ..storage.datasets import check_labels, check_model_width
 
     total = count_lines(args.input) if show else None
     with progress_bar(total, "predict", unit="rows", enabled=show) as bar:

@@ -31,8 +31,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import sys
 
-    from ..artifact import check_artifact_output
     from ..errors import CLIError
+    from ..storage.artifact import check_artifact_output
     from ..estimator import SDMEstimator
 
     if all(getattr(args, k) is None for k in ("alpha", "alpha_grid", "alpha_allow", "alpha_review")):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..defaults import EstimatorConfig
+from ..estimator.config import EstimatorConfig
 from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
 from ..errors import InputError
 
@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
     p.add_argument("--restart", action="store_true",
                    help="ignore the checkpoint OUTPUT.partial of an interrupted run and start over")
     add_estimator_arguments(p)
-    from ..defaults import PAPER_SETTINGS
+    from ..estimator.config import PAPER_SETTINGS
 
     mode_help(p, {"paper": PAPER_SETTINGS})
 
@@ -82,12 +82,12 @@ def run(args) -> int:
     import sys
     import time
 
-    from ..artifact import check_artifact_output
-    from ..checkpoint import checkpoint_rounds, remove_checkpoint
-    from ..distributed import is_distributed, is_primary, launched_rank
-    from ..data import read_jsonl
-    from ..io import refuse_same_files, write_json
-    from ..callbacks import log
+    from ..storage.artifact import check_artifact_output
+    from ..estimator.checkpoint import checkpoint_rounds, remove_checkpoint
+    from ..runtime.distributed import is_distributed, is_primary, launched_rank
+    from ..storage.datasets import read_jsonl
+    from ..storage.files import refuse_same_files, write_json
+    from ..runtime.callbacks import log
 
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)
@@ -113,7 +113,7 @@ def run(args) -> int:
         est.fit(
             train.X, train.y, None if cal is None else cal.X, None if cal is None else cal.y,
             ids_train=train.ids, ids_cal=None if cal is None else cal.ids,
-            num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint,
+            num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint, feature_field=train.features,
         )
     except KeyboardInterrupt:
         done = checkpoint_rounds(checkpoint) if checkpoint else 0
@@ -121,7 +121,6 @@ def run(args) -> int:
             "resume (--restart to start over)" if done else "interrupted before the first round finished", True)
         raise
     seconds = time.perf_counter() - t0
-    est.feature_field_ = train.features
     kept = est.keep_documents(train.ids + ([] if cal is None else cal.ids),
                               train.documents + ([] if cal is None else cal.documents))
     if kept:

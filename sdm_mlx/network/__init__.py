@@ -7,17 +7,22 @@ Only the LM head is duplicated and trained (the trunk stays frozen):
 * :mod:`.generation` — greedy joint decoding with verifier features, task-answer parsing
 * :mod:`.trainer`    — Alg. 4 (:func:`train_network`)
 * :mod:`.artifact`   — atomic save / load of the positive head + verification layer
+* :mod:`.config`     — :class:`NetworkConfig` (the ``network-train`` settings)
+* :mod:`.step`, :mod:`.training_data`, :mod:`.data_parallel` — one training step, the task data, ranks
+
+May import: layers 0-5 (up to :mod:`sdm_mlx.estimator`; the verification layer is an
+:class:`~sdm_mlx.estimator.SDMEstimator`) and mlx-lm.  Nothing is imported until used (PEP 562), so
+``NetworkConfig`` is read at ``sdm-mlx --help`` without MLX.
 """
 
-from .artifact import NetworkArtifactError, SDMNetwork, load_network, save_network
-from .generation import GeneratedOutput, greedy_generate, parse_task_prediction
-from .heads import HeadShapeError, SDMHeads, joint_argmax
-from .loss import beta_schedule, network_loss, regularization_mask
-from .trainer import NetworkConfig, NetworkTrainResult, SDMNetworkTrainer, train_network
+from .._lazy import lazy_exports
 
-__all__ = [
-    "GeneratedOutput", "HeadShapeError", "NetworkArtifactError", "NetworkConfig", "NetworkTrainResult",
-    "SDMHeads", "SDMNetwork", "SDMNetworkTrainer", "beta_schedule", "greedy_generate", "joint_argmax",
-    "load_network", "network_loss", "parse_task_prediction", "regularization_mask", "save_network",
-    "train_network",
-]
+_EXPORTS = {
+    "NetworkArtifactError": "artifact", "SDMNetwork": "artifact", "load_network": "artifact",
+    "save_network": "artifact", "GeneratedOutput": "generation", "greedy_generate": "generation",
+    "parse_task_prediction": "generation", "HeadShapeError": "heads", "SDMHeads": "heads", "joint_argmax": "heads",
+    "beta_schedule": "loss", "network_loss": "loss", "regularization_mask": "loss", "NetworkConfig": "config",
+    "NetworkTrainResult": "trainer", "SDMNetworkTrainer": "trainer", "train_network": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

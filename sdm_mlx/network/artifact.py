@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..artifact import atomic_directory, read_manifest, sha256_file
+from ..storage.artifact import atomic_directory, read_manifest, sha256_file
 from ..errors import ArtifactError, InputError
-from ..io import dumps, write_json
+from ..storage.files import dumps, write_json
 from .heads import HeadShapeError, SDMHeads, model_dims
 
 FORMAT = "sdm_mlx_network"
@@ -80,14 +80,14 @@ def resolve_base_model(config: dict, artifact_dir: str) -> str:
 
 
 def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dict | None = None,
-                 training: dict | None = None, overwrite: bool = False) -> str:
+                 training: dict | None = None, *, overwrite: bool = False) -> str:
     """Write the network directory ``path`` atomically; returns its absolute path.
 
     ``verifier``: a fitted ``SDMEstimator`` (saved with its ``save``) or the path
     of an already saved one (copied).  ``settings``: generation/prompt settings
     stored for reuse (delimiter, system, prompt template, completions, ...);
     ``training``: epoch, calibration count, etc.  An existing network at ``path`` is replaced only with
-    ``overwrite``; anything else there is refused (see :func:`sdm_mlx.artifact.atomic_directory`).
+    ``overwrite``; anything else there is refused (see :func:`sdm_mlx.storage.artifact.atomic_directory`).
     """
     shown = path
     path = os.path.abspath(os.fspath(path))
@@ -123,7 +123,7 @@ def save_network(path, heads: SDMHeads, base_model: str, verifier, settings: dic
 def mark_network_finished(path, epochs_completed: int) -> None:
     """Record in ``network_config.json`` that training finished (the head is the final selection).
 
-    Only the small JSON file is rewritten (atomically, by :func:`sdm_mlx.io.write_json`); the head and the
+    Only the small JSON file is rewritten (atomically, by :func:`sdm_mlx.storage.files.write_json`); the head and the
     verifier are untouched.
     """
     path = os.path.abspath(os.fspath(path))
@@ -221,7 +221,7 @@ def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -
         warnings.warn(f"{path}: {status}", RuntimeWarning, stacklevel=2)
     w = load_head_weight(path, config)
     if model is None:
-        from ..embed import load_model
+        from ..llm.embed import load_model
 
         model, loaded_tok = load_model(config["base_model"])
         tokenizer = tokenizer or loaded_tok

@@ -1,4 +1,4 @@
-"""Data-parallel SDM-network training over ``mlx.core.distributed`` (issue 14 §2).
+"""Data-parallel SDM-network training over ``mlx.core.distributed`` (docs/network-data-parallel.md).
 
 Under ``mlx.launch -n N`` every rank runs the same Alg. 4 (:mod:`.trainer`) on the same
 inputs; without a launcher ``mx.distributed.init()`` gives a group of size 1 and nothing
@@ -30,7 +30,7 @@ local part ``(S_L + β c S_R) / B`` and ``all_sum``-s the W_pos gradient: the su
 is the single-process gradient up to float summation order.
 
 The group, the generic collectives, and what happens when a rank dies or hangs (one bounded wait for
-every collective, the ``distributed_timeout`` setting) are :mod:`sdm_mlx.distributed`'s.
+every collective, the ``distributed_timeout`` setting) are :mod:`sdm_mlx.runtime.distributed`'s.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from .. import distributed as dist
+from ..runtime import distributed as dist
 from .loss import network_loss_terms, rescaled_regularizer
 from ..errors import InputError
 
 
 class DataParallel:
     """This rank of the ``mx.distributed`` group, with the group and the timeout bound to the few collectives
-    Alg. 4 needs (:mod:`sdm_mlx.distributed` does the work and bounds every wait: ``timeout`` seconds,
+    Alg. 4 needs (:mod:`sdm_mlx.runtime.distributed` does the work and bounds every wait: ``timeout`` seconds,
     default the ``distributed_timeout`` setting's), and the whole-batch splits of the network trainer.
     """
 
@@ -85,7 +85,7 @@ class DataParallel:
         return dist.gather_rows(local, "all_gather", self.timeout, self.group)
 
     def check_same(self, value: float, what: str) -> None:
-        """Raise :class:`~sdm_mlx.distributed.DistributedError` if a scalar differs between ranks (the
+        """Raise :class:`~sdm_mlx.runtime.distributed.DistributedError` if a scalar differs between ranks (the
         replicated state has diverged)."""
         dist.check_same(what, np.array([value], dtype=np.float64), timeout=self.timeout, grp=self.group)
 
@@ -166,19 +166,21 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
 
     logit_objective = _logit_objective(dp)
 
-    def local_objective(hd, h, t, q, d, beta, n_global):
-        return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta, n_global)
+    def local_objective(hd, h, t, q, d, *, beta, n_global):
+        return logit_objective(hd.pos_logits(h), hd.ref_logits(h), t, q, d, mx.ones(t.shape), beta=beta,
+                               n_global=n_global)
 
     loss_and_grad = nn.value_and_grad(heads, local_objective)
     logit_grad = mx.value_and_grad(logit_objective)  # ∂objective/∂z_pos
 
     def step(h, t, q, d, beta, n_global):
-        (_, parts), grads = loss_and_grad(heads, h, t, q, d, beta, n_global)
+        (_, parts), grads = loss_and_grad(heads, h, t, q, d, beta=beta, n_global=n_global)
         optimizer.update(heads, dp.sum_gradients(grads))
         return parts
 
-    def factor_step(h, t, q, d, valid, beta, n_global):
-        (_, parts), dz = logit_grad(heads.pos_logits(h), heads.ref_logits(h), t, q, d, valid, beta, n_global)
+    def factor_step(h, t, q, d, valid, *, beta, n_global):
+        (_, parts), dz = logit_grad(heads.pos_logits(h), heads.ref_logits(h), t, q, d, valid, beta=beta,
+                                    n_global=n_global)
         dz_all = mx.distributed.all_gather(dz, group=dp.group)
         h_all = mx.distributed.all_gather(h, group=dp.group)
         optimizer.update(heads, {"pos": {"weight": dz_all.T @ h_all}})
@@ -193,7 +195,8 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
     def dispatch(h, t, q, d, beta, n_global):
         n_batch = int(n_global.item())
         if exchange_for(heads.vocab_size, heads.hidden_size, n_batch, dp.size, exchange) == "factors":
-            out = factor_step(*_padded(h, t, q, d, -(-n_batch // dp.size), heads.vocab_size), beta, n_global)
+            out = factor_step(*_padded(h, t, q, d, -(-n_batch // dp.size), heads.vocab_size), beta=beta,
+                              n_global=n_global)
         elif int(h.shape[0]) == 0:
             out = empty_step(beta, n_global)
         else:
@@ -205,13 +208,13 @@ def make_dp_train_step(heads, optimizer, dp: DataParallel, compile: bool = True,
 
 
 def _logit_objective(dp: DataParallel) -> Callable:
-    """``objective(z_pos, z_ref, t, q, d, valid, beta, n_global) -> (objective, global losses)`` of one slice.
+    """``objective(z_pos, z_ref, t, q, d, valid, *, beta, n_global) -> (objective, global losses)`` of one slice.
 
     The slice's (masked by ``valid``) sums of the loss terms are ``all_sum``-ed over the ranks for the
     global mini-batch's losses; the objective's gradient is this rank's share of the global one.
     """
 
-    def logit_objective(z_pos, z_ref, t, q, d, valid, beta, n_global):
+    def logit_objective(z_pos, z_ref, t, q, d, valid, *, beta, n_global):
         nll_rows, reg_rows = network_loss_terms(z_ref, z_ref, z_pos, t, q, d)
         local = mx.stack([(valid * nll_rows).sum(), (valid * reg_rows).sum()])
         sums = mx.stop_gradient(mx.distributed.all_sum(local, group=dp.group))

@@ -1,4 +1,4 @@
-"""Greedy joint decoding of an SDM network (paper §"SDM network", test time; reference_spec §8.1).
+"""Greedy joint decoding of an SDM network (paper §"SDM network", test time; DESIGN #19).
 
 At every step the next token is ``argmax(concat(z_neg, z_pos)) mod |V|`` — the
 argmax of ``sdm(z_neg, z_pos)`` with q = e − 2, d = 1 (an SDM activation never
@@ -16,7 +16,7 @@ batch).  A row stops at
 
 With ``features=True`` each output also carries the verifier input computed
 from the hidden states seen during decoding (DESIGN #21, the same construction
-as :mod:`sdm_mlx.embed` use (b)): ``concat(mean(h_0..h_{n-1}), h_{n-1})`` with
+as :mod:`sdm_mlx.llm.embed` use (b)): ``concat(mean(h_0..h_{n-1}), h_{n-1})`` with
 ``n`` = the global index of the generated token holding the last delimiter
 (``h_{n-1}`` predicts it), capped at ``max_length``; without a delimiter (parse
 failure) only the prompt's states are pooled (the research code's choice).
@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from .heads import SDMHeads
 from ..errors import InputError
 
@@ -162,7 +162,7 @@ def _batch_cache(model, left_padding: list[int]):
     return [BatchKVCache(list(left_padding)) for _ in _embed.trunk(model).layers]
 
 
-def _decode_batch(heads, tokenizer, batch_ids, max_new_tokens, delimiter, stop_at_delimiter, eos, want_states):
+def _decode_batch(heads, tokenizer, batch_ids, max_new_tokens, delimiter, stop_at_delimiter, *, eos, want_states):
     """Decode one left-padded batch; returns per-row (tokens, stop_reason, prompt_states, step_states)."""
     model = heads.model
     lens = [len(r) for r in batch_ids]
@@ -254,7 +254,7 @@ def greedy_generate(
         idx = order[b0 : b0 + batch_size]
         batch = [ids[i] for i in idx]
         toks, reasons, prompt_h, pads, step_h = _decode_batch(
-            heads, tokenizer, batch, max_new_tokens, delimiter, stop_at_delimiter, eos, features
+            heads, tokenizer, batch, max_new_tokens, delimiter, stop_at_delimiter, eos=eos, want_states=features
         )
         for k, i in enumerate(idx):
             g = GeneratedOutput(prompt_ids=ids[i], token_ids=toks[k], text=tokenizer.decode(toks[k]),

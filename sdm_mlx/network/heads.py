@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..errors import ArtifactError, InputError
 
 
@@ -142,7 +142,7 @@ class SDMHeads(nn.Module):
 
     # -- hidden states -----------------------------------------------------------------------
     def hidden_states(self, token_ids_batch, cache=None) -> mx.array:
-        """Final-norm hidden states (float32 ``[B, T, D]``) of the frozen trunk (see :func:`sdm_mlx.embed.hidden_states`)."""
+        """Final-norm hidden states (float32 ``[B, T, D]``) of the frozen trunk (see :func:`sdm_mlx.llm.embed.hidden_states`)."""
         return _embed.hidden_states(self._model, token_ids_batch, cache=cache)
 
     def weight_numpy(self) -> np.ndarray:

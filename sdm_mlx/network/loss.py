@@ -33,7 +33,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..activation import log_sdm
+from ..core.activation import log_sdm
 from ..errors import InputError
 
 
@@ -97,7 +97,7 @@ def network_loss(
     targets: mx.array,
     q,
     d,
-    beta,
+    *, beta,
 ) -> tuple[mx.array, tuple[mx.array, mx.array, mx.array]]:
     """``(total, (L, R, R'))`` of ``eq:sdm-network-next-token-training-loss`` for one mini-batch.
 

@@ -34,7 +34,7 @@ def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool =
     def loss_fn(hd, h, t, q, d, beta):
         z_ref = hd.ref_logits(h)
         z_pos = hd.pos_logits(h)
-        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta)
+        total, parts = network_loss(z_ref, z_ref, z_pos, t, q, d, beta=beta)
         return total, parts
 
     loss_and_grad = nn.value_and_grad(heads, loss_fn)
@@ -56,7 +56,7 @@ def make_optimizer(learning_rate: float) -> optim.Optimizer:
 
 
 def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
-                q_tok: np.ndarray, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
+                q_tok: np.ndarray, *, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
                 rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
     """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
 

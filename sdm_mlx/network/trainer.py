@@ -1,11 +1,11 @@
 """SDM-network training, Alg. 4 (``alg:sdm-network-training``) with a frozen trunk (DESIGN #17-21).
 
-Steps (reference_spec §8.1/8.2 for what the paper and the research code do):
+Steps (DESIGN #17-21 fix what the paper leaves open):
 
 (a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)``
-    become verification rows (``sdm_mlx.verification_data``: each row is a
+    become verification rows (``sdm_mlx.llm.verification_data``: each row is a
     positive with its own label's completion, or a constructed negative with
-    another label's).  Their force-decoded features (``sdm_mlx.embed``:
+    another label's).  Their force-decoded features (``sdm_mlx.llm.embed``:
     concat(mean of final-norm states, state predicting the closing delimiter))
     train an ``SDMEstimator`` (J rounds over pooled re-splits).  The split of its
     selected round is D_tr* (support set) / D_ca* (calibration) for everything
@@ -49,12 +49,12 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import embed as _embed
-from ..artifact import prepare_run_directory
-from ..data import id_key
-from ..io import strict, write_json, write_jsonl
-from ..callbacks import log, progress_bar as Progress
-from ..network_config import NetworkConfig
+from ..llm import embed as _embed
+from ..storage.artifact import prepare_run_directory
+from ..storage.datasets import id_key
+from ..storage.files import strict, write_json, write_jsonl
+from ..runtime.callbacks import log, progress_bar as Progress
+from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .step import make_optimizer, make_train_step, train_epoch
@@ -133,11 +133,31 @@ class NetworkTrainResult:
 class SDMNetworkTrainer:
     """Alg. 4 with a frozen trunk; see the module docstring.  ``run()`` does everything.
 
-    ``model`` / ``tokenizer`` may be passed (already loaded) instead of loading
-    ``config.model``; ``estimator_factory(**params)`` builds the verification
-    layer (default :class:`sdm_mlx.estimator.SDMEstimator`).  Under ``mlx.launch`` the work is
-    split over the ranks of ``dp`` (default: ``mx.distributed.init()``; :mod:`.data_parallel`)
-    and rank 0 alone reports and writes the run directory.
+    Under ``mlx.launch`` the work is split over the ranks of ``dp`` and rank 0 alone reports and writes the
+    run directory.
+
+    Parameters
+    ----------
+    config : NetworkConfig
+        The ``network-train`` settings (:mod:`sdm_mlx.network.config`); validated here.
+    model, tokenizer : optional
+        An already loaded mlx-lm model and its tokenizer instead of loading ``config.model``.
+    estimator_factory : callable, optional
+        ``estimator_factory(**params)`` builds the verification layer (default
+        :class:`sdm_mlx.estimator.SDMEstimator`).
+    dp : DataParallel, optional
+        The ranks to split the work over (default: ``mx.distributed.init()``; :mod:`.data_parallel`).
+
+    Attributes
+    ----------
+    config : NetworkConfig
+        The settings in force (progress off on every rank but 0).
+    dp : DataParallel
+        The ranks; ``dp.writer`` is rank 0.
+    model, tokenizer :
+        The frozen trunk's language model and its tokenizer.
+    heads : SDMHeads
+        The frozen reference/negative head and the trained float32 ``W_pos`` (DESIGN #19).
     """
 
     def __init__(self, config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,
@@ -253,13 +273,13 @@ class SDMNetworkTrainer:
         c = self.config
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                     c.embed_batch_size, c.verbose)
+                                     c.embed_batch_size, verbose=c.verbose)
         need = [max(pos) + 1 if pos else 0 for pos in (
             completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter, c.max_length)[1]
             for r in pos_rows)]  # token_hidden_states' sort key
         mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
         cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, c.verbose)
+                                  c.max_length, c.embed_batch_size, verbose=c.verbose)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
         hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
         doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token
@@ -323,7 +343,7 @@ class SDMNetworkTrainer:
             f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
             "finished=false in its network_config.json; re-run network-train to train it fully", True)
 
-    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer, metrics, best,
+    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, *, targets, step, optimizer, metrics, best,
                   selected) -> tuple[int, int]:
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
         c = self.config
@@ -332,8 +352,8 @@ class SDMNetworkTrainer:
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
-            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok, c.batch_size,
-                            c.beta_min, c.beta_max, self.rng, progress=bar.update, dp=self.dp)
+            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok=d_tok, batch_size=c.batch_size,
+                            beta_min=c.beta_min, beta_max=c.beta_max, rng=self.rng, progress=bar.update, dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         cal = self.calibration_count(est, cal_rows)
         improved = select_improved(cal["count"], best)
@@ -379,8 +399,9 @@ class SDMNetworkTrainer:
         epoch = 0
         try:
             for epoch in range(1, c.epochs + 1):
-                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets, step,
-                                                optimizer, metrics, best, selected)
+                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
+                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
+                                                selected=selected)
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise

@@ -2,7 +2,7 @@
 
 See :mod:`sdm_mlx.network.trainer` for Alg. 4 (``alg:sdm-network-training``).  Verification rows
 ``(id, prompt, completion, label, task_label[, task])`` come from a verification file or are built
-from task rows (:mod:`sdm_mlx.verification_data`); the token cache holds the frozen hidden states
+from task rows (:mod:`sdm_mlx.llm.verification_data`); the token cache holds the frozen hidden states
 that predict each y = 1 training completion token, with joint targets ``token + |V|`` (DESIGN #19).
 """
 
@@ -13,12 +13,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import embed as _embed
-from ..callbacks import log, progress_bar as Progress
-from ..data import read_objects
+from ..llm import embed as _embed
+from ..runtime.callbacks import log, progress_bar as Progress
+from ..storage.datasets import read_objects
 from ..errors import InputError
-from ..network_config import NetworkConfig
-from ..verification_data import PRESETS, make_verification_rows
+from .config import NetworkConfig
+from ..llm.verification_data import PRESETS, make_verification_rows
 from .heads import SDMHeads, token_hidden_states
 
 
@@ -108,7 +108,7 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
 
 
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, verbose: bool = True) -> TokenCache:
+                      batch_size: int = 8, *, verbose: bool = True) -> TokenCache:
     """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):

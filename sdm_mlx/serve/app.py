@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..feedback import PersistError
+from ..estimator.feedback import PersistError
 from . import responses as R
 from .engine import Cancelled, Engine, UnknownVerdict
 from .guard import AccessGuard, AccessPolicy
@@ -191,8 +191,8 @@ def _wants_html(request: Request) -> bool:
 
 
 def _verdict_page(engine: Engine, vid: str) -> HTMLResponse:
-    """The verdict page of ``vid`` (sdm_mlx.verdict_html), or a 404 naming the id."""
-    from ..verdict_html import verdict_page
+    """The verdict page of ``vid`` (sdm_mlx.evaluation.verdict_html), or a 404 naming the id."""
+    from ..evaluation.verdict_html import verdict_page
 
     record = engine.verdicts.get(vid)
     if record is None:

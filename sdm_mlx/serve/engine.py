@@ -39,10 +39,10 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..verified.generator import _fill
 from ..errors import InputError
-from ..feedback import feedback_class  # noqa: F401  (re-exported)
+from ..estimator.feedback import feedback_class  # noqa: F401  (re-exported)
 from .schema import GenerationRequest, VerifyRequest
 from .verdicts import DEFAULT_MAX_BYTES, VerdictStore, verdict_record
 
@@ -205,7 +205,7 @@ class Engine:
     def verify_text(self, prompt: str, completion: str, source: str) -> tuple[dict, dict]:
         """Verify ``completion`` force-decoded after ``prompt`` (``sdm-mlx embed``'s construction).
 
-        As :func:`sdm_mlx.embed.prompt_completion_features`, prompt + completion are encoded as one string;
+        As :func:`sdm_mlx.llm.embed.prompt_completion_features`, prompt + completion are encoded as one string;
         the completion's tokens are those after the prompt's own encoding (its common prefix, should the
         two tokenisations differ at the boundary).
         """
@@ -230,8 +230,8 @@ class Engine:
 
     def add_feedback(self, verdict_id: str, label, source: str) -> dict:
         """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread);
-        with ``persist_feedback`` through the writer protocol (see :func:`sdm_mlx.feedback.apply_verdict_feedback`)."""
-        from ..feedback import apply_verdict_feedback
+        with ``persist_feedback`` through the writer protocol (see :func:`sdm_mlx.estimator.updates.apply_verdict_feedback`)."""
+        from ..estimator.updates import apply_verdict_feedback
 
         rec = self.verdicts.get(verdict_id)
         if rec is None:

@@ -13,7 +13,7 @@ import copy
 import threading
 from dataclasses import dataclass
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from .schema import APIError
 
 #: context length assumed when the model does not state one

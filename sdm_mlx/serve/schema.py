@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..generation_config import ON_REJECT
+from ..verified.config import ON_REJECT
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4

@@ -16,7 +16,11 @@ verification layer's index-conditional estimate p̂_lower, then branch.
 
 Modules: :mod:`.decoding` (``GreedyDecoder``), :mod:`.verification`
 (``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``,
-``VerificationResult``, ``Attempt``, the re-ask template).
+``VerificationResult``, ``Attempt``, the re-ask template), :mod:`.config` (``GenerationConfig``).
+
+May import: layers 0-6 (up to :mod:`sdm_mlx.network`: the optional positive head and the answer parsing) and
+mlx-lm.  Nothing is imported until used (PEP 562), so ``GenerationConfig`` is read at ``sdm-mlx --help``
+without MLX.
 
 JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``sdm-mlx generate``)
 ---------------------------------------------------------------------------------------------------
@@ -58,13 +62,14 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
         token_ids          list      the generated token ids (verify() these, not re-encoded text)
 """
 
-from .decoding import Decoded, GreedyDecoder
-from .generator import (
-    ABSTAIN_TEXT, ON_REJECT, REASK_TEMPLATE, Attempt, VerificationResult, VerifiedGenerator,
-)
-from .verification import PARSE_FAILURE, PREDICTED_UNVERIFIED, AnswerVerifier, Verdict
+from .._lazy import lazy_exports
 
-__all__ = [
-    "ABSTAIN_TEXT", "ON_REJECT", "PARSE_FAILURE", "PREDICTED_UNVERIFIED", "REASK_TEMPLATE", "AnswerVerifier",
-    "Attempt", "Decoded", "GreedyDecoder", "Verdict", "VerificationResult", "VerifiedGenerator",
-]
+_EXPORTS = {
+    "Decoded": "decoding", "GreedyDecoder": "decoding", "GenerationConfig": "config",
+    "ABSTAIN_TEXT": "generator", "ON_REJECT": "generator", "REASK_TEMPLATE": "generator", "Attempt": "generator",
+    "VerificationResult": "generator", "VerifiedGenerator": "generator",
+    "PARSE_FAILURE": "verification", "PREDICTED_UNVERIFIED": "verification", "AnswerVerifier": "verification",
+    "Verdict": "verification",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

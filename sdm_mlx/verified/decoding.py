@@ -19,9 +19,9 @@ end-of-sequence token (not kept); or ``max_tokens`` generated tokens.
 
 Verifier features while decoding (``features=True``): the final-norm hidden
 states that decoding computes anyway (prefill of the prompt, then one per fed
-token) are pooled exactly as :mod:`sdm_mlx.embed` pools a force-decoded prompt
+token) are pooled exactly as :mod:`sdm_mlx.llm.embed` pools a force-decoded prompt
 + completion (``concat(mean(h_0 .. h_{n-1}), h_{n-1})``, ``n`` from
-:func:`~sdm_mlx.embed.generated_n_kept`), so verifying the answer needs no second
+:func:`~sdm_mlx.llm.embed.generated_n_kept`), so verifying the answer needs no second
 forward pass.  Plain decoding records them by wrapping the trunk's final norm
 while mlx-lm's ``generate_step`` runs; joint decoding gets them from
 ``greedy_generate(features=True)``.  They equal the force-decoded features up to
@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .. import embed as _embed
+from ..llm import embed as _embed
 from ..network.generation import is_closed
 from ..errors import InputError
 
@@ -117,7 +117,7 @@ class _NormRecorder:
 
 def eos_ids(tokenizer) -> set:
     """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer."""
-    from ..embed import eos_token_ids
+    from ..llm.embed import eos_token_ids
 
     return eos_token_ids(tokenizer)
 
@@ -155,7 +155,7 @@ class GreedyDecoder:
     """
 
     def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True,
-                 features: bool = False, max_length: int = _embed.DEFAULT_MAX_LENGTH):
+                 features: bool = False, *, max_length: int = _embed.DEFAULT_MAX_LENGTH):
         if not delimiter:
             raise InputError("delimiter must be a non-empty string")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads

@@ -32,8 +32,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import embed as _embed
-from ..generation_config import ON_REJECT, GenerationConfig
+from ..llm import embed as _embed
+from .config import ON_REJECT, GenerationConfig
 from .decoding import GreedyDecoder
 from .verification import AnswerVerifier, Verdict
 from ..errors import InputError
@@ -167,22 +167,45 @@ class VerifiedGenerator:
 
     ``VerifiedGenerator(model_path, verifier_path, head_path=None, on_reject="abstain", max_attempts=3, ...)``
     or ``VerifiedGenerator.from_config(GenerationConfig(...))``; every keyword setting is a field of
-    :class:`~sdm_mlx.generation_config.GenerationConfig` (defaults and help text live there):
+    :class:`~sdm_mlx.verified.config.GenerationConfig` (defaults and help text live there).
 
-    * ``model_path``: mlx-lm model directory or hub id (default with a head: its base model);
-    * ``verifier_path``: a saved ``SDMEstimator`` trained on features of force-decoded prompt +
-      completion (label 1 = correct completion) of this model (default with a head: the network's
-      ``verifier/``);
-    * ``head_path``: an SDM-network directory (``network_config.json`` + ``positive_head.safetensors``);
-      its W_pos switches decoding to the joint neg+pos argmax and its stored settings (system,
-      prompt template, delimiter, max_length, max_new_tokens) become the defaults;
-    * ``system``, ``prompt_template`` (``{document}`` slot), ``use_chat_template``: how a prompt
-      (the user message / document) is templated — use the settings the verifier's data were built with;
-    * ``max_tokens`` per attempt, ``delimiter`` (closing delimiter of the verification unit),
-      ``max_length`` (kept positions of the features), ``n_exemplars``, ``require_json``,
-      ``reask_template``, ``reask_fallback``, ``abstain_text``;
-    * already loaded objects may be passed instead: ``model`` + ``tokenizer``, ``verifier``
-      (an ``SDMEstimator``), ``heads`` (an ``SDMHeads``).
+    Parameters
+    ----------
+    model_path : str, optional
+        mlx-lm model directory or hub id (default with a head: its base model).
+    verifier_path : str, optional
+        A saved ``SDMEstimator`` trained on features of force-decoded prompt + completion (label 1 = correct
+        completion) of this model (default with a head: the network's ``verifier/``).
+    head_path : str, optional
+        An SDM-network directory (``network_config.json`` + ``positive_head.safetensors``); its W_pos switches
+        decoding to the joint neg+pos argmax and its stored settings (system, prompt template, delimiter,
+        max_length, max_new_tokens) become the defaults (DESIGN #19).
+    config : GenerationConfig, optional
+        All settings at once; keywords in ``settings`` override its fields.
+    model, tokenizer, verifier, heads : optional
+        Already loaded objects instead of paths (an mlx-lm model + tokenizer, an ``SDMEstimator``, ``SDMHeads``).
+    **settings
+        Fields of ``GenerationConfig``: ``system``, ``prompt_template`` (``{document}`` slot),
+        ``use_chat_template`` (how a prompt is templated: use the settings the verifier's data were built
+        with), ``max_tokens`` per attempt, ``delimiter`` (closing delimiter of the verification unit),
+        ``max_length`` (kept positions of the features, DESIGN #21), ``n_exemplars``, ``require_json``,
+        ``on_reject``, ``max_attempts``, ``reask_template``, ``reask_fallback``, ``abstain_text``.
+
+    Attributes
+    ----------
+    config : GenerationConfig
+        The settings in force.
+    model, tokenizer, heads, estimator :
+        The loaded language model and tokenizer, the SDM heads (None: plain decoding) and the verification
+        layer's ``SDMEstimator``.
+    decoder : GreedyDecoder
+        Greedy decoding up to the verification unit; ``decoding`` is its mode, "plain" or "joint".
+    verifier : AnswerVerifier
+        Features of an answer -> the estimator's verdict.
+    system, prompt_template, use_chat_template, max_tokens, delimiter, max_length :
+        The templating and decoding settings resolved against the head's stored settings.
+    on_reject, max_attempts, reask_template, reask_fallback, abstain_text :
+        What happens to an answer that is not verified.
     """
 
     def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
@@ -314,7 +337,8 @@ class VerifiedGenerator:
         for k in range(1, limit + 1):
             if on_attempt_start is not None:
                 on_attempt_start(k)
-            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id, reask_message)
+            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id=id,
+                                reask_message=reask_message)
             attempts.append(att)
             if on_attempt is not None:
                 on_attempt(att)
@@ -331,7 +355,7 @@ class VerifiedGenerator:
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
 
-    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, id,
+    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, *, id,
                  reask_message) -> Attempt:
         """Attempt ``k``: decode from ``gen_ids`` and verify the output against the original ``base_ids``."""
         t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """Verification of one generated answer by the SDM verification layer (an :class:`~sdm_mlx.estimator.SDMEstimator`).
 
 Features: the prompt's token ids followed by the generated token ids are run
-through the frozen trunk once, exactly as :mod:`sdm_mlx.embed` does for a
-force-decoded prompt + completion (:func:`~sdm_mlx.embed.document_features`
+through the frozen trunk once, exactly as :mod:`sdm_mlx.llm.embed` does for a
+force-decoded prompt + completion (:func:`~sdm_mlx.llm.embed.document_features`
 on token ids, completion span = the generated tokens): ``concat(mean(h_0 ..
 h_{n-1}), h_{n-1})`` where ``h_{n-1}`` is the state that predicts the token
 holding the answer's last closing delimiter, capped at ``max_length``
@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .. import embed as _embed
-from ..io import finite_or_none, strict
+from ..llm import embed as _embed
+from ..storage.files import finite_or_none, strict
 from ..network.generation import first_json_object
 from ..results import VERDICT_FLOAT_KEYS, VERDICT_KEYS
 from ..errors import InputError

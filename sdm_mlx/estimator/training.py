@@ -1,0 +1,398 @@
+"""Alg. 1 (``alg:sdm-estimator-training``): training the exemplar adaptor under the SDM loss.
+
+One *round* (one of the J iterations):
+
+1. epoch 1 uses q = e−2, d = 1 (plain softmax cross-entropy);
+2. after every epoch the whole training and calibration splits are forwarded,
+   the support index is rebuilt over the training exemplars h', and per-row
+   q, d0, d are refreshed from the current model (training rows: self-excluded
+   search, training distance eCDFs; calibration rows: calibration eCDFs);
+3. the "flip" rule (DESIGN #7): a row whose SDM output has no unique argmax equal
+   to ŷ gets q := 0;
+4. the epoch with the highest balanced median calibration q (mean over true
+   classes of the per-class median) is kept (≥: later epochs win ties);
+5. convergence-aware stopping (optional, not in the paper): with
+   ``TrainConfig.patience = P`` a round stops once the balanced median q has not
+   strictly improved for P consecutive epochs (``epochs`` is then a cap).
+
+Every epoch records the loss, the balanced median q, the calibration accuracy and how
+far the adaptor has moved from its initialisation (‖W − W₀‖_F / ‖W₀‖_F for W_g and W').
+
+:func:`train_rounds` runs J rounds over stratified re-splits of the pooled
+train+calibration data with fresh initialisation and keeps the best round by
+the same metric (≥, later wins).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..calibration.bins import unique_argmax_is
+from ..core.activation import Q_SOFTMAX, sdm_nll_loss, sdm_numpy
+from ..runtime.callbacks import SILENT, Callback
+from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
+from .config import EstimatorConfig
+from ..core.distance import distance_ecdfs, distance_quantile
+from ..index import default_k, good_neighbours_by_class, make_index
+from ..errors import InputError
+
+
+_D = EstimatorConfig()  #: the package defaults (declared once, in EstimatorConfig)
+
+
+@dataclass
+class TrainConfig:
+    """Alg. 1 settings: the training subset of :class:`~sdm_mlx.estimator.config.EstimatorConfig`, with its
+    defaults (the paper's are :data:`~sdm_mlx.estimator.config.PAPER_SETTINGS`; see ``docs/defaults.md``)."""
+
+    epochs: int = _D.epochs  #: per round (a cap when ``patience`` is set)
+    batch_size: int = _D.batch_size
+    learning_rate: float = _D.learning_rate
+    exemplar_dim: int = _D.exemplar_dim
+    k: int | None = _D.k  #: neighbours scanned for q; None = largest class count of the training split
+    normalize: bool = _D.normalize
+    iterations: int = _D.iterations  #: J
+    stratified: bool = _D.stratified
+    seed: int = _D.seed
+    index_backend: str = _D.index_backend
+    patience: int | None = _D.patience  #: stop a round after this many epochs without a better balanced median q
+    shard_index: bool = _D.shard_index  #: under mlx.launch, split the exact index over the ranks (index.sharded)
+    shard_timeout: float = _D.shard_timeout  #: seconds a sharded-index collective waits for the other ranks
+
+    @classmethod
+    def of(cls, params: dict) -> "TrainConfig":
+        """The training settings among an estimator's parameters (``SDMEstimator.get_params()``)."""
+        return cls(**{f.name: params[f.name] for f in fields(cls)})
+
+    def validate(self) -> None:
+        for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
+        if not self.learning_rate > 0:
+            raise InputError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.patience is not None and (not isinstance(self.patience, (int, np.integer)) or self.patience < 1):
+            raise InputError(f"patience must be a positive integer or None, got {self.patience!r}")
+        if self.k is not None and self.k < 1:
+            raise InputError(f"k must be ≥ 1 or None, got {self.k}")
+        if isinstance(self.shard_timeout, bool) or not (isinstance(self.shard_timeout, (int, float))
+                                                          and self.shard_timeout > 0):
+            raise InputError(f"shard_timeout must be a number of seconds > 0, got {self.shard_timeout!r}")
+        if self.index_backend not in ("exact", "hnsw"):
+            raise InputError(f"index_backend must be 'exact' or 'hnsw', got {self.index_backend!r}")
+
+
+@dataclass
+class SplitState:
+    """Per-row Similarity/Distance state of one split under one model."""
+
+    z: np.ndarray  #: logits z' [N, C]
+    h: np.ndarray  #: exemplar coordinates (h' itself, or its distance-equivalent D-dim coordinates)
+    y_hat: np.ndarray  #: argmax z'
+    q: np.ndarray  #: Similarity after the flip rule
+    d0: np.ndarray  #: squared L2 to the nearest training exemplar
+    d: np.ndarray  #: Distance quantile
+    sdm: np.ndarray  #: SDM activation output [N, C]
+
+
+@dataclass
+class RoundResult:
+    """The best epoch of one round: the model, its support set and calibration state."""
+
+    model: ExemplarAdaptor
+    metric: float
+    best_epoch: int
+    k: int
+    train_idx: np.ndarray
+    cal_idx: np.ndarray
+    train: SplitState
+    calibration: SplitState
+    train_distance_ecdfs: list
+    calibration_distance_ecdfs: list
+    history: list = field(default_factory=list)
+    basis: np.ndarray | None = None  #: the exemplar basis Rᵀ the coordinates were computed in (None: h' itself)
+    movement: dict = field(default_factory=dict)  #: relative Frobenius movement of the kept epoch
+    epochs_run: int = 0
+    stopped_early: bool = False
+
+
+def balanced_median(values: np.ndarray, labels: np.ndarray, num_classes: int) -> float:
+    """Mean over true classes of the per-class median (empty class ⇒ 0): Alg. 1's selection metric."""
+    meds = [float(np.median(values[labels == c])) if np.any(labels == c) else 0.0 for c in range(num_classes)]
+    return float(np.mean(meds))
+
+
+def flip_rule(s: np.ndarray, y_hat: np.ndarray) -> np.ndarray:
+    """True where the SDM output has no unique argmax equal to ŷ (DESIGN #7: then q := 0)."""
+    return ~unique_argmax_is(s, y_hat)
+
+
+def split_state(z, h, labels, support_index, good, k, *, num_classes, exclude=None):
+    """One split's q, d0, its own distance eCDFs (``equation:d``), d and the flip rule.
+
+    Training rows pass ``exclude`` (their own support index) and get training eCDFs;
+    calibration rows get calibration eCDFs.  Returns (SplitState, eCDFs).
+    """
+    y_hat = z.argmax(axis=1)
+    q, d0 = support_index.similarity(h, y_hat, good, k, exclude=exclude)
+    ecdfs = distance_ecdfs(d0, labels, q, num_classes)
+    d = distance_quantile(d0, ecdfs)
+    s = sdm_numpy(z, q, d)
+    flipped = flip_rule(s, y_hat)
+    if flipped.any():
+        q = np.where(flipped, 0, q)
+        s = sdm_numpy(z, q, d)
+    return SplitState(z=z, h=h, y_hat=y_hat, q=q, d0=d0, d=d, sdm=s), ecdfs
+
+
+def _weights(model: ExemplarAdaptor) -> dict[str, np.ndarray]:
+    """W_g (projection) and W' (classifier) as float64 NumPy arrays."""
+    return {
+        "projection": np.array(model.projection.weight, dtype=np.float64),
+        "classifier": np.array(model.classifier.weight, dtype=np.float64),
+    }
+
+
+def adaptor_movement(model: ExemplarAdaptor, initial: dict[str, np.ndarray]) -> dict[str, float]:
+    """‖W − W₀‖_F / ‖W₀‖_F for W_g ("projection") and W' ("classifier") against their initialisation."""
+    now = _weights(model)
+    return {name: float(np.linalg.norm(now[name] - w0) / np.linalg.norm(w0)) for name, w0 in initial.items()}
+
+
+def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
+    def loss_fn(m, x, y, q, d):
+        z, _ = m(x)
+        return sdm_nll_loss(z, y, q, d)
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y, q, d):
+        loss, grads = loss_and_grad(model, x, y, q, d)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, *, d_tr, order, batch_size) -> float:
+    """One pass of Adam over the training split in ``order``; returns the mean batch loss."""
+    q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
+    total, batches = 0.0, 0
+    for start in range(0, order.size, batch_size):
+        b = mx.array(order[start : start + batch_size])
+        loss = step(X_tr_mx[b], y_tr_mx[b], q_mx[b], d_mx[b])
+        mx.eval(loss, model.parameters(), optimizer.state)
+        total += loss.item()
+        batches += 1
+    return total / max(batches, 1)
+
+
+def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, *, k, config):
+    """Forward both splits by the batch-invariant forward that predict uses, rebuild the support index,
+    refresh q, d0, d (training: self-excluded); also returns the exemplar basis the coordinates are in."""
+    basis = exemplar_basis(model)
+    forward = InvariantForward(model, basis)
+    z_tr, h_tr = forward(X_tr)
+    z_ca, h_ca = forward(X_ca)
+    good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
+    index = make_index(h_tr, config.index_backend, shard=config.shard_index, shard_timeout=config.shard_timeout)
+    tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes=num_classes, exclude=np.arange(X_tr.shape[0]))
+    ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes=num_classes)
+    return tr, ca, basis
+
+
+def _new_adaptor(X_tr: np.ndarray, num_classes: int, config: TrainConfig, seed: int) -> ExemplarAdaptor:
+    """A freshly initialised exemplar adaptor for a round (with the scalar input normalisation if set)."""
+    model = ExemplarAdaptor(X_tr.shape[1], config.exemplar_dim, num_classes, seed=seed)
+    if config.normalize:
+        model.set_normalization(*scalar_normalization(X_tr))
+    return model
+
+
+def _epoch_record(epoch: int, loss: float, metric: float, cal_accuracy: float, moved: dict) -> dict:
+    """One entry of a round's per-epoch history."""
+    return {"epoch": epoch, "loss": loss, "balanced_median_q": metric, "cal_accuracy": cal_accuracy,
+            "projection_movement": moved["projection"], "classifier_movement": moved["classifier"]}
+
+
+def train_round(
+    X_tr: np.ndarray,
+    y_tr: np.ndarray,
+    X_ca: np.ndarray,
+    y_ca: np.ndarray,
+    num_classes: int,
+    config: TrainConfig,
+    *, seed: int,
+    train_idx: np.ndarray | None = None,
+    cal_idx: np.ndarray | None = None,
+    callback: Callback = SILENT,
+    round_index: int = 0,
+) -> RoundResult:
+    """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch.
+
+    With ``config.patience`` set, the round stops after that many epochs without a strictly
+    better balanced median calibration q (convergence-aware stopping; the paper runs all epochs).
+    ``callback.on_epoch_end(round_index, epoch, metrics)`` follows every epoch.
+    """
+    n_tr = X_tr.shape[0]
+    model = _new_adaptor(X_tr, num_classes, config, seed)
+    initial = _weights(model)
+    optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
+    step = _make_step(model, optimizer)
+    k = int(config.k) if config.k is not None else default_k(y_tr, num_classes)
+    rng = np.random.default_rng(seed)
+    q_tr = np.full(n_tr, Q_SOFTMAX, dtype=np.float32)
+    d_tr = np.ones(n_tr, dtype=np.float32)
+    y_tr_mx, X_tr_mx = mx.array(y_tr.astype(np.int32)), mx.array(X_tr)
+    best, history, stale = None, [], 0
+    for epoch in range(1, config.epochs + 1):
+        loss = _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr=d_tr, order=rng.permutation(n_tr),
+                          batch_size=config.batch_size)
+        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k=k,
+                                                                     config=config)
+        q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
+        metric = balanced_median(ca_state.q, y_ca, num_classes)
+        moved = adaptor_movement(model, initial)
+        history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
+        callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
+        stale = 0 if best is None or metric > best[0] else stale + 1
+        if best is None or metric >= best[0]:
+            best = (metric, epoch, dict(tree_flatten(model.parameters())), tr_state, ca_state, tr_ecdfs, ca_ecdfs,
+                    moved, basis)
+        if config.patience is not None and stale >= config.patience:
+            break
+    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, moved, basis = best
+    model.load_weights(list(params.items()))
+    return RoundResult(
+        model=model, metric=metric, best_epoch=epoch, k=k,
+        train_idx=np.arange(n_tr) if train_idx is None else train_idx,
+        cal_idx=np.arange(X_ca.shape[0]) if cal_idx is None else cal_idx,
+        train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs, calibration_distance_ecdfs=ca_ecdfs,
+        history=history, movement=moved, epochs_run=len(history), stopped_early=len(history) < config.epochs,
+        basis=basis,
+    )
+
+
+def split_pool(y: np.ndarray, num_classes: int, rng: np.random.Generator, stratified: bool = True):
+    """Shuffle the pooled rows and split them in half (per class when ``stratified``; DESIGN #9).
+
+    Raises ValueError if either half lacks a class.
+    """
+    n = y.shape[0]
+    if stratified:
+        tr, ca = [], []
+        for c in range(num_classes):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            half = idx.size // 2
+            tr.append(idx[:half])
+            ca.append(idx[half:])
+        train_idx, cal_idx = rng.permutation(np.concatenate(tr)), rng.permutation(np.concatenate(ca))
+    else:
+        perm = rng.permutation(n)
+        train_idx, cal_idx = perm[: n // 2], perm[n // 2 :]
+    for name, idx in (("training", train_idx), ("calibration", cal_idx)):
+        counts = np.bincount(y[idx], minlength=num_classes)
+        if (counts == 0).any():
+            missing = np.flatnonzero(counts == 0).tolist()
+            raise InputError(
+                f"the {name} split has no rows of class(es) {missing}: each class needs at least 2 rows in the "
+                "pooled data (one per split)"
+            )
+    return train_idx, cal_idx
+
+
+@dataclass
+class RoundsProgress:
+    """Where :func:`train_rounds` stands after some rounds: enough to continue bit-identically."""
+
+    next_round: int  #: rounds finished so far (the next round's index j)
+    rng_state: dict  #: state of the re-split generator before round ``next_round``
+    best: RoundResult | None
+    best_j: int
+    summaries: list
+
+
+def round_summary(j: int, result: RoundResult) -> dict:
+    """What one round learned: its selected epoch, per-epoch trajectories and the adaptor's movement."""
+    chosen = result.history[result.best_epoch - 1]
+    return {
+        "round": j, "metric": result.metric, "best_epoch": result.best_epoch, "k": result.k,
+        "epochs_run": result.epochs_run, "stopped_early": result.stopped_early,
+        "cal_accuracy": chosen["cal_accuracy"],
+        "projection_movement": result.movement.get("projection"),
+        "classifier_movement": result.movement.get("classifier"),
+        "loss": [h["loss"] for h in result.history],
+        "balanced_median_q": [h["balanced_median_q"] for h in result.history],
+        "cal_accuracy_per_epoch": [h["cal_accuracy"] for h in result.history],
+    }
+
+
+class RoundCalibrator(Callback):
+    """Alg. 1's per-round calibration as a callback: after round j, Alg. 2 + Alg. 3 on the round's
+    calibration split with ``calibrate`` (:func:`sdm_mlx.calibration.calibrate_round`, passed in so that
+    training does not depend on the calibration math); the results collect in ``rounds``."""
+
+    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
+                 rescaler: dict, *, callback: Callback = SILENT, rounds: list | None = None):
+        self.calibrate = calibrate
+        self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
+        self.rescaler, self.callback = rescaler, callback
+        self.rounds = [] if rounds is None else rounds
+
+    def on_round_end(self, j: int, result: RoundResult) -> None:
+        cal = self.calibrate(
+            result.calibration.sdm, result.calibration.q, self.y[result.cal_idx], result.calibration.y_hat,
+            alpha=self.alpha, seed=self.seed * 1000 + j, num_classes=self.num_classes, **self.rescaler,
+        )
+        self.rounds.append(cal)
+        fit = cal.rescaler
+        extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
+        self.callback.message(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi "
+                              f"{np.round(cal.psi, 3).tolist()}{extra}")
+
+
+def train_rounds(
+    X: np.ndarray,
+    y: np.ndarray,
+    num_classes: int,
+    config: TrainConfig,
+    callback: Callback = SILENT,
+    progress: RoundsProgress | None = None,
+) -> tuple[RoundResult, int, list]:
+    """J rounds of Alg. 1 (``alg:sdm-estimator-training``) over stratified re-splits of the pooled data.
+
+    ``callback.on_round_end(j, result)`` follows every round (the per-round calibration,
+    :class:`RoundCalibrator`, is such a callback), then ``callback.on_rounds_state(progress)``
+    (checkpointing).  Pass a saved ``progress`` to continue
+    after its finished rounds: the result equals an uninterrupted run.  Returns (best round, its
+    index j, per-round summaries).  Only the best round's arrays are kept in memory.
+    """
+    config.validate()
+    rng = np.random.default_rng(config.seed)
+    if progress is None:
+        progress = RoundsProgress(0, rng.bit_generator.state, None, -1, [])
+    else:
+        rng.bit_generator.state = progress.rng_state
+    for j in range(progress.next_round, config.iterations):
+        train_idx, cal_idx = split_pool(y, num_classes, rng, config.stratified)
+        result = train_round(
+            X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], num_classes, config,
+            seed=config.seed * 1000 + j, train_idx=train_idx, cal_idx=cal_idx, callback=callback, round_index=j,
+        )
+        callback.on_round_end(j, result)
+        progress.summaries.append(round_summary(j, result))
+        if progress.best is None or result.metric >= progress.best.metric:
+            progress.best, progress.best_j = result, j
+        progress.next_round, progress.rng_state = j + 1, rng.bit_generator.state
+        callback.on_rounds_state(progress)
+    return progress.best, progress.best_j, progress.summaries

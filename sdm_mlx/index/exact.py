@@ -1,0 +1,414 @@
+"""The exact support index: :class:`ExactIndex`, float32 screening by tiled MLX matmuls with provable error
+bands, and float64 re-ranking on the host (the package docstring, :mod:`sdm_mlx.index`, says how q is defined)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import InputError
+from ._arrays import _as_float32_matrix, _exclusion, _kept, check_predictions
+
+#: Bytes the exact index may use for one block of query × support distances.
+DISTANCE_BLOCK_BYTES = 256 * 1024 * 1024
+
+#: Screening on the host: when MLX runs on the CPU (or for small blocks on any device), a distance
+#: block's elementwise screening (row minima, counts, partitions) runs in NumPy, measured 3–5x
+#: faster than MLX's CPU elementwise kernels and free of per-op dispatch; the block's matmul stays
+#: in MLX (one BLAS thread pool) unless it has at most :data:`HOST_MATMUL_MULTIPLY_ADDS` terms,
+#: where NumPy's BLAS runs it single-threaded on the calling thread (single-row prediction).
+#: Answers do not depend on the path: float32 distances only screen candidates for the exact
+#: float64 results (:func:`screening_tolerance`), whatever computed them.
+HOST_SCREEN_ELEMENTS = 1 << 21
+HOST_MATMUL_MULTIPLY_ADDS = 1 << 18
+
+
+def _xp(a):
+    """The array module of ``a``: NumPy for host (NumPy) blocks, else MLX."""
+    return np if isinstance(a, np.ndarray) else mx
+
+
+def _evaluate(*arrays) -> None:
+    """``mx.eval`` for MLX arrays; NumPy arrays are already computed."""
+    lazy = [a for a in arrays if not isinstance(a, np.ndarray)]
+    if lazy:
+        mx.eval(*lazy)
+
+
+# Not mx.compile'd: the group sizes change every epoch, and on the CPU backend each new shape
+# costs a ~2 s recompilation against a ~25% steady-state gain (shapeless compilation crashed).
+def _squared_distances(qc, support, support_sq, support_host=None):
+    """Squared L2 [b, N_s] between centred queries and centred support, clamped at 0; and ‖q‖².
+
+    MLX arrays, or (host screening) NumPy ``qc`` and ``support_sq`` with the MLX ``support`` and its
+    NumPy view ``support_host``: the result is then NumPy.  float32 either way, only for screening."""
+    q_sq = (qc * qc).sum(axis=1)
+    if isinstance(qc, np.ndarray):
+        if qc.shape[0] * support.shape[0] * support.shape[1] <= HOST_MATMUL_MULTIPLY_ADDS:
+            dist = qc @ support_host.T
+        else:
+            dist = np.array(mx.array(qc) @ support.T)
+        dist *= np.float32(-2.0)
+        dist += q_sq[:, None]
+        dist += support_sq[None, :]
+        return np.maximum(dist, np.float32(0.0), out=dist), q_sq
+    return mx.maximum(q_sq[:, None] + support_sq[None, :] - 2.0 * (qc @ support.T), 0.0), q_sq
+
+
+def screening_tolerance(dim: int) -> float:
+    """τ with |float32 distance − float64 distance| ≤ τ·(‖q_c‖² + ‖s_c‖²) for centred vectors of width ``dim``.
+
+    The float32 distance ``‖q_c‖² + ‖s_c‖² − 2 q_c·s_c`` of float32-centred vectors is off from the
+    float64 distance of the uncentred vectors by at most (2γ_dim + 8u)(‖q_c‖² + ‖s_c‖²), u = 2⁻²⁴
+    (γ_dim ≈ dim·u for each of the two norms and the dot product, whatever the summation order;
+    4u for the centring, 4u for the final additions).  τ = (2·dim + 16)·u adds a margin for the
+    rounding of the bands themselves.  Every float32 screening band below is built from τ, so
+    the exact float64 result does not depend on the float32 values (i.e. on the batch).
+    """
+    return (2 * int(dim) + 16) * 2.0**-24
+
+
+def _count_before_first_bad(good_dist, first_bad, q_sq, good_sq, tau, max_sq):
+    """(#good closer than the first bad, any good within the float32 error band of the first bad)."""
+    fb = first_bad[:, None]
+    count = (good_dist < fb).sum(axis=1)
+    band = tau * (2.0 * q_sq[:, None] + good_sq[None, :] + max_sq) + 1e-30
+    near = (_xp(good_dist).abs(good_dist - fb) <= band).any(axis=1)
+    return count, near
+
+
+def _screen_top(dist, q_sq, col_sq, max_sq, n: int, tau):
+    """(key, first [b, w], count [b]) for screening every row's exact float64 top-n (n < columns).
+
+    With key_j = dist_j − τ‖s_j‖² and v the row's n-th smallest key, every column of the exact
+    top-n has key_j ≤ v + 2τ(‖q‖² + max‖s‖²) (:func:`screening_tolerance`); ``count`` is the
+    number of such columns and ``first`` the w smallest keys (w = 1 for n = 1: an argmin, else
+    n + 8), which hold them all wherever count ≤ w.
+    """
+    xp = _xp(dist)
+    key = dist - tau * col_sq[None, :]
+    if n == 1:
+        first = xp.argmin(key, axis=1)[:, None]
+        v = xp.take_along_axis(key, first, axis=1)[:, 0]
+    else:
+        first = xp.argpartition(key, n + 7, axis=1)[:, : n + 8]
+        v = xp.sort(xp.take_along_axis(key, first, axis=1), axis=1)[:, n - 1]
+    limit = v + 2.0 * tau * (q_sq + max_sq) + 1e-30
+    count = (key <= limit[:, None]).sum(axis=1)
+    _evaluate(first, count)
+    return key, np.asarray(first), np.asarray(count)
+
+
+def _host_view(a: mx.array) -> np.ndarray:
+    """A NumPy view of an evaluated MLX array's buffer (no copy; MLX arrays are immutable)."""
+    mx.eval(a)
+    return np.asarray(memoryview(a))
+
+
+class _Grouping:
+    """Support columns permuted into contiguous groups G_0 … G_{C−1}, then the incorrect rows.
+
+    G_c holds the support rows that count towards q of class c (label = prediction = c).
+    Within a group the original order is kept, so ties stay ordered by support index.
+    """
+
+    def __init__(self, good_by_class: np.ndarray, support: mx.array, support_sq: mx.array):
+        num_classes, n = good_by_class.shape
+        if (good_by_class.sum(axis=0) > 1).any():
+            raise InputError("good_by_class must mark each support row good for at most one class")
+        category = np.full(n, num_classes, dtype=np.int64)
+        for c in range(num_classes):
+            category[good_by_class[c]] = c
+        self.good_by_class = good_by_class.copy()
+        self.perm = np.argsort(category, kind="stable")
+        self.inverse = np.empty(n, dtype=np.int64)
+        self.inverse[self.perm] = np.arange(n)
+        self.bounds = np.searchsorted(category[self.perm], np.arange(num_classes + 1))
+        perm_mx = mx.array(self.perm)
+        self.support = support[perm_mx]
+        self.support_sq = support_sq[perm_mx]
+        mx.eval(self.support, self.support_sq)
+        self.support_sq_np = np.array(self.support_sq)
+        self.support_host = _host_view(self.support)  # a NumPy view for host screening
+
+
+def _hard_positions(key, hard: np.ndarray, c: int) -> np.ndarray:
+    """Column positions of the c smallest keys of rows ``hard`` (MLX or NumPy ``key``)."""
+    if isinstance(key, np.ndarray):
+        return np.argpartition(key[hard], c - 1, axis=1)[:, :c]
+    return np.array(mx.argpartition(key[mx.array(hard)], kth=c - 1, axis=1)[:, :c])
+
+
+def _excluded_inf(dist, rows_ex: np.ndarray, columns):
+    """``dist`` with entry (i, rows_ex[i]) set to +inf (rows_ex[i] < 0: none); ``columns`` = mx.arange(N_s)."""
+    if isinstance(dist, np.ndarray):
+        hit = np.flatnonzero(rows_ex >= 0)
+        dist[hit, rows_ex[hit]] = np.inf
+        return dist
+    return mx.where(columns[None, :] == mx.array(rows_ex)[:, None], mx.inf, dist)
+
+
+class ExactIndex:
+    """Exact squared-L2 support index for q and d (``equation:q``, ``equation:d``), tiled MLX matmuls.
+
+    Results depend only on float64 distances of the float32 vectors (computed per pair, in a
+    fixed order, on the host), so a query's q, d0 and neighbours are bit-identical alone or in
+    any batch: float32 MLX matmuls only *screen* candidates, with bands that provably contain
+    every float64 answer (:func:`screening_tolerance`).  Exact ties are ordered by support index.
+
+    Parameters
+    ----------
+    support : [N_s, M] float array of exemplar vectors.
+    block_bytes : memory budget for one query-block × support distance matrix.
+    """
+
+    backend = "exact"
+
+    #: Bytes of float64 differences one re-ranking chunk may hold.
+    RERANK_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, support, block_bytes: int = DISTANCE_BLOCK_BYTES):
+        s = _as_float32_matrix(support, "support")
+        if s.shape[0] == 0:
+            raise InputError("support set is empty")
+        self.size, self.dim = s.shape
+        self._raw = s  # float64 distances are taken between these uncentred float32 vectors
+        self._center = s[0].copy()
+        self._support = mx.array(s - self._center)  # centring keeps the float32 screening accurate
+        self._support_sq = (self._support * self._support).sum(axis=1)
+        self._max_support_sq = float(self._support_sq.max().item())
+        self._tau = screening_tolerance(self.dim)
+        self._block_bytes = block_bytes
+        self.block_rows = max(1, min(4096, block_bytes // (4 * self.size)))
+
+    # -- appends and removals (support-set feedback) -------------------------------------------
+    def append(self, vectors) -> None:
+        """Append support rows in place (their indices continue from ``size``); no rebuild.
+
+        The centring row (support row 0) is kept, so every existing row's centred float32 vector and
+        every float64 result are unchanged; the screening bands widen with the new max ‖s_c‖².
+        """
+        v = _as_float32_matrix(vectors, "appended support")
+        if v.shape[1] != self.dim:
+            raise InputError(f"appended support has dimension {v.shape[1]}, the support set has {self.dim}")
+        vc = mx.array(v - self._center)
+        vc_sq = (vc * vc).sum(axis=1)
+        self._raw = np.concatenate([self._raw, v])
+        self._support = mx.concatenate([self._support, vc])
+        self._support_sq = mx.concatenate([self._support_sq, vc_sq])
+        mx.eval(self._support, self._support_sq)
+        if v.shape[0]:
+            self._max_support_sq = max(self._max_support_sq, float(vc_sq.max().item()))
+        self._resized()
+
+    def remove(self, positions) -> None:
+        """Remove support rows by index (later rows move up); row 0, the centring row, cannot be removed."""
+        keep = _kept(positions, self.size)
+        self._raw = self._raw[keep]
+        keep_mx = mx.array(np.flatnonzero(keep))
+        self._support = self._support[keep_mx]
+        self._support_sq = self._support_sq[keep_mx]
+        mx.eval(self._support, self._support_sq)
+        self._max_support_sq = float(self._support_sq.max().item())
+        self._resized()
+
+    def _on_host(self, block_rows: int) -> bool:
+        """Screen this block with NumPy (:data:`HOST_SCREEN_ELEMENTS`): MLX on the CPU, or a small block."""
+        return mx.default_device() == mx.cpu or block_rows * self.size <= HOST_SCREEN_ELEMENTS
+
+    def _support_blocks(self, host: bool) -> tuple:
+        """(support, ‖s‖², support view) arguments of :func:`_squared_distances` (NumPy ‖s‖² and view: host)."""
+        if not host:
+            return self._support, self._support_sq, None
+        cached = getattr(self, "_support_host", None)
+        if cached is None:
+            cached = self._support_host = (self._support, np.array(self._support_sq), _host_view(self._support))
+        return cached
+
+    def _resized(self) -> None:
+        self.size = self._raw.shape[0]
+        self.block_rows = max(1, min(4096, self._block_bytes // (4 * self.size)))
+        self._grouping_cache = None
+        self._support_host = None
+
+    # -- distances -----------------------------------------------------------------------------
+    def _check_queries(self, queries) -> np.ndarray:
+        qn = _as_float32_matrix(queries, "queries")
+        if qn.shape[1] != self.dim:
+            raise InputError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+        return qn
+
+    def _exact64(self, query: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """float64 squared distances between float32 ``query`` rows [..., dim] and support rows ``idx``.
+
+        One fixed-order reduction per pair: the value depends on the two vectors alone.
+        """
+        diff = self._raw[idx].astype(np.float64) - query.astype(np.float64)
+        np.square(diff, out=diff)
+        return diff.sum(axis=-1)
+
+    def _rerank_into(self, queries, rows, cand, ex, out_d, out_i) -> None:
+        """Exact float64 ordering by (distance, index) of candidate indices ``cand`` [len(rows), c];
+        writes the best ``out_d.shape[1]`` into ``out_d``/``out_i`` at ``rows`` (vectorised in chunks)."""
+        n = out_d.shape[1]
+        step = max(1, self.RERANK_BYTES // (8 * self.dim * max(cand.shape[1], 1)))
+        for c0 in range(0, rows.size, step):
+            r = rows[c0 : c0 + step]
+            idx = cand[c0 : c0 + step]
+            d64 = self._exact64(queries[r, None, :], idx)
+            if ex is not None:
+                d64[idx == ex[r, None]] = np.inf
+            order = np.lexsort((idx, d64), axis=-1)[:, :n]
+            out_d[r, : order.shape[1]] = np.take_along_axis(d64, order, 1)
+            out_i[r, : order.shape[1]] = np.take_along_axis(idx, order, 1)
+
+    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out_d, out_i) -> None:
+        """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
+        n = out_d.shape[1]
+        if n + (8 if n > 1 else 0) >= self.size:
+            every = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
+            self._rerank_into(queries, rows, perm[every], ex, out_d, out_i)
+            return
+        key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
+        easy = count <= first.shape[1]
+        self._rerank_into(queries, rows[easy], perm[first[easy]], ex, out_d, out_i)
+        hard = np.flatnonzero(~easy)  # rows with more near-tied candidates (e.g. duplicates)
+        if hard.size:
+            c = int(count[hard].max())
+            if c >= self.size:
+                positions = np.broadcast_to(np.arange(self.size), (hard.size, self.size))
+            else:
+                positions = _hard_positions(key, hard, c)
+            self._rerank_into(queries, rows[hard], perm[positions], ex, out_d, out_i)
+
+    # -- top-n neighbours ---------------------------------------------------------------------
+    def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-n nearest exemplars (the neighbours of ``equation:q``): (squared distances [N, n], indices [N, n]).
+
+        Ordered by (float64 distance, support index), distances rounded to float32 at the end.
+        ``exclude[i]`` (a support index, or −1) is left out for query i.  Fewer than n available ⇒
+        padded with (inf, −1).
+        """
+        queries = self._check_queries(queries)
+        ex = _exclusion(exclude, queries.shape[0])
+        n = max(0, int(n))
+        top_d = np.full((queries.shape[0], n), np.inf, dtype=np.float64)
+        top_i = np.full((queries.shape[0], n), -1, dtype=np.int64)
+        if n == 0:
+            return top_d.astype(np.float32), top_i
+        qc = queries - self._center
+        cols = mx.arange(self.size)
+        identity = np.arange(self.size)
+        for start in range(0, qc.shape[0], self.block_rows):
+            rows = np.arange(start, min(start + self.block_rows, qc.shape[0]))
+            host = self._on_host(rows.size)
+            support = self._support_blocks(host)
+            dist, q_sq = _squared_distances(qc[rows] if host else mx.array(qc[rows]), *support)
+            if ex is not None:
+                dist = _excluded_inf(dist, ex[rows], cols)
+            _evaluate(dist, q_sq)
+            self._top_into(queries, rows, dist, q_sq, support[1], identity, ex=ex, out_d=top_d, out_i=top_i)
+        top_i[~np.isfinite(top_d)] = -1
+        return top_d.astype(np.float32), top_i
+
+    # -- similarity q and d0 ------------------------------------------------------------------
+    def _grouping(self, good_by_class: np.ndarray) -> _Grouping:
+        cached = getattr(self, "_grouping_cache", None)
+        if cached is None or not np.array_equal(cached.good_by_class, good_by_class):
+            cached = self._grouping_cache = _Grouping(good_by_class, self._support, self._support_sq)
+        return cached
+
+    def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
+        """Similarity q (``equation:q``) and d0 (input of ``equation:d``): (q [N] int64, d0 [N] float32)."""
+        q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude)
+        return q, d0
+
+    def _check_similarity_args(self, queries, y_hat, good_by_class):
+        queries = self._check_queries(queries)
+        return (queries, *check_predictions(queries, y_hat, good_by_class, self.size))
+
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
+        """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
+
+        The top-n neighbours are those of :meth:`search`, taken from the same distance blocks,
+        and d0 is the float64 distance of the first of them (rounded to float32): d0 ==
+        top-n distances[:, 0] whenever n ≥ 1.
+
+        The support columns are grouped so that, for queries predicted ŷ = c, the good
+        neighbours (label = prediction = c) are one contiguous slice: the first bad
+        neighbour's distance is a row-min over the other slices and q is a count over
+        the good slice, with no sorting.  Rows where a good neighbour lies within the
+        float32 error band of that distance (ties included) are resolved exactly in
+        float64 on the host, ordered by (distance, support index).
+        """
+        queries, y_hat, good_np = self._check_similarity_args(queries, y_hat, good_by_class)
+        ex = _exclusion(exclude, queries.shape[0])
+        qc = queries - self._center
+        grouping = self._grouping(good_np)
+        k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
+        n = max(0, int(n))
+        q_out = np.zeros(queries.shape[0], dtype=np.int64)
+        top_d = np.full((queries.shape[0], max(n, 1)), np.inf, dtype=np.float64)
+        top_i = np.full((queries.shape[0], max(n, 1)), -1, dtype=np.int64)
+        cols = mx.arange(self.size)
+        for c in range(good_np.shape[0]):
+            rows_c = np.flatnonzero(y_hat == c)
+            for start in range(0, rows_c.size, self.block_rows):
+                rows = rows_c[start : start + self.block_rows]
+                host = self._on_host(rows.size)
+                support = ((grouping.support, grouping.support_sq_np, grouping.support_host) if host
+                           else (grouping.support, grouping.support_sq, None))
+                dist, q_sq = _squared_distances(qc[rows] if host else mx.array(qc[rows]), *support)
+                if ex is not None:
+                    ex_cols = np.where(ex[rows] >= 0, grouping.inverse[ex[rows]], -1)  # −1: nothing excluded
+                    dist = _excluded_inf(dist, ex_cols, cols)
+                _evaluate(dist, q_sq)  # once: the q count and the top-n screening both read it
+                q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
+                self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex=ex, out_d=top_d, out_i=top_i)
+        np.minimum(q_out, k_eff, out=q_out)
+        top_i[~np.isfinite(top_d)] = -1
+        d0 = top_d[:, 0].astype(np.float32)
+        return q_out, d0, top_d[:, :n].astype(np.float32), top_i[:, :n].copy()
+
+    def _block_similarity(self, queries, rows, dist, q_sq, grouping, c) -> np.ndarray:
+        """Uncapped q of one block of queries predicted c: float32 count, exact where ambiguous."""
+        a, b = int(grouping.bounds[c]), int(grouping.bounds[c + 1])
+        xp = _xp(dist)
+        first_bad = xp.full((rows.size,), float("inf"), dtype=xp.float32)
+        if a > 0:
+            first_bad = xp.minimum(first_bad, dist[:, :a].min(axis=1))
+        if b < self.size:
+            first_bad = xp.minimum(first_bad, dist[:, b:].min(axis=1))
+        if b == a:
+            return np.zeros(rows.size, dtype=np.int64)
+        good_sq = grouping.support_sq_np[a:b] if xp is np else grouping.support_sq[a:b]
+        count, ambiguous = _count_before_first_bad(
+            dist[:, a:b], first_bad, q_sq, good_sq, self._tau, self._max_support_sq
+        )
+        _evaluate(count, ambiguous, first_bad)
+        q = np.array(count).astype(np.int64)
+        for r in np.flatnonzero(np.array(ambiguous)):
+            q[r] = self._resolve_near_ties(
+                queries[rows[r]], np.asarray(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
+                float(q_sq[int(r)].item()), grouping=grouping,
+            )
+        return q
+
+    def _resolve_near_ties(self, query, dist_row, first_bad, a, b, q_sq, *, grouping) -> int:
+        """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
+        excluded = ~np.isfinite(dist_row)
+        band = self._tau * (2.0 * q_sq + grouping.support_sq_np + self._max_support_sq) + 1e-30
+        near = (np.abs(dist_row - first_bad) <= band) & ~excluded
+        good = np.zeros(self.size, dtype=bool)
+        good[a:b] = True
+        clear = int((good & ~near & (dist_row < first_bad)).sum())
+        cand = np.flatnonzero(near)  # permuted positions
+        original = grouping.perm[cand]
+        d64 = self._exact64(query, original)
+        order = np.lexsort((original, d64))
+        run = good[cand[order]]
+        first = np.flatnonzero(~run)
+        return clear + (int(first[0]) if first.size else int(run.sum()))
+
+
+__all__ = ["ExactIndex", "screening_tolerance"]
