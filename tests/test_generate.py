@@ -211,9 +211,11 @@ def test_verified_answer(setup):
 
 def test_generation_features_match_force_decoded_text(setup):
     """The verifier input of a generated answer = embed.py's force-decoded prompt + completion features."""
+    from sdm_mlx.verified import GreedyDecoder
+
     gen = _generator(setup)
     prompt = gen.prompt_text(setup.verified_doc)
-    dec = gen.decoder(E.encode(gen.tokenizer, prompt), 24)
+    dec = GreedyDecoder(gen.model, gen.tokenizer, heads=gen.heads)(E.encode(gen.tokenizer, prompt), 24)
     X, _ = gen.verifier.features(E.encode(gen.tokenizer, prompt), dec.token_ids)
     ref = E.prompt_completion_features(gen.model, gen.tokenizer, [prompt], [dec.text]).embeddings
     np.testing.assert_allclose(X, ref, atol=1e-5)
@@ -248,20 +250,21 @@ def test_reask_stops_at_first_verified_and_uses_template(setup):
     from sdm_mlx.verified import REASK_TEMPLATE
 
     gen = _generator(setup, on_reject="reask", max_attempts=4, reask_fallback="return")
-    real = gen.verifier
+    real = gen.verifier.verify_many
     calls = []
 
-    def flaky(prompt_ids, answer_ids, text, id=None, **kw):  # reject the first answer, then defer to the real one
-        v = real(prompt_ids, answer_ids, text, id, **kw)
-        calls.append(list(prompt_ids))
-        if len(calls) == 1:
-            v.verified, v.reason = False, "below_threshold_psi"
-        return v
+    def flaky(items):  # reject the first answer, then defer to the real verifier
+        verdicts = real(items)
+        for it, v in zip(items, verdicts):
+            calls.append(list(it.prompt_ids))
+            if len(calls) == 1:
+                v.verified, v.reason = False, "below_threshold_psi"
+        return verdicts
 
-    gen.verifier = flaky
+    gen.verifier.verify_many = flaky
     prompts = []
-    orig = gen.decoder
-    gen.decoder = lambda ids, n, on_text=None: (prompts.append(list(ids)), orig(ids, n, on_text))[1]
+    orig = gen.engine.submit
+    gen.engine.submit = lambda req: (prompts.append(list(req.prompt_ids)), orig(req))[1]
     r = gen.generate(setup.verified_doc)
     assert len(r.attempts) == 2 and r.verified and r.stopped == "verified" and r.status == "verified"
     assert r.attempts[1].reask_message == REASK_TEMPLATE.replace("{previous}", r.attempts[0].text)
@@ -364,8 +367,9 @@ def test_first_attempt_is_verified_without_a_second_forward_pass(setup, monkeypa
     """Only a re-asked attempt (decoded from another prompt) runs the verifier's own feature pass."""
     gen = _generator(setup, on_reject="reask", max_attempts=2, reask_fallback="return")
     passes = []
-    real = type(gen.verifier).features
-    monkeypatch.setattr(type(gen.verifier), "features", lambda self, p, a: (passes.append(len(a)), real(self, p, a))[1])
+    real = type(gen.verifier).features_batch
+    monkeypatch.setattr(type(gen.verifier), "features_batch",
+                        lambda self, pairs: (passes.append(len(pairs)), real(self, pairs))[1])
     r = gen.generate(setup.verified_doc)
     assert r.verified and len(r.attempts) == 1 and passes == []
     again = gen.verify(setup.verified_doc, r.attempts[0].token_ids)  # the feature pass gives the same verdict

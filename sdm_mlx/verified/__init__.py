@@ -14,9 +14,13 @@ verification layer's index-conditional estimate p̂_lower, then branch.
     result = gen.generate("A warm and funny film.")      # -> VerificationResult
     result.verified, result.text, result.p_lower, result.reason, result.to_dict()
 
-Modules: :mod:`.decoding` (``GreedyDecoder``), :mod:`.verification`
-(``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``,
-``VerificationResult``, ``Attempt``, the re-ask template).
+Modules: :mod:`.batching` (``DecodeEngine``, the one batched decoding loop),
+:mod:`.sampling` (``SamplingParams``), :mod:`.prompt_cache` (``PrefixCache``),
+:mod:`.prompts` (``PromptBuilder``: prompts and re-ask prompts, shared with
+``serve``), :mod:`.runner` (``BatchRunner``: many prompts' attempts at once),
+:mod:`.decoding` (``GreedyDecoder``: one prompt), :mod:`.verification`
+(``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``),
+:mod:`.outcome` (``VerificationResult``, ``Attempt``).
 
 JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``sdm-mlx generate``)
 ---------------------------------------------------------------------------------------------------
@@ -49,6 +53,9 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
         tokens             int       generated tokens (EOS not counted)
         prompt_tokens      int       tokens of the generation prompt of this attempt
         stop_reason        str       "delimiter" | "eos" | "max_tokens" | "stop" (a stop string; serve)
+        first_token_seconds num      time to the first generated token (prefill included)
+        cached_prompt_tokens int     prompt tokens taken from the prompt cache (not recomputed)
+        logprobs           list      only with sampling.logprobs: {token, id, logprob[, top_logprobs]} per token
         seconds            num       generation + verification
         generation_seconds, verification_seconds, tokens_per_second
         verifier           obj       prediction, admitted, rejection_reason, p_lower, p_centroid,
@@ -58,13 +65,19 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
         token_ids          list      the generated token ids (verify() these, not re-encoded text)
 """
 
-from .decoding import Decoded, GreedyDecoder
-from .generator import (
-    ABSTAIN_TEXT, ON_REJECT, REASK_TEMPLATE, Attempt, VerificationResult, VerifiedGenerator,
-)
-from .verification import PARSE_FAILURE, PREDICTED_UNVERIFIED, AnswerVerifier, Verdict
+from ..generation_config import ON_REJECT
+from .batching import DecodeEngine, DecodeRequest, Decoded
+from .decoding import GreedyDecoder
+from .generator import ABSTAIN_TEXT, REASK_TEMPLATE, Attempt, VerificationResult, VerifiedGenerator
+from .prompt_cache import PrefixCache
+from .prompts import PromptBuilder
+from .runner import BatchRunner, Cancelled
+from .sampling import SamplingParams
+from .verification import PARSE_FAILURE, PREDICTED_UNVERIFIED, AnswerVerifier, Verdict, VerifyItem
 
 __all__ = [
     "ABSTAIN_TEXT", "ON_REJECT", "PARSE_FAILURE", "PREDICTED_UNVERIFIED", "REASK_TEMPLATE", "AnswerVerifier",
-    "Attempt", "Decoded", "GreedyDecoder", "Verdict", "VerificationResult", "VerifiedGenerator",
+    "Attempt", "BatchRunner", "Cancelled", "DecodeEngine", "DecodeRequest", "Decoded", "GreedyDecoder",
+    "PrefixCache", "PromptBuilder", "SamplingParams", "Verdict", "VerificationResult", "VerifiedGenerator",
+    "VerifyItem",
 ]

@@ -1,0 +1,363 @@
+"""The one batched decoding engine: continuous batching of plain or joint neg+pos decoding, with verifier states.
+
+:class:`DecodeEngine` keeps a running batch of requests over an mlx-lm
+``BatchKVCache``.  Requests join and leave at token boundaries: each
+:meth:`~DecodeEngine.step` admits waiting requests (up to ``max_batch`` rows),
+picks one token for every row from one batched forward pass, and drops the
+rows that stopped.  Every verb decodes through it: ``serve``, ``generate``,
+``chat``, ``network-train``'s per-epoch decoding (:func:`sdm_mlx.network.generation.greedy_generate`).
+
+* **Prefill, one request at a time, from the prompt cache.**  A new request's
+  prompt is run alone (no padding) on a fresh KV cache that starts from the
+  longest cached prefix (:class:`~.prompt_cache.PrefixCache`), then its cache
+  is merged into the running batch (left padded there; positions and the
+  attention mask exclude the padding).  So a row's prompt states never depend
+  on the other rows, and the shared system/instruction/template prefix is
+  computed once.
+* **Decoding.**  Plain: the token is picked from the base model's logits
+  (``argmax`` by default); joint (``heads``: an :class:`~sdm_mlx.network.heads.SDMHeads`):
+  from ``concat(z_neg, z_pos)`` and emits ``index mod |V|``.  Sampling fields:
+  :mod:`.sampling`.  The decode-step states of a row come from a batched
+  matrix product and may differ from a batch of one by float rounding
+  (~1e-7 relative); greedy ties are broken by the lowest index in both cases.
+* **Stopping, per request.**  The verification unit is closed (for ``"}"`` the
+  brace that balances the first ``{``, :func:`~sdm_mlx.network.generation.is_closed`),
+  an end-of-sequence token (not kept), ``max_tokens``, a ``stop`` string (the
+  text is cut before it), or the request's ``cancel()`` returns True.
+* **Verifier states.**  With ``features=True`` a request keeps the final-norm
+  states of its prompt and of each fed token, and its :class:`Decoded`
+  carries the verifier input pooled from its own rows by
+  :func:`sdm_mlx.embed.pool_hidden` over ``n`` positions (:func:`sdm_mlx.embed.generated_n_kept`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .. import embed as _embed
+from ..errors import InputError
+from ..network.generation import is_closed
+from .prompt_cache import PrefixCache
+from .sampling import GREEDY, RowSampler, SamplingParams, token_logprobs
+from .streaming import TextEmitter, first_stop
+
+STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
+
+
+@dataclass
+class DecodeRequest:
+    """One decoding: prompt token ids and how to pick and stop (``cancel``: polled at every token)."""
+
+    prompt_ids: list
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: Sequence[str] = ()
+    stop_at_delimiter: bool = True
+    features: bool = False
+    on_text: Callable[[str], None] | None = None
+    cancel: Callable[[], bool] | None = None
+
+
+@dataclass
+class Decoded:
+    """A finished decoding: generated ``token_ids`` (EOS not kept), their ``text``, why it stopped, timings.
+
+    ``features``: with ``features=True``, the verifier input ``[1, 2D]`` float32 of prompt + answer and
+    ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
+    ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token.
+    """
+
+    prompt_ids: list
+    token_ids: list
+    text: str
+    stop_reason: str
+    seconds: float
+    features: object = None
+    feature_info: dict | None = None
+    logprobs: list | None = None
+    first_token_seconds: float | None = None
+    cached_prompt_tokens: int = 0
+    error: BaseException | None = None  # raised by the request's on_text (the row was stopped)
+
+
+@dataclass
+class _Row:
+    req: DecodeRequest
+    sampler: RowSampler
+    t0: float
+    cached: int = 0
+    tokens: list = field(default_factory=list)
+    states: list = field(default_factory=list)
+    logprobs: list | None = None
+    first: float | None = None
+    detok: object = None
+    out: TextEmitter | None = None
+    error: BaseException | None = None
+
+
+def _check(req: DecodeRequest) -> None:
+    if req.max_tokens < 1:
+        raise InputError("max_tokens must be >= 1")
+    if not req.prompt_ids:
+        raise InputError("empty prompt")
+    if any(not isinstance(s, str) or not s for s in req.stop):
+        raise InputError("stop strings must be non-empty strings")
+    req.sampling.validate()
+
+
+class DecodeEngine:
+    """Continuous batching over one model (see the module docstring).
+
+    ``heads``: an ``SDMHeads`` for joint neg+pos decoding, else plain decoding.  ``prefix_cache``: a
+    :class:`PrefixCache` (default: one of :data:`~.prompt_cache.DEFAULT_MAX_BYTES`), or ``False``.
+    Models with their own cache types (``make_cache``: sliding windows, SSMs) decode one row at a time.
+    """
+
+    def __init__(self, model, tokenizer, heads=None, *, delimiter: str = _embed.DEFAULT_DELIMITER,
+                 max_batch: int = 16, max_length: int = _embed.DEFAULT_MAX_LENGTH, prefix_cache=None):
+        from ..network.heads import model_dims
+
+        if not delimiter:
+            raise InputError("delimiter must be a non-empty string")
+        if max_batch < 1:
+            raise InputError("max_batch must be >= 1")
+        self.model, self.tokenizer, self.heads = model, tokenizer, heads
+        self.delimiter, self.max_length = delimiter, int(max_length)
+        self.batchable = not hasattr(model, "make_cache")
+        self.max_batch = int(max_batch) if self.batchable else 1
+        if prefix_cache is None:
+            prefix_cache = PrefixCache()
+        self.prefix_cache = prefix_cache if (prefix_cache is not False and self.batchable) else None
+        self.vocab = model_dims(model)[0]
+        self.eos = _embed.eos_token_ids(tokenizer)
+        self.pending: deque = deque()
+        self.rows: list[_Row] = []
+        self.cache = None   # per-layer BatchKVCache of the running rows
+        self.H = None       # [B, D] final-norm state each row picks its next token from
+
+    @property
+    def mode(self) -> str:
+        return "plain" if self.heads is None else "joint"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.rows)
+
+    def reset(self) -> None:
+        """Drop every waiting and running request (their callers are told by the owner)."""
+        self.pending.clear()
+        self.rows, self.cache, self.H = [], None, None
+
+    def submit(self, req: DecodeRequest) -> DecodeRequest:
+        """Queue ``req`` (validated here); it joins the batch at the next step with room."""
+        _check(req)
+        req.prompt_ids = [int(t) for t in req.prompt_ids]
+        self.pending.append(req)
+        return req
+
+    def run(self, requests: Sequence[DecodeRequest], progress: Callable[[int], None] | None = None) -> list:
+        """Decode ``requests`` to the end: their :class:`Decoded`, in order."""
+        for r in requests:
+            self.submit(r)
+        out: dict = {}
+        while self.busy:
+            done = self.step()
+            for req, dec in done:
+                out[id(req)] = dec
+            if progress is not None and done:
+                progress(len(done))
+        return [out[id(r)] for r in requests]
+
+    def step(self) -> list:
+        """Admit waiting requests, pick one token for every row: the ``(request, Decoded)`` pairs that finished."""
+        import mlx.core as mx
+
+        done: list = []
+        self._admit(done)
+        if not self.rows:
+            return done
+        picks, lps = self._pick()
+        keep = []
+        for i, row in enumerate(self.rows):
+            reason = self._accept(row, picks[i], None if lps is None else lps[i])
+            if reason is None:
+                keep.append(i)
+            else:
+                done.append((row.req, self._finish(row, reason)))
+        if len(keep) < len(self.rows):
+            self._filter(keep)
+        if self.rows:
+            x = mx.array([[row.tokens[-1]] for row in self.rows], dtype=mx.int32)
+            h = _embed.hidden_states(self.model, x, cache=self.cache)[:, 0, :]
+            for i, row in enumerate(self.rows):
+                if row.req.features:
+                    row.states.append(h[i : i + 1])
+            self.H = h
+            mx.eval(h)
+        return done
+
+    # -- admission ----------------------------------------------------------------------------------------
+    def _admit(self, done: list) -> None:
+        import mlx.core as mx
+
+        fresh, caches, hs = [], [], []
+        while self.pending and len(self.rows) + len(fresh) < self.max_batch:
+            req = self.pending.popleft()
+            if req.cancel is not None and req.cancel():
+                done.append((req, Decoded(req.prompt_ids, [], "", "cancelled", 0.0)))
+                continue
+            row, kv, h_last = self._prefill(req)
+            fresh.append(row)
+            caches.append(kv)
+            hs.append(h_last)
+        if not fresh:
+            return
+        if not self.batchable:
+            joined = caches[0]
+        else:
+            joined = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+        if self.rows:
+            for c, new in zip(self.cache, joined):
+                c.extend(new)
+            self.H = mx.concatenate([self.H] + hs, axis=0)
+        else:
+            self.cache, self.H = joined, mx.concatenate(hs, axis=0)
+        self.rows.extend(fresh)
+        mx.eval(self.H)
+
+    def _prefill(self, req: DecodeRequest):
+        """Run one prompt alone from its cached prefix: ``(row, its KV caches, last state [1, D])``."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        t0 = time.perf_counter()
+        ids = req.prompt_ids
+        kv = make_prompt_cache(self.model)
+        hit = self.prefix_cache.lookup(ids) if self.prefix_cache is not None else None
+        start, prefix_states = 0, None
+        if hit is not None:
+            start, prefix_kv, prefix_states = hit
+            for c, (k, v) in zip(kv, prefix_kv):
+                c.keys, c.values, c.offset = k, v, start
+        h = _embed.hidden_states(self.model, [ids[start:]], cache=kv)[0]
+        states = h if prefix_states is None else mx.concatenate([prefix_states, h], axis=0)
+        if self.prefix_cache is not None:
+            self.prefix_cache.offer(ids, [(c.keys, c.values) for c in kv], states)
+        row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab), t0=t0, cached=start)
+        if req.features:
+            row.states.append(states)
+        if req.sampling.logprobs:
+            row.logprobs = []
+        if req.on_text is not None:
+            row.detok, row.out = self.tokenizer.detokenizer, TextEmitter(req.on_text, req.stop)
+        return row, kv, h[-1:]
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def _logits(self, h):
+        import mlx.core as mx
+
+        if self.heads is not None:
+            return self.heads.joint_logits(h)
+        return _embed.logits_from_hidden(self.model, h).astype(mx.float32)
+
+    def _pick(self):
+        """Token ids for every row (and per-row log-probabilities when a row needs them)."""
+        import mlx.core as mx
+
+        logits = self._logits(self.H)
+        if all(r.sampler.params.plain_argmax and r.logprobs is None for r in self.rows):
+            idx = mx.argmax(logits, axis=-1)
+            return (idx % self.vocab).tolist(), None
+        chosen = [r.sampler.choose(logits[i : i + 1], r.tokens) for i, r in enumerate(self.rows)]
+        idx = mx.concatenate([c[0].reshape(1) for c in chosen])
+        mx.eval(idx)
+        return (idx % self.vocab).tolist(), [c[1] for c in chosen]
+
+    def _accept(self, row: _Row, t: int, logprobs) -> str | None:
+        """Take token ``t`` into ``row``; the stop reason, or None to continue."""
+        if row.first is None:
+            row.first = time.perf_counter() - row.t0
+        req = row.req
+        if row.detok is not None and t not in self.eos:
+            row.detok.add_token(t)
+            try:
+                seg = row.detok.last_segment
+                if seg:
+                    row.out.push(seg)
+            except Exception as e:  # a consumer that went away must not stop the other rows
+                row.error = e
+                return "cancelled"
+        if t in self.eos:
+            return "eos"
+        row.tokens.append(t)
+        if row.logprobs is not None:
+            row.logprobs.append(token_logprobs(logprobs[0], t, self.vocab, req.sampling.top_logprobs,
+                                               self.tokenizer))
+        if req.stop_at_delimiter and self._closes(row.tokens, t):
+            return "delimiter"
+        if req.stop and first_stop(self.tokenizer.decode(row.tokens), req.stop) is not None:
+            return "stop"
+        if len(row.tokens) >= req.max_tokens:
+            return "max_tokens"
+        if req.cancel is not None and req.cancel():
+            return "cancelled"
+        return None
+
+    def _closes(self, tokens: list, t: int) -> bool:
+        last = self.delimiter[-1]
+        if last.isascii() and last not in self.tokenizer.decode([t]):
+            return False  # an ASCII delimiter character cannot be split across tokens
+        return is_closed(self.tokenizer.decode(tokens), self.delimiter)
+
+    def _filter(self, keep: list) -> None:
+        import mlx.core as mx
+
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.H = None, None
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.H = self.H[mx.array(keep, dtype=mx.int32)]
+
+    # -- a finished row -------------------------------------------------------------------------------------
+    def _finish(self, row: _Row, reason: str) -> Decoded:
+        import mlx.core as mx
+
+        tokens = row.tokens
+        if row.detok is not None and row.error is None:
+            row.detok.finalize()
+            try:
+                seg = row.detok.last_segment
+                if seg:
+                    row.out.push(seg)
+                row.out.close()
+            except Exception as e:
+                row.error = e
+        text = self.tokenizer.decode(tokens)
+        if reason == "stop":
+            text, tokens = self._cut_at_stop(text, tokens, row.req.stop)
+        dec = Decoded(row.req.prompt_ids, tokens, text, reason, time.perf_counter() - row.t0,
+                      logprobs=None if row.logprobs is None else row.logprobs[: len(tokens)],
+                      first_token_seconds=row.first, cached_prompt_tokens=row.cached, error=row.error)
+        if row.req.features:
+            n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
+                                              delimiter=self.delimiter, max_length=self.max_length,
+                                              on_missing="prompt")
+            states = mx.concatenate(row.states, axis=0)[:n]
+            dec.features = _embed.pool_hidden(np.array(states, dtype=np.float32), n).reshape(1, -1)
+            dec.feature_info = {"n_kept": int(n), **info}
+        return dec
+
+    def _cut_at_stop(self, text: str, tokens: list, stop: Sequence[str]) -> tuple[str, list]:
+        """Text cut before the stop string; the longest token prefix whose text is a prefix of it."""
+        text = text[: first_stop(text, stop)]
+        tokens = list(tokens)
+        while tokens and not text.startswith(self.tokenizer.decode(tokens)):
+            tokens.pop()
+        return text, tokens
