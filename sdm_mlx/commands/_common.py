@@ -62,12 +62,12 @@ def generation_config(args) -> GenerationConfig:
     return cfg
 
 
-def build_generator(args):
-    """A :class:`~sdm_mlx.verified.VerifiedGenerator` from parsed options."""
+def build_generator(args, **options):
+    """A :class:`~sdm_mlx.verified.VerifiedGenerator` from parsed options (``options``: e.g. ``max_batch``)."""
     cfg = generation_config(args)
     from ..verified import VerifiedGenerator
 
-    return VerifiedGenerator.from_config(cfg)
+    return VerifiedGenerator.from_config(cfg, **options)
 
 
 def add_stream_arguments(p) -> None:

@@ -5,6 +5,7 @@ the verification unit is one prompt and its JSON answer).  The answer of every
 attempt is streamed to stdout as it is generated, followed by its verdict; if
 the final result is an abstention, the not-verified text follows (with
 ``--no-stream`` only the final, policy-filtered text and verdict are printed).
+Sampling flags as ``generate`` (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``).
 ``--json`` prints one result object per prompt instead (schema:
 :mod:`sdm_mlx.verified`); ``--output`` also appends them to a JSONL file.
 Works non-interactively (``sdm-mlx chat ... < prompts.txt``).  The options are
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+from ..generation_config import add_sampling_arguments, sampling_params
 from ._common import SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, verdict_line
 
 HELP = "interactive verified generation: prompts from stdin, streamed answers with their verdicts"
@@ -25,12 +27,14 @@ __all__ = ["HELP", "SETTINGS", "add_arguments", "run"]
 
 def add_arguments(p) -> None:
     add_generation_arguments(p)
+    add_sampling_arguments(p)
     add_stream_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON result per prompt instead of text")
     p.add_argument("--output", default=None, help="also append the JSON results to this JSONL file")
 
 
 def run(args) -> int:
+    sampling = sampling_params(args)  # bad sampling flags: exit 2 before the model loads
     gen = build_generator(args)
     interactive = sys.stdin.isatty()
     stream = args.stream is not False and not args.json
@@ -71,13 +75,13 @@ def run(args) -> int:
             turn += 1
             if stream:
                 result = gen.generate(prompt, id=turn, on_text=on_text, on_attempt_start=on_start,
-                                      on_attempt=on_attempt)
+                                      on_attempt=on_attempt, sampling=sampling)
                 if result.status == "abstained":
                     w(result.text + "\n")
                 elif result.status == "unverified":
                     w(f"UNVERIFIED ({result.reason}): the answer above is returned without verification\n")
             else:
-                result = gen.generate(prompt, id=turn)
+                result = gen.generate(prompt, id=turn, sampling=sampling)
                 if args.json:
                     w(dumps(result.to_dict()) + "\n")
                 else:
