@@ -59,6 +59,8 @@ class GenerationConfig:
     max_length: int | None = option(None, "kept positions of the verifier features",
                                     none_means=_HEAD + str(BUILTIN["max_length"]))
     n_exemplars: int = option(5, "nearest training exemplars reported per answer")
+    prompt_cache_bytes: int = option(256 << 20, "bytes of the prompt-prefix cache shared across prompts (the "
+                                                "system/instruction/template prefix is prefilled once; 0: off)")
     require_json: bool = option(True, "require a parseable JSON object for verification (--allow-non-json: only "
                                       "the closing delimiter)")
     # policy on a rejected answer
@@ -84,6 +86,8 @@ class GenerationConfig:
             raise InputError("max_attempts must be >= 1")
         if self.n_exemplars < 0:
             raise InputError("n_exemplars must be >= 0")
+        if int(self.prompt_cache_bytes) < 0:
+            raise InputError("prompt_cache_bytes must be >= 0 (0: no prompt cache)")
         for name in ("max_tokens", "max_length"):
             value = getattr(self, name)
             if value is not None and int(value) < 1:

@@ -21,7 +21,7 @@ from ..generation_config import GenerationConfig
 SETTINGS = (GenerationConfig,)
 
 MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_chat_template", "max_tokens",
-                "delimiter", "max_length", "n_exemplars", "require_json")
+                "delimiter", "max_length", "n_exemplars", "require_json", "prompt_cache_bytes")
 POLICY_FIELDS = ("on_reject", "max_attempts", "reask_fallback", "reask_template")
 
 

@@ -37,6 +37,7 @@ from ..generation_config import ON_REJECT, GenerationConfig
 from ..errors import InputError
 from .batching import DecodeEngine, DecodeRequest
 from .outcome import ABSTAIN_TEXT, STATUSES, STOPPED, Attempt, VerificationResult
+from .prompt_cache import PrefixCache
 from .prompts import REASK_TEMPLATE, PromptBuilder, fill
 from .runner import BatchRunner, Cancelled
 from .sampling import GREEDY, SamplingParams
@@ -150,8 +151,9 @@ class VerifiedGenerator:
         self.reask_template = self.prompts.reask_template
         self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
+        cache = PrefixCache(int(config.prompt_cache_bytes)) if config.prompt_cache_bytes else False
         self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=self.delimiter,
-                                   max_batch=self.max_batch, max_length=self.max_length)
+                                   max_batch=self.max_batch, max_length=self.max_length, prefix_cache=cache)
         self.decoding = self.engine.mode  # "plain" | "joint"
         self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
                                        max_length=self.max_length, n_exemplars=config.n_exemplars,
