@@ -377,3 +377,30 @@ def test_first_attempt_is_verified_without_a_second_forward_pass(setup, monkeypa
     passes.clear()
     r2 = gen.generate(OOD_PROMPT)
     assert len(r2.attempts) == 2 and len(passes) == 1  # the re-ask only
+
+
+def test_cli_batch_in_input_order_equals_one_at_a_time_and_sampling_flags(setup, tmp_path, capsys):
+    """``generate --input`` decodes rows together (--max-batch) yet writes each row's own result, in input order;
+    mlx-lm's sampling flags are honoured (same --seed, same text) and bad values exit 2."""
+    docs = [OOD_PROMPT, setup.verified_doc, "Hello", "Boring, too long, and badly written.", "A warm film."]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "document": d}) + "\n" for i, d in enumerate(docs)))
+    base = ["generate", "--head", setup.head_dir, "--input", str(inp), "--quiet", "--on-reject", "reask",
+            "--max-attempts", "2"]
+    assert main(base + ["--output", str(tmp_path / "b.jsonl"), "--max-batch", "4"]) == 0
+    assert main(base + ["--output", str(tmp_path / "one.jsonl"), "--max-batch", "1"]) == 0
+    batched = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    alone = [json.loads(x) for x in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in batched] == list(range(len(docs)))
+    for a, b in zip(alone, batched):
+        assert (a["text"], a["status"], a["n_attempts"]) == (b["text"], b["status"], b["n_attempts"])
+        assert [x["token_ids"] for x in a["attempts"]] == [x["token_ids"] for x in b["attempts"]]
+    sampled = []
+    for k in range(2):
+        capsys.readouterr()
+        assert main(["generate", "--head", setup.head_dir, "--prompt", "Hello", "--quiet", "--temp", "1.5",
+                     "--top-p", "0.9", "--top-k", "40", "--min-p", "0.01", "--seed", "4"]) == 0
+        sampled.append(json.loads(capsys.readouterr().out)["answer"])
+    assert sampled[0] == sampled[1]
+    for bad in (["--top-p", "0"], ["--temp", "-1"], ["--top-k", "-2"], ["--max-batch", "0"]):
+        assert main(["generate", "--head", setup.head_dir, "--prompt", "x", "--quiet"] + bad) == 2
