@@ -42,7 +42,7 @@ import numpy as np
 from .. import embed as _embed
 from ..errors import InputError
 from ..network.generation import is_closed
-from .prompt_cache import PrefixCache
+from .prompt_cache import PrefixCache, common_prefix_length
 from .sampling import GREEDY, RowSampler, SamplingParams, token_logprobs
 from .streaming import TextEmitter, first_stop
 
@@ -205,57 +205,121 @@ class DecodeEngine:
     def _admit(self, done: list) -> None:
         import mlx.core as mx
 
-        fresh, caches, hs = [], [], []
+        fresh = []
         while self.pending and len(self.rows) + len(fresh) < self.max_batch:
             req = self.pending.popleft()
             if req.cancel is not None and req.cancel():
                 done.append((req, Decoded(req.prompt_ids, [], "", "cancelled", 0.0)))
-                continue
-            row, kv, h_last = self._prefill(req)
-            fresh.append(row)
-            caches.append(kv)
-            hs.append(h_last)
+            else:
+                fresh.append(req)
         if not fresh:
             return
-        if not self.batchable:
-            joined = caches[0]
+        if not self.batchable:  # custom cache types: one row, its own cache
+            row, joined, h = self._prefill_alone(fresh[0])
+            rows, hs = [row], [h]
         else:
-            joined = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+            self._warm_prefix(fresh)
+            groups: dict = {}
+            for req in fresh:  # requests sharing a cached prefix are prefilled together
+                hit = self.prefix_cache.lookup(req.prompt_ids) if self.prefix_cache is not None else None
+                groups.setdefault(None if hit is None else id(hit[1]), (hit, []))[1].append(req)
+            rows, hs, joined = [], [], None
+            for hit, reqs in groups.values():
+                g_rows, g_cache, g_h = self._prefill_group(reqs, hit)
+                rows += g_rows
+                hs.append(g_h)
+                if joined is None:
+                    joined = g_cache
+                else:
+                    for c, new in zip(joined, g_cache):
+                        c.extend(new)
         if self.rows:
             for c, new in zip(self.cache, joined):
                 c.extend(new)
             self.H = mx.concatenate([self.H] + hs, axis=0)
         else:
             self.cache, self.H = joined, mx.concatenate(hs, axis=0)
-        self.rows.extend(fresh)
+        self.rows.extend(rows)
         mx.eval(self.H)
 
-    def _prefill(self, req: DecodeRequest):
-        """Run one prompt alone from its cached prefix: ``(row, its KV caches, last state [1, D])``."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        t0 = time.perf_counter()
-        ids = req.prompt_ids
-        kv = make_prompt_cache(self.model)
-        hit = self.prefix_cache.lookup(ids) if self.prefix_cache is not None else None
-        start, prefix_states = 0, None
-        if hit is not None:
-            start, prefix_kv, prefix_states = hit
-            for c, (k, v) in zip(kv, prefix_kv):
-                c.keys, c.values, c.offset = k, v, start
-        h = _embed.hidden_states(self.model, [ids[start:]], cache=kv)[0]
-        states = h if prefix_states is None else mx.concatenate([prefix_states, h], axis=0)
-        if self.prefix_cache is not None:
-            self.prefix_cache.offer(ids, [(c.keys, c.values) for c in kv], states)
-        row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab), t0=t0, cached=start)
+    def _new_row(self, req: DecodeRequest, t0: float, cached: int, states) -> _Row:
+        row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab), t0=t0, cached=cached)
         if req.features:
             row.states.append(states)
         if req.sampling.logprobs:
             row.logprobs = []
         if req.on_text is not None:
             row.detok, row.out = self.tokenizer.detokenizer, TextEmitter(req.on_text, req.stop)
-        return row, kv, h[-1:]
+        return row
+
+    def _warm_prefix(self, reqs: list) -> None:
+        """Prefill once, into the prompt cache, the prefix that new requests share when none is cached yet."""
+        cache = self.prefix_cache
+        if cache is None or len(reqs) < 2 or any(cache.lookup(r.prompt_ids, count=False) for r in reqs):
+            return
+        first = reqs[0].prompt_ids
+        share = min(common_prefix_length(first, r.prompt_ids) for r in reqs[1:])
+        share = min(share, min(len(r.prompt_ids) for r in reqs) - 1)
+        if share >= cache.min_tokens:
+            kv, states = self._run_alone(first[:share])
+            cache.put(first[:share], [(c.keys, c.values) for c in kv], states)
+
+    def _run_alone(self, ids: list, hit=None):
+        """``(per-layer KV caches, final-norm states [len(ids) - start, D])`` of ``ids`` run alone."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        kv = make_prompt_cache(self.model)
+        start = 0
+        if hit is not None:
+            start, prefix_kv, _ = hit
+            for c, (k, v) in zip(kv, prefix_kv):
+                c.keys, c.values, c.offset = k, v, start
+        h = _embed.hidden_states(self.model, [ids[start:]], cache=kv)[0]
+        mx.eval(h)
+        return kv, h
+
+    def _prefill_alone(self, req: DecodeRequest):
+        """One prompt on the model's own cache types: ``(row, caches, last state [1, D])`` (no prompt cache)."""
+        t0 = time.perf_counter()
+        kv, h = self._run_alone(req.prompt_ids)
+        return self._new_row(req, t0, 0, h), kv, h[-1:]
+
+    def _prefill_group(self, reqs: list, hit):
+        """Prompts that share the cached prefix ``hit`` (or none), prefilled in one right-padded batch.
+
+        Right padding cannot change a row's states (every pad comes after its tokens, the mask is causal);
+        ``BatchKVCache.finalize`` then rolls each row's pads to the left, where the running batch's mask
+        excludes them.  Returns ``(rows, per-layer BatchKVCache, last states [B, D])``.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache
+
+        t0 = time.perf_counter()
+        start, prefix_kv, prefix_states = hit if hit is not None else (0, None, None)
+        rest = [r.prompt_ids[start:] for r in reqs]
+        lens = [len(x) for x in rest]
+        width, B = max(lens), len(reqs)
+        cache = [BatchKVCache([0] * B) for _ in _embed.trunk(self.model).layers]
+        if prefix_kv is not None:
+            for c, (k, v) in zip(cache, prefix_kv):
+                c.keys, c.values = mx.repeat(k, B, axis=0), mx.repeat(v, B, axis=0)
+                c.offset, c._idx = c.offset + start, start
+        for c in cache:
+            c.prepare(lengths=lens, right_padding=[width - n for n in lens])
+        h = _embed.hidden_states(self.model, rest, cache=cache)  # right-padded here
+        for c in cache:
+            c.finalize()
+        rows, last = [], []
+        for i, (req, n) in enumerate(zip(reqs, lens)):
+            states = h[i, :n] if prefix_states is None else mx.concatenate([prefix_states, h[i, :n]], axis=0)
+            if self.prefix_cache is not None:
+                pad = width - n
+                self.prefix_cache.offer(req.prompt_ids, [(c.keys[i : i + 1, :, pad:], c.values[i : i + 1, :, pad:])
+                                                         for c in cache], states)
+            rows.append(self._new_row(req, t0, start, states))
+            last.append(h[i, n - 1 : n])
+        return rows, cache, mx.concatenate(last, axis=0)
 
     # -- one step -------------------------------------------------------------------------------------------
     def _logits(self, h):

@@ -42,12 +42,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, ids):
-        """The longest cached prefix of ``ids`` shorter than ``ids``: ``(L, [(keys, values)], states)`` or None."""
+    def lookup(self, ids, count: bool = True):
+        """The longest cached prefix of ``ids`` shorter than ``ids``: ``(L, [(keys, values)], states)`` or None
+        (``count=False``: a peek that leaves the hit/miss counts and the LRU order alone)."""
         best = None
         for key in self._entries:
             if len(key) < len(ids) and (best is None or len(key) > len(best)) and tuple(ids[: len(key)]) == key:
                 best = key
+        if not count:
+            return None if best is None else self._entries[best]
         if best is None:
             self.misses += 1
             return None
@@ -59,26 +62,33 @@ class PrefixCache:
     def offer(self, ids, kv, states) -> int:
         """Store the shared prefix of ``ids`` with a recent prompt (slicing ``kv``/``states`` of ``ids``'s
         prefill); returns the stored length (0: none)."""
-        import mlx.core as mx
-
         ids = tuple(int(t) for t in ids)
         share = max((common_prefix_length(ids, r) for r in self._recent), default=0)
         self._recent = ([ids] + [r for r in self._recent if r != ids])[: self.recent]
         share = min(share, len(ids) - 1)
         if share < self.min_tokens or ids[:share] in self._entries:
             return 0
-        cut = [(mx.contiguous(k[..., :share, :]), mx.contiguous(v[..., :share, :])) for k, v in kv]
-        st = mx.contiguous(states[:share])
+        return self.put(ids[:share], kv, states)
+
+    def put(self, ids, kv, states) -> int:
+        """Store the prefix ``ids`` (its first ``len(ids)`` positions of ``kv``/``states``); returns its length
+        (0: larger than the whole cache)."""
+        import mlx.core as mx
+
+        ids = tuple(int(t) for t in ids)
+        n = len(ids)
+        cut = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :])) for k, v in kv]
+        st = mx.contiguous(states[:n])
         mx.eval(cut, st)
         size = sum(k.nbytes + v.nbytes for k, v in cut) + st.nbytes
-        if size > self.max_bytes:
+        if size > self.max_bytes or ids in self._entries:
             return 0
-        self._entries[ids[:share]] = (cut, st, size)
+        self._entries[ids] = (cut, st, size)
         self.nbytes += size
         while self.nbytes > self.max_bytes:
             _, (_, _, dropped) = self._entries.popitem(last=False)
             self.nbytes -= dropped
-        return share
+        return n
 
     def stats(self) -> dict:
         return {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
