@@ -43,46 +43,11 @@ from .. import embed as _embed
 from ..errors import InputError
 from ..network.generation import is_closed
 from .prompt_cache import PrefixCache, common_prefix_length
-from .sampling import GREEDY, RowSampler, SamplingParams, token_logprobs
+from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
+from .sampling import RowSampler, token_logprobs
 from .streaming import TextEmitter, first_stop
 
-STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
-
-
-@dataclass
-class DecodeRequest:
-    """One decoding: prompt token ids and how to pick and stop (``cancel``: polled at every token)."""
-
-    prompt_ids: list
-    max_tokens: int
-    sampling: SamplingParams = GREEDY
-    stop: Sequence[str] = ()
-    stop_at_delimiter: bool = True
-    features: bool = False
-    on_text: Callable[[str], None] | None = None
-    cancel: Callable[[], bool] | None = None
-
-
-@dataclass
-class Decoded:
-    """A finished decoding: generated ``token_ids`` (EOS not kept), their ``text``, why it stopped, timings.
-
-    ``features``: with ``features=True``, the verifier input ``[1, 2D]`` float32 of prompt + answer and
-    ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
-    ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token.
-    """
-
-    prompt_ids: list
-    token_ids: list
-    text: str
-    stop_reason: str
-    seconds: float
-    features: object = None
-    feature_info: dict | None = None
-    logprobs: list | None = None
-    first_token_seconds: float | None = None
-    cached_prompt_tokens: int = 0
-    error: BaseException | None = None  # raised by the request's on_text (the row was stopped)
+__all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
 
 
 @dataclass
@@ -98,16 +63,6 @@ class _Row:
     detok: object = None
     out: TextEmitter | None = None
     error: BaseException | None = None
-
-
-def _check(req: DecodeRequest) -> None:
-    if req.max_tokens < 1:
-        raise InputError("max_tokens must be >= 1")
-    if not req.prompt_ids:
-        raise InputError("empty prompt")
-    if any(not isinstance(s, str) or not s for s in req.stop):
-        raise InputError("stop strings must be non-empty strings")
-    req.sampling.validate()
 
 
 class DecodeEngine:
@@ -155,7 +110,7 @@ class DecodeEngine:
 
     def submit(self, req: DecodeRequest) -> DecodeRequest:
         """Queue ``req`` (validated here); it joins the batch at the next step with room."""
-        _check(req)
+        check_request(req)
         req.prompt_ids = [int(t) for t in req.prompt_ids]
         self.pending.append(req)
         return req

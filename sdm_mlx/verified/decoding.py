@@ -34,7 +34,7 @@ class GreedyDecoder:
     (``Decoded.features``) pooled from the decoding's own states with at most ``max_length`` positions.
     """
 
-    def __init__(self, model, tokenizer, heads=None, delimiter: str = "}", stop_at_delimiter: bool = True,
+    def __init__(self, model, tokenizer, heads=None, *, delimiter: str = "}", stop_at_delimiter: bool = True,
                  features: bool = False, max_length: int = _embed.DEFAULT_MAX_LENGTH, prefix_cache=False):
         self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=delimiter, max_batch=1,
                                    max_length=max_length, prefix_cache=prefix_cache)

@@ -233,16 +233,7 @@ class VerifiedGenerator:
         seed + k − 1) and ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) go to the
         decoding.  ``prompt`` is only recorded in the result.
         """
-        on_reject = self.on_reject if on_reject is None else on_reject
-        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
-        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
-        if on_reject not in ON_REJECT:
-            raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
-        if max_attempts < 1 or max_tokens < 1:
-            raise InputError("max_attempts and max_tokens must be >= 1")
-        if on_reject == "reask" and reask is None:
-            raise InputError("on_reject='reask' needs a reask prompt builder")
-        sampling.validate()
+        on_reject, max_attempts, max_tokens = self._options(on_reject, max_attempts, max_tokens, reask, sampling)
         base_ids = [int(t) for t in base_ids]
         t_start = time.perf_counter()
         gen_ids, reask_message, used = base_ids, None, {tuple(base_ids)}
@@ -280,6 +271,20 @@ class VerifiedGenerator:
                 break
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
+
+    def _options(self, on_reject, max_attempts, max_tokens, reask, sampling: SamplingParams) -> tuple:
+        """``(on_reject, max_attempts, max_tokens)`` of one call, the generator's settings filling ``None``."""
+        on_reject = self.on_reject if on_reject is None else on_reject
+        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
+        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
+        if on_reject not in ON_REJECT:
+            raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
+        if max_attempts < 1 or max_tokens < 1:
+            raise InputError("max_attempts and max_tokens must be >= 1")
+        if on_reject == "reask" and reask is None:
+            raise InputError("on_reject='reask' needs a reask prompt builder")
+        sampling.validate()
+        return on_reject, max_attempts, max_tokens
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
