@@ -94,6 +94,7 @@ class DecodeEngine:
         self.rows: list[_Row] = []
         self.cache = None   # per-layer BatchKVCache of the running rows
         self.H = None       # [B, D] final-norm state each row picks its next token from
+        self._ahead, self._ahead_rows = None, 0  # argmax picks of the first rows, computed ahead (lazy)
 
     @property
     def mode(self) -> str:
@@ -106,7 +107,7 @@ class DecodeEngine:
     def reset(self) -> None:
         """Drop every waiting and running request (their callers are told by the owner)."""
         self.pending.clear()
-        self.rows, self.cache, self.H = [], None, None
+        self.rows, self.cache, self.H, self._ahead = [], None, None, None
 
     def submit(self, req: DecodeRequest) -> DecodeRequest:
         """Queue ``req`` (validated here); it joins the batch at the next step with room."""
@@ -153,8 +154,20 @@ class DecodeEngine:
                 if row.req.features:
                     row.states.append(h[i : i + 1])
             self.H = h
-            mx.eval(h)
+            if self._all_argmax():  # start the next picks now: they compute while the caller serves requests
+                self._ahead, self._ahead_rows = self._argmax(h), len(self.rows)
+                mx.async_eval(self._ahead)
+            else:
+                mx.eval(h)
         return done
+
+    def _all_argmax(self) -> bool:
+        return all(r.sampler.params.plain_argmax and r.logprobs is None for r in self.rows)
+
+    def _argmax(self, h):
+        import mlx.core as mx
+
+        return mx.argmax(self._logits(h), axis=-1) % self.vocab
 
     # -- admission ----------------------------------------------------------------------------------------
     def _admit(self, done: list) -> None:
@@ -288,10 +301,14 @@ class DecodeEngine:
         """Token ids for every row (and per-row log-probabilities when a row needs them)."""
         import mlx.core as mx
 
+        ahead, n, self._ahead = self._ahead, self._ahead_rows, None
+        if self._all_argmax():
+            if ahead is None:
+                return self._argmax(self.H).tolist(), None
+            if n < len(self.rows):  # rows admitted since: their picks join the ones computed ahead
+                ahead = mx.concatenate([ahead, self._argmax(self.H[n:])])
+            return ahead.tolist(), None
         logits = self._logits(self.H)
-        if all(r.sampler.params.plain_argmax and r.logprobs is None for r in self.rows):
-            idx = mx.argmax(logits, axis=-1)
-            return (idx % self.vocab).tolist(), None
         chosen = [r.sampler.choose(logits[i : i + 1], r.tokens) for i, r in enumerate(self.rows)]
         idx = mx.concatenate([c[0].reshape(1) for c in chosen])
         mx.eval(idx)
