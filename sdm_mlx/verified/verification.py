@@ -119,7 +119,7 @@ class AnswerVerifier:
 
     def verify_many(self, items: Sequence["VerifyItem"]) -> list:
         """The :class:`Verdict` of every item: one batched feature pass for the items without features, one
-        batched estimate for all (a row's verdict does not depend on the others: DESIGN #4's per-row rule)."""
+        batched estimate for all (the estimate is per row: a verdict does not depend on the other items)."""
         import numpy as np
 
         t0 = time.perf_counter()
