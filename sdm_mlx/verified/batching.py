@@ -283,8 +283,8 @@ class DecodeEngine:
             states = h[i, :n] if prefix_states is None else mx.concatenate([prefix_states, h[i, :n]], axis=0)
             if self.prefix_cache is not None:
                 pad = width - n
-                self.prefix_cache.offer(req.prompt_ids, [(c.keys[i : i + 1, :, pad:], c.values[i : i + 1, :, pad:])
-                                                         for c in cache], states)
+                kv_i = [(c.keys[i : i + 1, :, pad:], c.values[i : i + 1, :, pad:]) for c in cache]
+                self.prefix_cache.offer(req.prompt_ids, kv_i, states, cached=start)
             rows.append(self._new_row(req, t0, start, states))
             last.append(h[i, n - 1 : n])
         return rows, cache, mx.concatenate(last, axis=0)

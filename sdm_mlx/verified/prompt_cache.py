@@ -59,14 +59,15 @@ class PrefixCache:
         kv, states, _ = self._entries[best]
         return len(best), kv, states
 
-    def offer(self, ids, kv, states) -> int:
+    def offer(self, ids, kv, states, cached: int = 0) -> int:
         """Store the shared prefix of ``ids`` with a recent prompt (slicing ``kv``/``states`` of ``ids``'s
-        prefill); returns the stored length (0: none)."""
+        prefill) unless it is not ``min_tokens`` longer than the ``cached`` prefix ``ids`` started from;
+        returns the stored length (0: none)."""
         ids = tuple(int(t) for t in ids)
         share = max((common_prefix_length(ids, r) for r in self._recent), default=0)
         self._recent = ([ids] + [r for r in self._recent if r != ids])[: self.recent]
         share = min(share, len(ids) - 1)
-        if share < self.min_tokens or ids[:share] in self._entries:
+        if share < cached + self.min_tokens or ids[:share] in self._entries:
             return 0
         return self.put(ids[:share], kv, states)
 
