@@ -119,3 +119,26 @@ def test_logprobs_in_openai_shape(setup, client):  # noqa: F811
     content = r.choices[0].logprobs.content
     assert content and len(content) == r.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 1e-6 for c in content)
+
+
+def test_verify_burst_equals_verifications_alone(setup, server):  # noqa: F811
+    """Concurrent /v1/verify requests are verified together (one batched pass) with the verdicts they get alone."""
+    import urllib.request
+
+    def verify(doc, answer):
+        body = json.dumps({"messages": [{"role": "user", "content": doc}], "completion": answer}).encode()
+        req = urllib.request.Request(server.url + "/v1/verify", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            v = json.loads(r.read())["verification"]
+        return v["verified"], v["rejection_reason"], v["p_lower"]
+
+    pairs = [(d, a) for d, _ in reviews(4, seed=51) for a in ('{"sentiment": "positive"}', '{"sentiment": "negative"}')]
+    pairs.append((setup.verified_doc, setup.verified_answer))
+    alone = [verify(*p) for p in pairs]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        together = list(pool.map(lambda p: verify(*p), pairs))
+    for a, b in zip(alone, together):
+        assert a[:2] == b[:2] and (a[2] is None) == (b[2] is None)
+        if a[2] is not None:
+            assert abs(a[2] - b[2]) <= 1e-5
+    assert alone[-1][0]  # the known-good answer is verified
