@@ -47,3 +47,15 @@ def setup(tiny_phi3_path, tmp_path_factory):
     from verified_lab import build_verified_lab
 
     return build_verified_lab(tiny_phi3_path, tmp_path_factory.mktemp("verified"))
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    """The real test LLM's directory (the ``real_llm`` tier); skips, naming the fetch command, when absent."""
+    from real_llm_lab import model_dir
+
+    path = model_dir()
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        pytest.skip(f"real test LLM not found at {path}: run `python tools/fetch_test_llm.py` "
+                    "(or set SDM_MLX_TEST_LLM to an mlx-lm model directory)")
+    return str(path)

@@ -35,13 +35,8 @@ pytest.importorskip("mlx_lm")
 from sdm_mlx.llm import embed as E  # noqa: E402
 from sdm_mlx.cli import main  # noqa: E402
 
+from verified_lab import verified_generator as _generator  # noqa: E402
 from verified_lab import OOD_PROMPT, SYSTEM, TEMPLATE  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
-
-
-def _generator(s, **kw):
-    from sdm_mlx.verified import VerifiedGenerator
-
-    return VerifiedGenerator(s.model_path, s.verifier_dir, head_path=s.head_dir, **kw)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -122,9 +117,11 @@ def test_verified_answer(setup):
 
 def test_generation_features_match_force_decoded_text(setup):
     """The verifier input of a generated answer = embed.py's force-decoded prompt + completion features."""
+    from sdm_mlx.verified import GreedyDecoder
+
     gen = _generator(setup)
     prompt = gen.prompt_text(setup.verified_doc)
-    dec = gen.decoder(E.encode(gen.tokenizer, prompt), 24)
+    dec = GreedyDecoder(gen.model, gen.tokenizer, heads=gen.heads)(E.encode(gen.tokenizer, prompt), 24)
     X, _ = gen.verifier.features(E.encode(gen.tokenizer, prompt), dec.token_ids)
     ref = E.prompt_completion_features(gen.model, gen.tokenizer, [prompt], [dec.text]).embeddings
     np.testing.assert_allclose(X, ref, atol=1e-5)
@@ -159,20 +156,21 @@ def test_reask_stops_at_first_verified_and_uses_template(setup):
     from sdm_mlx.verified import REASK_TEMPLATE
 
     gen = _generator(setup, on_reject="reask", max_attempts=4, reask_fallback="return")
-    real = gen.verifier
+    real = gen.verifier.verify_many
     calls = []
 
-    def flaky(prompt_ids, answer_ids, text, id=None, **kw):  # reject the first answer, then defer to the real one
-        v = real(prompt_ids, answer_ids, text, id, **kw)
-        calls.append(list(prompt_ids))
-        if len(calls) == 1:
-            v.verified, v.reason = False, "below_threshold_psi"
-        return v
+    def flaky(items):  # reject the first answer, then defer to the real verifier
+        verdicts = real(items)
+        for it, v in zip(items, verdicts):
+            calls.append(list(it.prompt_ids))
+            if len(calls) == 1:
+                v.verified, v.reason = False, "below_threshold_psi"
+        return verdicts
 
-    gen.verifier = flaky
+    gen.verifier.verify_many = flaky
     prompts = []
-    orig = gen.decoder
-    gen.decoder = lambda ids, n, on_text=None: (prompts.append(list(ids)), orig(ids, n, on_text))[1]
+    orig = gen.engine.submit
+    gen.engine.submit = lambda req: (prompts.append(list(req.prompt_ids)), orig(req))[1]
     r = gen.generate(setup.verified_doc)
     assert len(r.attempts) == 2 and r.verified and r.stopped == "verified" and r.status == "verified"
     assert r.attempts[1].reask_message == REASK_TEMPLATE.replace("{previous}", r.attempts[0].text)
@@ -257,7 +255,7 @@ def _cli(*args, timeout=180):
 
 def test_cli_temp_and_seed_as_mlx_lm_spells_them(setup, capsys):
     """``--temp`` (mlx-lm's spelling; ``--temperature`` too) samples with plain decoding, ``--seed`` repeats a
-    sample; joint decoding (``--head``) is greedy, so ``--temp > 0`` with it is a clear usage error."""
+    sample; with ``--head`` the draw is from the joint neg+pos SDM output, and a bad value is a usage error."""
     base = ["generate", "--model", setup.model_path, "--verifier", setup.verifier_dir, "--prompt", "Hello",
             "--max-tokens", "12", "--on-reject", "return", "--quiet", "--system", SYSTEM,
             "--prompt-template", TEMPLATE]
@@ -269,9 +267,15 @@ def test_cli_temp_and_seed_as_mlx_lm_spells_them(setup, capsys):
         texts.append(json.loads(capsys.readouterr().out)["text"])
     assert texts[2] == texts[0]  # same seed, same sample (across processes)
     assert texts[1] != texts[0]  # temperature 5 over a random tiny model's vocabulary does not pick the argmax
-    assert main(["generate", "--head", setup.head_dir, "--prompt", "x", "--temp", "0.7"]) == 2
-    err = capsys.readouterr().err
-    assert "joint" in err and "greedy" in err, err
+    joint = base[:1] + ["--head", setup.head_dir, "--verifier", setup.verifier_dir, "--prompt", "Hello",
+                        "--max-tokens", "12", "--on-reject", "return", "--quiet"]
+    drawn = []
+    for _ in range(2):
+        assert main(joint + ["--temp", "0.7", "--seed", "11"]) == 0
+        drawn.append(json.loads(capsys.readouterr().out)["text"])
+    assert drawn[0] == drawn[1]  # seeded joint sampling repeats
+    assert main(base + ["--temp", "-1"]) == 2  # exit 2 before the model loads
+    assert "temp" in capsys.readouterr().err
 
 
 def test_cli_unknown_flag_is_reported_against_the_verb_with_a_suggestion():
@@ -330,8 +334,9 @@ def test_first_attempt_is_verified_without_a_second_forward_pass(setup, monkeypa
     """Only a re-asked attempt (decoded from another prompt) runs the verifier's own feature pass."""
     gen = _generator(setup, on_reject="reask", max_attempts=2, reask_fallback="return")
     passes = []
-    real = type(gen.verifier).features
-    monkeypatch.setattr(type(gen.verifier), "features", lambda self, p, a: (passes.append(len(a)), real(self, p, a))[1])
+    real = type(gen.verifier).features_batch
+    monkeypatch.setattr(type(gen.verifier), "features_batch",
+                        lambda self, pairs: (passes.append(len(pairs)), real(self, pairs))[1])
     r = gen.generate(setup.verified_doc)
     assert r.verified and len(r.attempts) == 1 and passes == []
     again = gen.verify(setup.verified_doc, r.attempts[0].token_ids)  # the feature pass gives the same verdict
@@ -339,3 +344,30 @@ def test_first_attempt_is_verified_without_a_second_forward_pass(setup, monkeypa
     passes.clear()
     r2 = gen.generate(OOD_PROMPT)
     assert len(r2.attempts) == 2 and len(passes) == 1  # the re-ask only
+
+
+def test_cli_batch_in_input_order_equals_one_at_a_time_and_sampling_flags(setup, tmp_path, capsys):
+    """``generate --input`` decodes rows together (--max-batch) yet writes each row's own result, in input order;
+    mlx-lm's sampling flags are honoured (same --seed, same text) and bad values exit 2."""
+    docs = [OOD_PROMPT, setup.verified_doc, "Hello", "Boring, too long, and badly written.", "A warm film."]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "document": d}) + "\n" for i, d in enumerate(docs)))
+    base = ["generate", "--head", setup.head_dir, "--input", str(inp), "--quiet", "--on-reject", "reask",
+            "--max-attempts", "2"]
+    assert main(base + ["--output", str(tmp_path / "b.jsonl"), "--max-batch", "4"]) == 0
+    assert main(base + ["--output", str(tmp_path / "one.jsonl"), "--max-batch", "1"]) == 0
+    batched = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    alone = [json.loads(x) for x in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in batched] == list(range(len(docs)))
+    for a, b in zip(alone, batched):
+        assert (a["text"], a["status"], a["n_attempts"]) == (b["text"], b["status"], b["n_attempts"])
+        assert [x["token_ids"] for x in a["attempts"]] == [x["token_ids"] for x in b["attempts"]]
+    sampled = []
+    for k in range(2):
+        capsys.readouterr()
+        assert main(["generate", "--head", setup.head_dir, "--prompt", "Hello", "--quiet", "--temp", "1.5",
+                     "--top-p", "0.9", "--top-k", "40", "--min-p", "0.01", "--seed", "4"]) == 0
+        sampled.append(json.loads(capsys.readouterr().out)["answer"])
+    assert sampled[0] == sampled[1]
+    for bad in (["--top-p", "0"], ["--temp", "-1"], ["--top-k", "-2"], ["--max-batch", "0"]):
+        assert main(["generate", "--head", setup.head_dir, "--prompt", "x", "--quiet"] + bad) == 2

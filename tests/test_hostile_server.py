@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
-from test_generate import OOD_PROMPT, setup  # noqa: E402,F401  (module fixture)
+from verified_lab import OOD_PROMPT  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 

@@ -14,7 +14,6 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
-from test_generate import setup  # noqa: E402,F401  (module fixture)
 
 TIMEOUT = 90
 

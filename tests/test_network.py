@@ -315,15 +315,13 @@ def test_generation_features_equal_force_decoded_features(phi3):
     # a "generation" that contains the delimiter: pooled up to the state predicting it
     comp_ids = tok.encode('{"sentiment": "positive"}', add_special_tokens=False)
     ref = prompt_completion_features(model, tok, [tok.encode(prompts[0])], [comp_ids], on_missing="error")
-    from sdm_mlx.network.generation import _pool
-    from sdm_mlx.llm.embed import generated_n_kept
+    from sdm_mlx.llm.embed import generated_n_kept, pool_hidden
 
     p_ids = tok.encode(prompts[0])
     h = heads.hidden_states([p_ids + comp_ids])[0]
     n, info = generated_n_kept(tok, len(p_ids), comp_ids)
     assert not info["missing_delimiter"] and n == ref.n_kept[0]
-    np.testing.assert_allclose(_pool(h[: len(p_ids)], 0, h[len(p_ids):], len(p_ids), n), ref.embeddings[0],
-                               atol=2e-5)
+    np.testing.assert_allclose(pool_hidden(np.array(h), n), ref.embeddings[0], atol=2e-5)
 
 
 # --------------------------------------------------------------------------------------- artifact

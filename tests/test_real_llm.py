@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from real_llm_lab import BATCH_RTOL, model_dir  # noqa: F401  (tests/helpers/; the model_path fixture: conftest.py)
+
 from sdm_mlx.llm import embed as E
 from sdm_mlx.storage.datasets import load_factcheck
 from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
@@ -33,27 +35,7 @@ pytestmark = pytest.mark.real_llm
 ROOT = Path(__file__).resolve().parents[1]
 #: Batch invariance measured on this model (float32, OpenBLAS, batch 1 vs 8, 16 factcheck rows):
 #: max |Δ| 2.0e-5 with max |x| 34, i.e. 7e-7 relative, relative L2 1.0e-6.  Asserted with ~100x margin.
-BATCH_RTOL = 1e-4
 QWEN_VOCAB = 151936
-
-
-def model_dir() -> Path:
-    env = os.environ.get("SDM_MLX_TEST_LLM")
-    if env:
-        return Path(env).expanduser()
-    sys.path.insert(0, str(ROOT / "tools"))
-    from fetch_test_llm import default_cache, default_output
-
-    return default_output(default_cache(), "float32")
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    path = model_dir()
-    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
-        pytest.skip(f"real test LLM not found at {path}: run `python tools/fetch_test_llm.py` "
-                    "(or set SDM_MLX_TEST_LLM to an mlx-lm model directory)")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

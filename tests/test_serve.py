@@ -236,14 +236,11 @@ def test_bad_requests_get_openai_errors(server, client):
     for body, param in cases:
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    for stream in (False, True):  # joint decoding with a head is greedy; refused before any stream starts
-        r = _post(server, "/v1/chat/completions", {"messages": _user("x"), "temperature": 0.7, "stream": stream})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "greedy" in r.text
-    r = _post(server, "/v1/verify", {"prompt": "x"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "completion"
-    assert _get(server, "/v1/nothing").json()["error"]["code"] == "not_found"
-    assert _get(server, "/v1/completions").status_code == 405
-    assert _get(server, "/health").json()["status"] == "ok"  # still serving
+    for stream in (False, True):  # sampling fields out of range are refused before any stream starts
+        for field, value in (("top_p", 0), ("top_k", -1), ("min_p", 1.5), ("seed", -3), ("top_logprobs", 21),
+                             ("repetition_penalty", 0)):
+            r = _post(server, "/v1/chat/completions", {"messages": _user("x"), field: value, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
 
 
 def test_oversized_body(server):
@@ -318,6 +315,7 @@ def test_decoder_stop_strings_and_temperature(tiny_phi3_path):
     import mlx.core as mx
 
     from sdm_mlx.network.heads import SDMHeads
+    from sdm_mlx.decoding import SamplingParams
     from sdm_mlx.verified import GreedyDecoder
 
     model, tok = E.load_model(tiny_phi3_path)
@@ -335,7 +333,8 @@ def test_decoder_stop_strings_and_temperature(tiny_phi3_path):
     mx.random.seed(3)
     b = dec(ids, 20, temperature=1.5)
     assert a.token_ids == b.token_ids != full.token_ids[: len(a.token_ids)]  # sampled, reproducibly
-    with pytest.raises(ValueError, match="greedy"):
-        GreedyDecoder(model, tok, heads=SDMHeads(model))(ids, 5, temperature=0.5)
+    joint = GreedyDecoder(model, tok, heads=SDMHeads(model), stop_at_delimiter=False)  # sampled from the SDM output
+    seeded = [joint(ids, 12, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=5)).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
     with pytest.raises(ValueError, match="stop"):
         dec(ids, 5, stop=[""])

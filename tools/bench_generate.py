@@ -3,6 +3,11 @@
     python tools/bench_generate.py [--size tiny|small|medium] [--prompts 8] [--tokens 64] [--support 1000]
                                    [--json out.json]
     python tools/bench_generate.py --model DIR [--verifier DIR] [--factcheck] ...   # a real model
+    python tools/bench_generate.py --batched --old-src DIR ...   # batched engine vs older code, see below
+
+``--batched``: ``generate --input``'s verified generation over many prompts and Alg. 4's per-epoch
+decoding, the batched engine against an older ``sdm_mlx`` tree (``--old-src``), in one run:
+:mod:`bench_generate_batched` (its docstring lists what is measured).
 
 With ``--verifier`` a saved ``SDMEstimator`` (e.g. trained with ``sdm-mlx train`` on
 ``sdm-mlx embed`` features of this model) replaces the synthetic one; with
@@ -100,7 +105,16 @@ def main(argv=None) -> int:
     ap.add_argument("--factcheck", action="store_true", help="factcheck statements in the paper's prompt")
     ap.add_argument("--n-exemplars", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
+    b = ap.add_argument_group("--batched: the batched engine vs older code")
+    b.add_argument("--batched", action="store_true")
+    b.add_argument("--old-src", default=None, help="directory holding the older sdm_mlx package")
+    b.add_argument("--batch", type=int, default=16, help="rows decoded at once")
+    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--workloads", default="generate,alg4")
+    b.add_argument("--slot", default=None, help="command prefix of every worker (e.g. /work/wt/realslot)")
     args = ap.parse_args(argv)
+    if args.batched:
+        return batched(args)
 
     import mlx_lm
 
@@ -196,6 +210,29 @@ def main(argv=None) -> int:
           f"feature pass {1e3 * lat['feature_pass_s']:.2f} ms, adaptor + support search "
           f"{1e3 * lat['adaptor_and_support_search_s']:.2f} ms, whole estimate {1e3 * lat['estimate_s']:.2f} ms, "
           f"total {1e3 * lat['verification_total_s']:.2f} ms (p90 {1e3 * lat['verification_total_p90_s']:.2f} ms)")
+    if args.json:
+        write_report(args.json, report)
+    return 0
+
+
+def batched(args) -> int:
+    """``--batched``: old vs new on a saved model (``--model``, else a random phi3 of ``--size`` saved here)."""
+    import tempfile
+
+    import bench_generate_batched as bb
+
+    if not args.old_src:
+        raise SystemExit("--batched needs --old-src DIR (an older sdm_mlx tree)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from tiny_models import make_tiny_model
+
+            overrides = {k: v for k, v in (SIZES[args.size] or {}).items() if k != "vocab_size"} or None
+            model = make_tiny_model(tmp, "phi3", overrides=overrides)
+        report = bb.compare(args, model)
+    report.update(blas=describe_blas(), platform=platform.platform(), size=None if args.model else args.size)
+    bb.print_table(report)
     if args.json:
         write_report(args.json, report)
     return 0

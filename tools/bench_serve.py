@@ -1,6 +1,7 @@
 """Benchmark: ``sdm-mlx serve`` (verified generation over HTTP) vs ``mlx_lm.server`` on the same model.
 
-    python tools/bench_serve.py [--size small] [--requests 8] [--tokens 32] [--support 1000] [--json out.json]
+    python tools/bench_serve.py [--size small] [--clients 1,4,16] [--requests 8] [--tokens 32] [--support 1000]
+                                [--json out.json]
 
 Without ``--model`` a random Phi-3-architecture model is built with
 ``tools/tiny_models.py`` (``--size``: ``tiny`` hidden 64 / 2 layers, ``small``
@@ -9,18 +10,23 @@ the tokenizer's own, a few hundred tokens); the
 verification layer is an ``SDMEstimator`` fitted (tiny settings) on
 ``--support`` synthetic rows of the model's feature width (its size is what
 matters for timing; see tools/bench_generate.py).  Both servers run as
-subprocesses on loopback and get the same chat requests (distinct review
-prompts, greedy, ``max_tokens=--tokens``, no system message or template; ours
-with ``on_reject=return`` so every request is one generation + one
-verification).  Reported, for 1 and 4 concurrent clients (each sending
-``--requests`` non-streaming requests back to back):
+subprocesses on loopback and get the same chat requests (a shared system
+message and instruction, then a distinct review; greedy,
+``max_tokens=--tokens``; ours with no template of its own and
+``on_reject=return`` so every request is one generation + one verification).
+Both servers keep their prompt caches (mlx_lm's ``LRUPromptCache``, our
+``PrefixCache``).  Reported, for each number of concurrent clients of
+``--clients`` (each sending ``--requests`` non-streaming requests back to back;
+servers alternated ``--repeats`` times, the best run of each kept):
 
 * requests/s and completion tokens/s, latency mean / p50 / p95, and the ratio
   sdm-mlx / mlx_lm of mean latency (the verification overhead, end to end);
 * time to first token of a streamed request (median over the prompts):
   ``mlx_lm``; ``sdm return`` (tokens streamed live, verdict in the last chunk);
+  ``sdm return, no prompt cache`` (a second server with ``--prompt-cache-bytes 0``);
   ``sdm abstain`` (only verified text is released, so the first token arrives
-  after generation + verification).
+  after generation + verification);
+* peak RSS of each server process (``VmHWM``) and the load average before and after.
 
 Prints a table, writes JSON with ``--json`` and names the BLAS MLX used.
 """
@@ -85,9 +91,26 @@ def post(port: int, path: str, body: dict, stream: bool = False, timeout: float 
     return first, time.perf_counter() - t0, lines
 
 
+SYSTEM = "You are a helpful AI assistant that classifies movie reviews."
+INSTRUCTION = ('Classify the sentiment of the following movie review. Respond using the following JSON: '
+               '{"sentiment": str}. REVIEW: ')
+
+
 def chat(prompt: str, tokens: int, **extra) -> dict:
-    return {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "temperature": 0.0, **extra}
+    return {"model": "bench", "messages": [{"role": "system", "content": SYSTEM},
+                                           {"role": "user", "content": INSTRUCTION + prompt}],
+            "max_tokens": tokens, "temperature": 0.0, **extra}
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """Peak resident set size of a live process (Linux ``VmHWM``), in MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int, extra: dict) -> dict:
@@ -118,10 +141,11 @@ def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int,
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[:3]}")
+    if not lat:
+        raise RuntimeError(f"every request failed: {errors[:3]}")
     lat = np.array(lat)
-    return {"clients": clients, "requests": len(lat), "wall_s": wall, "requests_per_s": len(lat) / wall,
+    return {"clients": clients, "requests": len(lat), "errors": len(errors), "error_samples": errors[:3],
+            "wall_s": wall, "requests_per_s": len(lat) / wall,
             "tokens_per_s": float(sum(ntok)) / wall, "completion_tokens": int(sum(ntok)),
             "latency_mean_s": float(lat.mean()), "latency_p50_s": float(np.median(lat)),
             "latency_p95_s": float(np.quantile(lat, 0.95)),
@@ -190,19 +214,21 @@ def best(runs: list) -> list:
 
 
 def measure(servers: dict, texts: list, args) -> dict:
-    """Alternate the servers ``--repeats`` times (load at 1 and 4 clients, then TTFT); keep the best runs."""
+    """Alternate the servers ``--repeats`` times (load at each client count, then TTFT); keep the best runs."""
     runs = {name: [] for name in servers}
+    clients = [int(c) for c in args.clients.split(",")]
     firsts = {key: [] for name, (_, _, modes) in servers.items() for key in modes}
     few = texts[: args.ttft_prompts]
     for name, (port, extra, _) in servers.items():  # warm-up (compilation, allocation)
         post(port, "/v1/chat/completions", chat(texts[0], args.tokens, **extra))
     for rep in range(args.repeats):
         for name, (port, extra, modes) in servers.items():
-            runs[name] += [load_run(port, texts, args.tokens, c, args.requests, extra) for c in (1, 4)]
+            if not name.endswith("_nocache"):
+                runs[name] += [load_run(port, texts, args.tokens, c, args.requests, extra) for c in clients]
             for key, mode in modes.items():
                 firsts[key].append(ttft(port, few, args.tokens, {**extra, **mode}))
         print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
-    out = {name: {"load": best(r), "all_runs": r} for name, r in runs.items()}
+    out = {name: {"load": best(r), "all_runs": r} for name, r in runs.items() if r}
     out["ttft_s"] = {key: min(v) for key, v in firsts.items()}
     return out
 
@@ -210,6 +236,7 @@ def measure(servers: dict, texts: list, args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")
     ap.add_argument("--requests", type=int, default=8, help="requests per client")
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     ap.add_argument("--support", type=int, default=1000, help="support rows of the verifier")
@@ -217,28 +244,34 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best run of each is kept")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    texts = prompts(4 * args.requests)
+    texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)
     report = {"size": args.size, "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
-              "machine": platform.platform(), "cpus": os.cpu_count()}
+              "machine": platform.platform(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support)
         port = free_port()
         proc = start_mlx_lm(model_path, port)
-        srv = None
+        srv = bare = None
+        argv = sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet", "--system",
+                       "", "--prompt-template", "{document}", "--served-model-name", "bench", "--on-reject", "return")
         try:
-            srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0,
-                                        "--quiet", "--system", "", "--prompt-template", "{document}",
-                                        "--served-model-name", "bench", "--on-reject", "return"), timeout=300)
+            srv = ServerProcess(argv, timeout=300)
+            bare = ServerProcess(argv + ["--prompt-cache-bytes", "0"], timeout=300)
             servers = {  # name: (port, request fields, TTFT modes)
                 "mlx_lm": (port, {"model": model_path}, {"mlx_lm": {}}),  # mlx_lm.server loads the named model
                 "sdm": (srv.port, {}, {"sdm_return": {}, "sdm_abstain": {"sdm": {"on_reject": "abstain"}}}),
+                "sdm_nocache": (bare.port, {}, {"sdm_return_no_prompt_cache": {}}),
             }
             report.update(measure(servers, texts, args))
+            report["peak_rss_mb"] = {"mlx_lm": peak_rss_mb(proc.pid), "sdm": peak_rss_mb(srv.proc.pid)}
+            report["load_average_after"] = os.getloadavg()
         finally:
             proc.terminate()
             proc.wait(timeout=30)
             report["sdm_exit_code"] = srv.stop() if srv is not None else None
+            if bare is not None:
+                bare.stop()
     print_table(report)
     if args.json:
         write_report(args.json, report)
@@ -248,11 +281,12 @@ def main(argv=None) -> int:
 def print_table(r: dict) -> None:
     print(f"\nmodel: random phi3 ({r['size']}), {r['tokens']} max tokens, verifier support {r['support']} rows; "
           f"BLAS: {r['blas']}")
-    print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}")
+    print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'errors':>8}")
     for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):
         for row in r[key]["load"]:
             print(f"{name:<16}{row['clients']:>8}{row['requests_per_s']:>9.2f}{row['tokens_per_s']:>9.1f}"
-                  f"{row['latency_mean_s']:>9.3f}{row['latency_p50_s']:>9.3f}{row['latency_p95_s']:>9.3f}")
+                  f"{row['latency_mean_s']:>9.3f}{row['latency_p50_s']:>9.3f}{row['latency_p95_s']:>9.3f}"
+                  f"{row['errors']:>8}")
     for a, b in zip(r["sdm"]["load"], r["mlx_lm"]["load"]):
         print(f"latency ratio sdm/mlx_lm at {a['clients']} client(s): {a['latency_mean_s'] / b['latency_mean_s']:.2f}; "
               f"throughput ratio (req/s): {a['requests_per_s'] / b['requests_per_s']:.2f}")
@@ -261,8 +295,13 @@ def print_table(r: dict) -> None:
               f"+ {row['server_verification_s']:.3f} s verification (inside the server)")
     t = r["ttft_s"]
     print(f"time to first token (median over prompts, best repeat): mlx_lm {t['mlx_lm'] * 1e3:.1f} ms; "
-          f"sdm return (live) {t['sdm_return'] * 1e3:.1f} ms; sdm abstain (verified before release) "
+          f"sdm return (live) {t['sdm_return'] * 1e3:.1f} ms; without the prompt cache "
+          f"{t['sdm_return_no_prompt_cache'] * 1e3:.1f} ms; sdm abstain (verified before release) "
           f"{t['sdm_abstain'] * 1e3:.1f} ms")
+    rss = r.get("peak_rss_mb", {})
+    print(f"peak RSS: mlx_lm.server {rss.get('mlx_lm') or float('nan'):.0f} MiB, sdm-mlx serve "
+          f"{rss.get('sdm') or float('nan'):.0f} MiB; load average before {r['load_average_before'][0]:.2f}, "
+          f"after {r.get('load_average_after', [float('nan')])[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("calibration", ("calibration",)),
     ("estimator", ("estimator",)),
     ("evaluation", ("evaluation",)),
-    ("network", ("network",)),
+    ("network", ("network", "decoding")),
     ("verified", ("verified",)),
     ("serve", ("serve",)),
     ("cli", ("commands", "cli", "__main__", "")),

@@ -36,6 +36,12 @@ PKG = "sdm_mlx"
 
 #: old module -> new module (full dotted names).  A module not listed stays where it is.
 MOVES: dict[str, str] = {
+    # the batched decoding engine: one loop under network/ and verified/ (network layer)
+    "sdm_mlx.verified.batching": "sdm_mlx.decoding.batching",
+    "sdm_mlx.verified.sampling": "sdm_mlx.decoding.sampling",
+    "sdm_mlx.verified.prompt_cache": "sdm_mlx.decoding.prompt_cache",
+    "sdm_mlx.verified.streaming": "sdm_mlx.decoding.streaming",
+    "sdm_mlx.verified.decode_types": "sdm_mlx.decoding.decode_types",
     # L0 runtime: process concerns
     "sdm_mlx.blas": "sdm_mlx.runtime.blas",
     "sdm_mlx.distributed": "sdm_mlx.runtime.distributed",

@@ -21,7 +21,7 @@ from ..verified.config import GenerationConfig
 SETTINGS = (GenerationConfig,)
 
 MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_chat_template", "max_tokens",
-                "delimiter", "max_length", "n_exemplars", "require_json")
+                "delimiter", "max_length", "n_exemplars", "require_json", "prompt_cache_bytes")
 POLICY_FIELDS = ("on_reject", "max_attempts", "reask_fallback", "reask_template")
 
 
@@ -62,12 +62,12 @@ def generation_config(args) -> GenerationConfig:
     return cfg
 
 
-def build_generator(args):
-    """A :class:`~sdm_mlx.verified.VerifiedGenerator` from parsed options."""
+def build_generator(args, **options):
+    """A :class:`~sdm_mlx.verified.VerifiedGenerator` from parsed options (``options``: e.g. ``max_batch``)."""
     cfg = generation_config(args)
     from ..verified import VerifiedGenerator
 
-    return VerifiedGenerator.from_config(cfg)
+    return VerifiedGenerator.from_config(cfg, **options)
 
 
 def add_stream_arguments(p) -> None:
@@ -75,30 +75,6 @@ def add_stream_arguments(p) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="stream tokens (default: on for a single prompt / chat, off for --input batches)")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
-
-
-def add_sampling_arguments(p) -> None:
-    """mlx-lm's sampling options of ``generate`` and ``chat``: ``--temp`` (0 = greedy) and ``--seed``."""
-    g = p.add_argument_group("sampling (spelled as mlx-lm spells it)")
-    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
-                   help="sampling temperature (mlx-lm's --temp); 0 = greedy. Plain decoding only: joint neg+pos "
-                        "decoding with --head is greedy")
-    g.add_argument("--seed", type=int, default=None, help="random seed of the sampler (with --temp > 0)")
-
-
-def sampling_options(args, gen) -> dict:
-    """The ``generate`` keyword options of ``--temp`` / ``--seed`` (CLIError for a temperature the decoder
-    cannot use); seeds MLX's random generator when ``--seed`` is given."""
-    temp = float(getattr(args, "temp", 0.0) or 0.0)
-    if not temp >= 0:
-        raise CLIError(f"--temp must be >= 0, got {temp}")
-    if temp > 0 and gen.decoding == "joint":
-        raise CLIError("--temp > 0 needs plain decoding: joint neg+pos decoding with --head is greedy")
-    if getattr(args, "seed", None) is not None:
-        import mlx.core as mx
-
-        mx.random.seed(int(args.seed))
-    return {"temperature": temp} if temp > 0 else {}
 
 
 def verdict_line(att) -> str:

@@ -5,6 +5,7 @@ the verification unit is one prompt and its JSON answer).  The answer of every
 attempt is streamed to stdout as it is generated, followed by its verdict; if
 the final result is an abstention, the not-verified text follows (with
 ``--no-stream`` only the final, policy-filtered text and verdict are printed).
+Sampling flags as ``generate`` (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``).
 ``--json`` prints one result object per prompt instead (schema:
 :mod:`sdm_mlx.verified`); ``--output`` also appends them to a JSONL file.
 Works non-interactively (``sdm-mlx chat ... < prompts.txt``).  The options are
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from ._common import (SETTINGS, add_generation_arguments, add_sampling_arguments, add_stream_arguments,
-                      build_generator, sampling_options, verdict_line)
+from ..verified.config import add_sampling_arguments, sampling_params
+from ._common import SETTINGS, add_generation_arguments, add_stream_arguments, build_generator, verdict_line
 
 HELP = "interactive verified generation: prompts from stdin, streamed answers with their verdicts"
 
@@ -33,8 +34,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    sampling = sampling_params(args)  # bad sampling flags: exit 2 before the model loads
     gen = build_generator(args)
-    options = sampling_options(args, gen)
     interactive = sys.stdin.isatty()
     stream = args.stream is not False and not args.json
     from contextlib import nullcontext
@@ -74,13 +75,13 @@ def run(args) -> int:
             turn += 1
             if stream:
                 result = gen.generate(prompt, id=turn, on_text=on_text, on_attempt_start=on_start,
-                                      on_attempt=on_attempt, **options)
+                                      on_attempt=on_attempt, sampling=sampling)
                 if result.status == "abstained":
                     w(result.text + "\n")
                 elif result.status == "unverified":
                     w(f"UNVERIFIED ({result.reason}): the answer above is returned without verification\n")
             else:
-                result = gen.generate(prompt, id=turn, **options)
+                result = gen.generate(prompt, id=turn, sampling=sampling)
                 if args.json:
                     w(dumps(result.to_dict()) + "\n")
                 else:

@@ -2,10 +2,11 @@
 
 At every step the next token is ``argmax(concat(z_neg, z_pos)) mod |V|`` — the
 argmax of ``sdm(z_neg, z_pos)`` with q = e − 2, d = 1 (an SDM activation never
-changes the argmax, so no normalisation is computed).  Prompts are decoded in
-batches with left padding and an mlx-lm ``BatchKVCache`` (positions and
-attention masks exclude the padding, so a row's tokens do not depend on the
-batch).  A row stops at
+changes the argmax, so no normalisation is computed).  Prompts are decoded by
+the one batched engine, :class:`sdm_mlx.decoding.batching.DecodeEngine`
+(each prompt prefilled alone from the shared-prefix cache, decode steps
+batched over an mlx-lm ``BatchKVCache`` whose positions and attention masks
+exclude the padding, so a row's tokens do not depend on the batch).  A row stops at
 
 * ``"delimiter"``: its generated text closes the answer — for the default
   delimiter ``"}"`` the first JSON object is complete (brace depth back to 0,
@@ -31,10 +32,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from ..llm import embed as _embed
+from ..llm.answers import first_json_object, is_closed  # noqa: F401  (re-exported: the answer rules)
 from .heads import SDMHeads
 from ..errors import InputError
 
@@ -61,47 +62,6 @@ class GeneratedOutput:
     delimiter_index: int = -1
     missing_delimiter: bool = True
     truncated: bool = False
-
-
-def is_closed(text: str, delimiter: str = _embed.DEFAULT_DELIMITER) -> bool:
-    """True once ``text`` closes its answer (see the module docstring)."""
-    if delimiter != "}":
-        return delimiter in text
-    depth, in_str, esc, opened = 0, False, False, False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"' and opened:
-            in_str = True
-        elif ch == "{":
-            depth += 1
-            opened = True
-        elif ch == "}":
-            depth -= 1
-            if depth <= 0:
-                return True
-    return False
-
-
-def first_json_object(text: str):
-    """The first JSON object (dict) in ``text``, or None if there is none / it does not parse."""
-    dec = json.JSONDecoder()
-    start = text.find("{")
-    while start >= 0:
-        try:
-            obj, _ = dec.raw_decode(text, start)
-            if isinstance(obj, dict):
-                return obj
-        except json.JSONDecodeError:
-            pass
-        start = text.find("{", start + 1)
-    return None
 
 
 def parse_task_prediction(text: str, completions: Sequence[str]) -> int:
@@ -148,77 +108,6 @@ def decode_batch_size(heads, batch_size: int) -> int:
     return 1 if hasattr(heads.model, "make_cache") else batch_size
 
 
-def _eos_ids(tokenizer) -> set:
-    return _embed.eos_token_ids(tokenizer)
-
-
-def _batch_cache(model, left_padding: list[int]):
-    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-
-    if hasattr(model, "make_cache"):
-        if any(left_padding) or len(left_padding) != 1:
-            return None
-        return make_prompt_cache(model)
-    return [BatchKVCache(list(left_padding)) for _ in _embed.trunk(model).layers]
-
-
-def _decode_batch(heads, tokenizer, batch_ids, max_new_tokens, delimiter, stop_at_delimiter, *, eos, want_states):
-    """Decode one left-padded batch; returns per-row (tokens, stop_reason, prompt_states, step_states)."""
-    model = heads.model
-    lens = [len(r) for r in batch_ids]
-    width = max(lens)
-    pads = [width - n for n in lens]
-    cache = _batch_cache(model, pads)
-    if cache is None:
-        raise RuntimeError("unreachable: models with a custom cache are decoded one prompt at a time")
-    x = mx.array(np.array([[0] * p + r for p, r in zip(pads, batch_ids)], dtype=np.int32))
-    h = heads.hidden_states(x, cache=cache)  # [B, W, D]
-    last = h[:, -1, :]
-    B = len(batch_ids)
-    tokens = [[] for _ in range(B)]
-    reasons = [None] * B
-    steps = []
-    for step in range(max_new_tokens):
-        nxt = heads.next_tokens(last)
-        mx.eval(nxt)
-        nxt_list = nxt.tolist()
-        for i in range(B):
-            if reasons[i] is not None:
-                continue
-            t = int(nxt_list[i])
-            if t in eos:
-                reasons[i] = "eos"
-                continue
-            tokens[i].append(t)
-            if stop_at_delimiter and is_closed(tokenizer.decode(tokens[i]), delimiter):
-                reasons[i] = "delimiter"
-            elif len(tokens[i]) >= max_new_tokens:
-                reasons[i] = "max_tokens"
-        if all(r is not None for r in reasons) or step == max_new_tokens - 1:
-            break
-        feed = mx.array(np.array([[tokens[i][-1] if tokens[i] else 0] for i in range(B)], dtype=np.int32))
-        hs = heads.hidden_states(feed, cache=cache)  # [B, 1, D]
-        if want_states:
-            steps.append(hs[:, 0, :])
-        last = hs[:, -1, :]
-        mx.eval(last, *(steps[-1:] if want_states else []))
-    for i in range(B):
-        if reasons[i] is None:
-            reasons[i] = "max_tokens"
-    step_states = mx.stack(steps, axis=1) if steps else None
-    return tokens, reasons, h, pads, step_states
-
-
-def _pool(prompt_h, pad, step_h, n_prompt, n_kept):
-    """concat(mean(states[:n]), states[n-1]) of one row (float32 NumPy), from on-device states."""
-    states = prompt_h[pad:]
-    if n_kept > n_prompt:
-        states = mx.concatenate([states, step_h[: n_kept - n_prompt]], axis=0)
-    states = states[:n_kept]
-    feat = mx.concatenate([states.sum(axis=0) / float(n_kept), states[n_kept - 1]])
-    return np.array(feat, dtype=np.float32)
-
-
 def greedy_generate(
     heads: SDMHeads,
     tokenizer,
@@ -231,46 +120,35 @@ def greedy_generate(
     features: bool = True,
     max_length: int = _embed.DEFAULT_MAX_LENGTH,
     progress: Callable[[int], None] | None = None,
+    prefix_cache=None,
 ) -> list[GeneratedOutput]:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
-    ``heads``: an :class:`SDMHeads`, or any object with the same ``model``,
-    ``hidden_states(token_ids_batch, cache=None)`` and ``next_tokens(h)`` (only
-    these are used; :mod:`sdm_mlx.verified.decoding` wraps them to stream).
-    Returns one :class:`GeneratedOutput` per prompt, in input order.  With
-    ``features=True`` each carries the verifier input (see the module docstring).
-    ``progress(k)`` is called after each batch of ``k`` prompts.
+    Decoded by :class:`sdm_mlx.decoding.batching.DecodeEngine` (continuous batching of ``batch_size``
+    rows, the shared prompt prefix prefilled once: ``prefix_cache`` a
+    :class:`~sdm_mlx.decoding.prompt_cache.PrefixCache`, default a fresh one, ``False`` off).  Returns one
+    :class:`GeneratedOutput` per prompt, in input order.  With ``features=True`` each carries the verifier
+    input (see the module docstring).  ``progress(k)`` is called as ``k`` more prompts finish.
     """
+    from ..decoding.batching import DecodeEngine, DecodeRequest
+
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")
     if batch_size < 1:
         raise InputError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
-    eos = _eos_ids(tokenizer)
-    batch_size = decode_batch_size(heads, batch_size)  # custom caches (sliding windows, SSMs): one at a time
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    out: list = [None] * len(ids)
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0 : b0 + batch_size]
-        batch = [ids[i] for i in idx]
-        toks, reasons, prompt_h, pads, step_h = _decode_batch(
-            heads, tokenizer, batch, max_new_tokens, delimiter, stop_at_delimiter, eos=eos, want_states=features
-        )
-        for k, i in enumerate(idx):
-            g = GeneratedOutput(prompt_ids=ids[i], token_ids=toks[k], text=tokenizer.decode(toks[k]),
-                                stop_reason=reasons[k])
-            if features:
-                n, info = _embed.generated_n_kept(
-                    tokenizer, len(ids[i]), toks[k], delimiter=delimiter, max_length=max_length, on_missing="prompt"
-                )
-                g.embedding = _pool(prompt_h[k], pads[k], None if step_h is None else step_h[k], len(ids[i]), n)
-                g.n_kept = n
-                g.delimiter_index = int(info["delimiter_index"])
-                g.missing_delimiter = bool(info["missing_delimiter"])
-                g.truncated = bool(info["truncated"])
-            out[i] = g
-        if progress is not None:
-            progress(len(idx))
+    engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=delimiter, max_batch=batch_size,
+                          max_length=max_length, prefix_cache=prefix_cache)
+    reqs = [DecodeRequest(p, max_new_tokens, stop_at_delimiter=stop_at_delimiter, features=features) for p in ids]
+    out = []
+    for p, dec in zip(ids, engine.run(reqs, progress=progress)):
+        g = GeneratedOutput(prompt_ids=p, token_ids=dec.token_ids, text=dec.text, stop_reason=dec.stop_reason)
+        if features:
+            info = dec.feature_info
+            g.embedding = dec.features.reshape(-1)
+            g.n_kept, g.delimiter_index = int(info["n_kept"]), int(info["delimiter_index"])
+            g.missing_delimiter, g.truncated = bool(info["missing_delimiter"]), bool(info["truncated"])
+        out.append(g)
     return out
 
 

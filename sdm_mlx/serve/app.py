@@ -78,10 +78,7 @@ def check_model(engine: Engine, model: str | None) -> None:
 
 
 def check_decoding(engine: Engine, req: GenerationRequest) -> None:
-    """Refuse sampling with joint decoding up front (before a stream's 200 is sent)."""
-    if req.temperature > 0 and engine.gen.decoding == "joint":
-        raise APIError(400, "joint neg+pos decoding (a positive head is attached) is greedy: temperature must be 0",
-                       param="temperature")
+    """Decoding checks that must happen before a stream's 200 is sent (sampling is honoured in both modes)."""
 
 
 def model_error(e: BaseException) -> APIError:

@@ -1,23 +1,27 @@
 """The model side of ``sdm-mlx serve`` / ``sdm-mlx mcp``: one verified generator, one worker thread, verdicts by id.
 
 All model work (loading included) runs on a single dedicated thread
-(``Engine.submit``, :class:`ModelThread`), so concurrent requests queue in
-arrival order and never interleave in one model state; MLX state stays on the
-thread that created it.  That thread is a daemon that lives until the process
+(``Engine.submit``, :class:`ModelThread`); MLX state stays on the thread that
+created it.  A submitted call that returns a generator — a completion
+(:meth:`Engine.complete`) or a verification (:meth:`Engine.verify`) — is a
+task of the generator's :class:`~sdm_mlx.verified.runner.BatchRunner`:
+completions are decoded together in one continuous batch (requests join and
+leave at token boundaries, a re-ask rejoins the batch), and the answers that
+wait for a verdict at a step are verified together.  Between two decoding
+steps the thread starts newly submitted calls, so a request never waits for
+another to finish.  That thread is a daemon that lives until the process
 exits: a thread that used mlx-lm's thread-local generation stream and then
 ends makes the process abort at exit ("terminate called without an active
 exception") about half the time (measured: 6 of 16 runs joined, 0 of 16 kept
 alive), so ``close()`` waits for the running job but never ends the thread.
 
-Prompts
--------
+Prompts (:mod:`sdm_mlx.verified.prompts`, shared with ``generate``)
+-------------------------------------------------------------------
 * chat ``messages``: the server's system message (``--system`` / the head's) is
   prepended when the request has none, the last user message is placed in the
-  ``{document}`` slot of the prompt template (``--prompt-template`` / the
-  head's; ``'{document}'`` sends messages unchanged), then the tokenizer's chat
-  template adds the generation prompt (``--no-chat-template``: the contents
-  joined by newlines) — for a one-user-message chat this is exactly
-  :meth:`VerifiedGenerator.prompt_text`, the templating the verifier was trained on;
+  ``{document}`` slot of the prompt template, then the tokenizer's chat
+  template adds the generation prompt — for a one-user-message chat this is
+  exactly :meth:`VerifiedGenerator.prompt_text`, the templating the verifier was trained on;
 * completions ``prompt``: raw text, encoded as mlx-lm encodes a string prompt.
 
 A re-ask continues the conversation (``assistant: <previous>``, ``user: <re-ask
@@ -33,6 +37,7 @@ from, so an explanation (and, later, a feedback label) can refer to it.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -40,7 +45,10 @@ from concurrent.futures import Future
 from typing import Callable
 
 from ..llm import embed as _embed
-from ..verified.generator import _fill
+from ..verified.runner import Cancelled
+from ..decoding.sampling import SamplingParams
+from ..verified.verification import VerifyItem
+from .schema import GenerationRequest, VerifyRequest
 from ..errors import InputError
 from ..estimator.feedback import feedback_class  # noqa: F401  (re-exported)
 from .schema import GenerationRequest, VerifyRequest
@@ -50,21 +58,21 @@ from .verdicts import DEFAULT_MAX_BYTES, VerdictStore, verdict_record
 EXEMPLAR_FIELDS = ("id", "label", "predicted_label", "squared_distance")
 
 
-class Cancelled(Exception):
-    """The client went away, or the server is shutting down."""
-
-
 class UnknownVerdict(LookupError):
     """A verdict id that was never issued, or was evicted from the store."""
 
 
 class ModelThread:
-    """A single daemon worker thread running submitted calls in order (see the module docstring)."""
+    """A single daemon worker thread running submitted calls (see the module docstring).
+
+    ``runner`` (set once the generator is loaded) drives the calls that return a generator.
+    """
 
     def __init__(self, name: str = "sdm-model"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending, self._closed = 0, False
+        self.runner = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
@@ -76,20 +84,55 @@ class ModelThread:
             self._jobs.put((fut, fn, args, kwargs))
         return fut
 
+    def _finished(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def _start(self, job) -> None:
+        fut, fn, args, kwargs = job
+        if not fut.set_running_or_notify_cancel():
+            self._finished()
+            return
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the waiting caller
+            fut.set_exception(e)
+            self._finished()
+            return
+        if not inspect.isgenerator(out):
+            fut.set_result(out)
+            self._finished()
+            return
+
+        def done(result):
+            fut.set_result(result)
+            self._finished()
+
+        def failed(error):
+            fut.set_exception(error)
+            self._finished()
+
+        self.runner.start(out, done, failed)
+
     def _run(self) -> None:
         while True:
-            fut, fn, args, kwargs = self._jobs.get()
-            if fut.set_running_or_notify_cancel():
+            runner = self.runner
+            if runner is None or not runner.busy:
+                self._start(self._jobs.get())
+                continue
+            while True:  # calls submitted since the last step join now
                 try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # handed to the waiting caller
-                    fut.set_exception(e)
-            with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
+                    self._start(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                runner.step()
+            except Exception as e:  # our own bug: every running request gets it, the thread lives on
+                runner.fail_all(e)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Refuse new calls, cancel queued ones, wait for the running one; True if idle (the thread stays)."""
+        """Refuse new calls, cancel queued ones, wait for the running ones; True if idle (the thread stays)."""
         with self._cond:
             self._closed = True
         while True:
@@ -98,8 +141,7 @@ class ModelThread:
             except queue.Empty:
                 break
             fut.cancel()
-            with self._cond:
-                self._pending -= 1
+            self._finished()
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
@@ -120,6 +162,7 @@ class Engine:
         self.model_id, self.aliases = model_id, {model_id, *aliases}
         self.created = int(time.time())
         self.gen = self._thread.submit(load).result()
+        self._thread.runner = self.gen.runner
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         """Queue ``fn(*args, **kwargs)`` on the model thread."""
@@ -130,84 +173,56 @@ class Engine:
         self.closing.set()
         self._thread.close(timeout)
 
-    # -- prompts ----------------------------------------------------------------------------------------
+    # -- prompts (sdm_mlx.verified.prompts) ------------------------------------------------------------------
     def chat_messages(self, messages: list) -> list:
         """The request's messages with the server's system message and prompt template applied."""
-        gen, out = self.gen, [dict(m) for m in messages]
-        if gen.prompt_template:
-            last = max(i for i, m in enumerate(out) if m["role"] == "user")
-            out[last]["content"] = gen.user_message(out[last]["content"])
-        if gen.system and not any(m["role"] == "system" for m in out):
-            out.insert(0, {"role": "system", "content": gen.system})
-        return out
-
-    def _render(self, messages: list, generation_prompt: bool = True) -> str:
-        if not self.gen.use_chat_template:
-            return "\n".join(m["content"] for m in messages)
-        return self.gen.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+        return self.gen.prompts.chat_messages(messages)
 
     def prompt_text(self, messages: list | None = None, prompt: str | None = None) -> str:
         """The generation prompt of a chat (``messages``) or raw text (``prompt``) request."""
-        return prompt if messages is None else self._render(self.chat_messages(messages))
+        return self.gen.prompts.prompt_text(messages, prompt)
 
     def prompt_ids(self, messages: list | None = None, prompt: str | None = None) -> list:
         """Token ids of :meth:`prompt_text`, encoded as mlx-lm encodes a string prompt."""
         return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt))
 
-    def _reask(self, messages: list | None, prompt: str | None):
-        gen = self.gen
-
-        def build(previous: str, reason: str | None, attempt: int) -> tuple[list, str]:
-            message = _fill(gen.reask_template, previous=previous, reason=reason or "", attempt=attempt)
-            if messages is None or not gen.use_chat_template:
-                base = prompt if messages is None else self._render(self.chat_messages(messages))
-                text = f"{base}{previous}\n{message}\n"
-            else:
-                turns = self.chat_messages(messages) + [{"role": "assistant", "content": previous},
-                                                        {"role": "user", "content": message}]
-                text = self._render(turns)
-            return _embed.encode(gen.tokenizer, text), message
-
-        return build
-
-    # -- model work (call through submit) -----------------------------------------------------------------
+    # -- model work (call through submit; the generators are BatchRunner tasks) ---------------------------
     def complete(self, req: GenerationRequest, on_text: Callable[[str], None] | None = None,
                  cancel: threading.Event | None = None):
-        """Generate, verify and apply the policy: ``(VerificationResult, verification dict, prompt token count)``."""
+        """Generate, verify and apply the policy (a task): ``(VerificationResult, verification dict, prompt
+        token count)``.  ``cancel`` (and the server closing) stops the generation at its next token."""
         cancel = cancel or threading.Event()
 
-        def guard(segment: str) -> None:
-            if cancel.is_set() or self.closing.is_set():
-                raise Cancelled
-            if on_text is not None and segment:
-                on_text(segment)
+        def gone() -> bool:
+            return cancel.is_set() or self.closing.is_set()
 
-        guard("")  # a request that waited in the queue may already be gone
+        if gone():  # a request that waited in the queue may already be gone
+            raise Cancelled("the request was cancelled")
         base_ids = self.prompt_ids(req.messages, req.prompt)
-        result = self.gen.generate_ids(
-            base_ids, self._reask(req.messages, req.prompt), prompt=req.prompt or req.messages[-1]["content"],
-            on_text=guard, on_reject=req.on_reject, max_attempts=req.max_attempts, max_tokens=req.max_tokens,
-            stop=req.stop, temperature=req.temperature,
+        result = yield from self.gen.attempts(
+            base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt),
+            prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
+            max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
+            sampling=request_sampling(req), cancel=gone,
         )
         last = result.attempts[-1]
         vid = self._store(req.kind, base_ids, last.token_ids, last.text, last, last.row)
         return result, completion_verification(result, vid), len(base_ids)
 
-    def verify(self, req: VerifyRequest) -> tuple[dict, dict]:
-        """Force-decode ``req.completion`` after the request's prompt: ``(verification dict, usage)``."""
+    def verify(self, req: VerifyRequest):
+        """Force-decode ``req.completion`` after the request's prompt (a task): ``(verification dict, usage)``."""
         return self.verify_text(self.prompt_text(req.messages, req.prompt), req.completion, "verify")
 
-    def verify_question(self, question: str, answer: str) -> tuple[dict, dict]:
-        """Verify ``answer`` to a user message ``question`` (templated as a one-message chat)."""
+    def verify_question(self, question: str, answer: str):
+        """Verify ``answer`` to a user message ``question`` (templated as a one-message chat; a task)."""
         return self.verify_text(self.prompt_text([{"role": "user", "content": question}]), answer, "mcp")
 
-    def verify_text(self, prompt: str, completion: str, source: str) -> tuple[dict, dict]:
-        """Verify ``completion`` force-decoded after ``prompt`` (``sdm-mlx embed``'s construction).
+    def verify_text(self, prompt: str, completion: str, source: str):
+        """Verify ``completion`` force-decoded after ``prompt`` (``sdm-mlx embed``'s construction; a task).
 
         As :func:`sdm_mlx.llm.embed.prompt_completion_features`, prompt + completion are encoded as one string;
         the completion's tokens are those after the prompt's own encoding (its common prefix, should the
-        two tokenisations differ at the boundary).
+        two tokenisations differ at the boundary).  Verifications waiting together share one batched pass.
         """
         tok = self.gen.tokenizer
         prompt_ids, full = _embed.encode(tok, prompt), _embed.encode(tok, prompt + completion)
@@ -217,7 +232,7 @@ class Engine:
         prompt_ids, answer_ids = full[:k], full[k:]
         if not answer_ids:
             raise InputError("the completion encodes to no tokens")
-        v = self.gen.verifier(prompt_ids, answer_ids, completion)
+        v = yield VerifyItem(prompt_ids, answer_ids, completion)
         vid = self._store(source, prompt_ids, answer_ids, completion, v, v.row)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(answer_ids),
                  "total_tokens": len(prompt_ids) + len(answer_ids)}
@@ -249,6 +264,16 @@ class Engine:
         out["prompt_tokens"], out["completion_tokens"] = len(rec["prompt_ids"]), len(rec["answer_ids"])
         out["answer_token_ids"] = rec["answer_ids"].tolist()
         return out
+
+
+def request_sampling(req: GenerationRequest) -> SamplingParams:
+    """The request's sampling fields (validated by the schema) as :class:`~sdm_mlx.decoding.sampling.SamplingParams`."""
+    return SamplingParams(
+        temperature=req.temperature, top_p=getattr(req, "top_p", 1.0), top_k=getattr(req, "top_k", 0),
+        min_p=getattr(req, "min_p", 0.0), seed=getattr(req, "seed", None),
+        repetition_penalty=getattr(req, "repetition_penalty", None), logprobs=getattr(req, "logprobs", False),
+        top_logprobs=getattr(req, "top_logprobs", 0),
+    )
 
 
 def _exemplars(exemplars: list) -> list:

@@ -37,13 +37,31 @@ def completion_body(kind: str, cid: str, model: str, result, verification: dict,
     choice = {"index": 0, "finish_reason": finish_reason(result), "verification": verification}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
-        choice["logprobs"] = None
     else:
         choice["text"] = result.text
-        choice["logprobs"] = None
+    choice["logprobs"] = logprobs_body(kind, result.attempts[-1].logprobs)
     return {"id": cid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "system_fingerprint": None, "choices": [choice],
             "usage": usage(prompt_tokens, result.tokens)}
+
+
+def _entry(r: dict) -> dict:
+    return {"token": r["token"], "logprob": r["logprob"], "bytes": list(r["token"].encode("utf-8"))}
+
+
+def logprobs_body(kind: str, records: list | None):
+    """``choices[0].logprobs`` of the final attempt's generated tokens (None unless the request asked for them).
+
+    Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``; text: ``{tokens, token_logprobs,
+    top_logprobs}``.  With an abstention they describe the withheld answer, not the abstention text.
+    """
+    if records is None:
+        return None
+    if kind == "chat":
+        return {"content": [dict(_entry(r), top_logprobs=[_entry(t) for t in r.get("top_logprobs", [])])
+                            for r in records]}
+    return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in r.get("top_logprobs", [])} for r in records]}
 
 
 def chunk(kind: str, cid: str, model: str, text: str | None = None, *, role: bool = False,

@@ -13,10 +13,17 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
                        or [{"type": "text", "text": str}, ...]}``
 ``prompt``             completions: a string (or a list holding one string)
 ``max_tokens``         int >= 1 (``max_completion_tokens`` is an alias); default: the server's
-``temperature``        number >= 0 (0 = greedy; > 0 only with plain decoding)
+``temperature``        number in [0, 2] (0 = greedy, the default; with a head: sampled from the
+                       joint neg+pos SDM output, see docs/verified-generation.md)
+``top_p``, ``top_k``,   nucleus (0, 1], top-k (0: off), min-p [0, 1] filters, as mlx_lm.server
+``min_p``
+``seed``               int >= 0: the request's own random stream (same seed, same text)
+``repetition_penalty`` number > 0 (over the last 20 tokens, as mlx_lm.server)
+``logprobs``,          bool; 0..20 alternatives per token (``choices[0].logprobs``)
+``top_logprobs``
 ``stop``               a string or a list of up to 4 non-empty strings
 ``stream``             bool; ``stream_options.include_usage`` adds usage to the last chunk
-``n``                  1 only; ``user``, ``seed`` are accepted and not used
+``n``                  1 only; ``user`` is accepted and not used
 ``sdm``                ``{"on_reject": "abstain"|"reask"|"return", "max_attempts": int >= 1}``
 =====================  ===========================================================
 
@@ -38,8 +45,9 @@ MAX_STOP_CHARS = 256
 MAX_ATTEMPTS_LIMIT = 16
 #: deepest JSON nesting accepted in a request body (the valid requests need 4 levels)
 MAX_DEPTH = 32
+SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "logprobs", "top_logprobs"}
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
-           "user", "seed", "sdm"}
+           "user", "seed", "sdm"} | SAMPLING_FIELDS
 CHAT_FIELDS = _COMMON | {"messages"}
 TEXT_FIELDS = _COMMON | {"prompt"}
 VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
@@ -83,6 +91,13 @@ class GenerationRequest:
     include_usage: bool = False
     on_reject: str | None = None
     max_attempts: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -295,7 +310,32 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
     if n not in (None, 1):
         raise bad("only n = 1 is supported", param="n")
     req.on_reject, req.max_attempts = _policy(body.get("sdm"))
+    _sampling(body, req)
     return req
+
+
+def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low < v if low_open else low <= v) or v > high:
+        raise bad(f"'{key}' must be a number in {'(' if low_open else '['}{low}, {high}], got {json.dumps(v)}",
+                  param=key)
+    return float(v)
+
+
+def _sampling(body: dict, req: GenerationRequest) -> None:
+    """The sampling fields mlx_lm.server honours (see the table above)."""
+    req.top_p = _number(body, "top_p", 0.0, 1.0, low_open=True) or 1.0
+    req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
+    req.repetition_penalty = _number(body, "repetition_penalty", 0.0, 1e6, low_open=True)
+    req.top_k = _int(body, "top_k", 0) or 0
+    req.seed = _int(body, "seed", 0)
+    top = _int(body, "top_logprobs", 0)
+    if top is not None and top > 20:
+        raise bad(f"'top_logprobs' must be an integer in [0, 20], got {top}", param="top_logprobs")
+    req.logprobs = _bool(body, "logprobs") or bool(top)
+    req.top_logprobs = top or 0
 
 
 def parse_verify(body: dict) -> VerifyRequest:

@@ -14,9 +14,11 @@ verification layer's index-conditional estimate p̂_lower, then branch.
     result = gen.generate("A warm and funny film.")      # -> VerificationResult
     result.verified, result.text, result.p_lower, result.reason, result.to_dict()
 
-Modules: :mod:`.decoding` (``GreedyDecoder``), :mod:`.verification`
-(``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``,
-``VerificationResult``, ``Attempt``, the re-ask template), :mod:`.config` (``GenerationConfig``).
+Modules (the decoding loop itself is :mod:`sdm_mlx.decoding`): :mod:`.prompts` (``PromptBuilder``: prompts and re-ask prompts, shared with
+``serve``), :mod:`.runner` (``BatchRunner``: many prompts' attempts at once),
+:mod:`.decoding` (``GreedyDecoder``: one prompt), :mod:`.verification`
+(``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``),
+:mod:`.outcome` (``VerificationResult``, ``Attempt``).
 
 May import: layers 0-6 (up to :mod:`sdm_mlx.network`: the optional positive head and the answer parsing) and
 mlx-lm.  Nothing is imported until used (PEP 562), so ``GenerationConfig`` is read at ``sdm-mlx --help``
@@ -53,6 +55,9 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
         tokens             int       generated tokens (EOS not counted)
         prompt_tokens      int       tokens of the generation prompt of this attempt
         stop_reason        str       "delimiter" | "eos" | "max_tokens" | "stop" (a stop string; serve)
+        first_token_seconds num      time to the first generated token (prefill included)
+        cached_prompt_tokens int     prompt tokens taken from the prompt cache (not recomputed)
+        logprobs           list      only with sampling.logprobs: {token, id, logprob[, top_logprobs]} per token
         seconds            num       generation + verification
         generation_seconds, verification_seconds, tokens_per_second
         verifier           obj       prediction, admitted, rejection_reason, p_lower, p_centroid,
@@ -65,11 +70,13 @@ JSON output schema (``VerificationResult.to_dict()``; one line per prompt of ``s
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "Decoded": "decoding", "GreedyDecoder": "decoding", "GenerationConfig": "config",
-    "ABSTAIN_TEXT": "generator", "ON_REJECT": "generator", "REASK_TEMPLATE": "generator", "Attempt": "generator",
-    "VerificationResult": "generator", "VerifiedGenerator": "generator",
+    "GenerationConfig": "config", "ON_REJECT": "config",
+    "GreedyDecoder": "decoding",
+    "ABSTAIN_TEXT": "generator", "REASK_TEMPLATE": "generator", "VerifiedGenerator": "generator",
+    "Attempt": "outcome", "VerificationResult": "outcome",
+    "PromptBuilder": "prompts", "BatchRunner": "runner", "Cancelled": "runner",
     "PARSE_FAILURE": "verification", "PREDICTED_UNVERIFIED": "verification", "AnswerVerifier": "verification",
-    "Verdict": "verification",
+    "Verdict": "verification", "VerifyItem": "verification",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

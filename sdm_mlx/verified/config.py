@@ -59,6 +59,8 @@ class GenerationConfig:
     max_length: int | None = option(None, "kept positions of the verifier features",
                                     none_means=_HEAD + str(BUILTIN["max_length"]))
     n_exemplars: int = option(5, "nearest training exemplars reported per answer")
+    prompt_cache_bytes: int = option(256 << 20, "bytes of the prompt-prefix cache shared across prompts (the "
+                                                "system/instruction/template prefix is prefilled once; 0: off)")
     require_json: bool = option(True, "require a parseable JSON object for verification (--allow-non-json: only "
                                       "the closing delimiter)")
     # policy on a rejected answer
@@ -84,6 +86,8 @@ class GenerationConfig:
             raise InputError("max_attempts must be >= 1")
         if self.n_exemplars < 0:
             raise InputError("n_exemplars must be >= 0")
+        if int(self.prompt_cache_bytes) < 0:
+            raise InputError("prompt_cache_bytes must be >= 0 (0: no prompt cache)")
         for name in ("max_tokens", "max_length"):
             value = getattr(self, name)
             if value is not None and int(value) < 1:
@@ -102,3 +106,24 @@ class GenerationConfig:
         out["use_chat_template"] = bool(out["use_chat_template"])
         out["max_length"] = int(out["max_length"])
         return out
+
+
+def add_sampling_arguments(p) -> None:
+    """mlx-lm's sampling flags (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``) for ``generate``/``chat``."""
+    g = p.add_argument_group("sampling (default: greedy; with --head drawn from the joint neg+pos SDM output)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
+                   help="sampling temperature (0: greedy argmax)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed of the draws (same seed, same text)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise the last 20 tokens' logits by this factor (> 1 discourages repeats)")
+
+
+def sampling_params(args):
+    """The :class:`~sdm_mlx.decoding.sampling.SamplingParams` of parsed sampling flags (validated)."""
+    from ..decoding.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, repetition_penalty=args.repetition_penalty).validate()

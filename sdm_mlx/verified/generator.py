@@ -1,4 +1,4 @@
-"""``VerifiedGenerator``: greedy generation, verification of each answer, and the branching policy.
+"""``VerifiedGenerator``: decoding, verification of each answer, and the branching policy.
 
 The policy on a rejected answer (``on_reject``):
 
@@ -8,19 +8,20 @@ The policy on a rejected answer (``on_reject``):
 * ``"return"``  — one attempt; ``text`` is the answer, flagged ``verified =
   false`` / ``status = "unverified"``;
 * ``"reask"``   — re-prompt with the previous answer and ask for a re-check
-  (:data:`REASK_TEMPLATE`), up to ``max_attempts`` attempts in total, stopping
+  (:data:`~.prompts.REASK_TEMPLATE`), up to ``max_attempts`` attempts in total, stopping
   at the first verified answer; if none is verified the result falls back to
   ``reask_fallback`` (``"abstain"``, default, or ``"return"`` the last answer).
-  Decoding is greedy, so a re-ask prompt identical to one already used would
-  repeat its answer: the loop then stops early (``stopped =
-  "repeated_prompt"``).
+  Greedy decoding would repeat its answer to a re-ask prompt identical to one
+  already used: the loop then stops early (``stopped = "repeated_prompt"``).
 
-The re-ask prompt is a multi-turn chat: ``[system], user: <the original user
-message>, assistant: <previous answer>, user: <REASK_TEMPLATE with {previous},
-{reason}, {attempt} substituted>`` with the generation prompt (without a chat
-template: the texts joined by newlines).  Every attempt's answer is verified
-against the **original** prompt — features of original prompt + answer — since
-that is the distribution the verification layer was trained on.
+Prompts and re-ask prompts: :mod:`.prompts`.  Every attempt's answer is
+verified against the **original** prompt — features of original prompt +
+answer — since that is the distribution the verification layer was trained on;
+the first attempt's features are pooled from its own decoding states.
+
+One prompt's attempts are a task of :class:`~.runner.BatchRunner` (:meth:`VerifiedGenerator.attempts`):
+``generate`` runs one, ``generate_many`` (``sdm-mlx generate --input``) and
+``sdm-mlx serve`` run many at once in one continuous batch.
 """
 
 from __future__ import annotations
@@ -29,99 +30,23 @@ import dataclasses
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..llm import embed as _embed
 from .config import ON_REJECT, GenerationConfig
-from .decoding import GreedyDecoder
-from .verification import AnswerVerifier, Verdict
 from ..errors import InputError
+from ..decoding.batching import DecodeEngine, DecodeRequest
+from .outcome import ABSTAIN_TEXT, STATUSES, STOPPED, Attempt, VerificationResult
+from ..decoding.prompt_cache import PrefixCache
+from .prompts import REASK_TEMPLATE, PromptBuilder, fill
+from .runner import BatchRunner, Cancelled
+from ..decoding.sampling import GREEDY, SamplingParams
+from .verification import AnswerVerifier, Verdict, VerifyItem
 
-STATUSES = ("verified", "unverified", "abstained")
-STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
-
-#: Re-ask user message (slots: ``{previous}`` the previous answer, ``{reason}`` why it was rejected,
-#: ``{attempt}`` the number of the attempt being asked for); plain substring replacement.
-REASK_TEMPLATE = (
-    "Your previous answer was: {previous}\n"
-    "It could not be verified. Re-check the request and your answer carefully. If the answer is wrong, "
-    "correct it. Reply with only the answer, in the requested JSON format."
-)
-#: The ``text`` of an abstention (slot ``{reason}``).
-ABSTAIN_TEXT = "NOT VERIFIED: the answer was withheld because the verification layer could not verify it ({reason})."
-
-
-def _fill(template: str, **slots) -> str:
-    for k, v in slots.items():
-        template = template.replace("{" + k + "}", str(v))
-    return template
-
-
-@dataclass
-class Attempt:
-    """One generate-then-verify attempt."""
-
-    attempt: int
-    text: str
-    parsed: dict | None
-    verified: bool
-    p_lower: float | None
-    reason: str | None
-    exemplars: list
-    tokens: int
-    prompt_tokens: int
-    stop_reason: str
-    seconds: float
-    generation_seconds: float
-    verification_seconds: float
-    verifier: dict = field(default_factory=dict)
-    reask_message: str | None = None
-    token_ids: list = field(default_factory=list)
-    row: dict = field(default_factory=dict, repr=False)  # the verifier's full per-row output (not in to_dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "attempt": self.attempt, "text": self.text, "parsed": self.parsed, "verified": self.verified,
-            "p_lower": self.p_lower, "reason": self.reason, "exemplars": self.exemplars, "tokens": self.tokens,
-            "prompt_tokens": self.prompt_tokens, "stop_reason": self.stop_reason,
-            "seconds": round(self.seconds, 6), "generation_seconds": round(self.generation_seconds, 6),
-            "verification_seconds": round(self.verification_seconds, 6),
-            "tokens_per_second": (round(self.tokens / self.generation_seconds, 3)
-                                  if self.generation_seconds > 0 else None),
-            "verifier": self.verifier, "reask_message": self.reask_message, "token_ids": self.token_ids,
-        }
-
-
-@dataclass
-class VerificationResult:
-    """The outcome for one prompt (JSON schema: :mod:`sdm_mlx.verified`)."""
-
-    id: object
-    prompt: str
-    text: str
-    answer: str
-    parsed: dict | None
-    verified: bool
-    status: str
-    p_lower: float | None
-    reason: str | None
-    exemplars: list
-    attempts: list
-    on_reject: str
-    stopped: str
-    decoding: str
-    tokens: int
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return {
-            "id": self.id, "prompt": self.prompt, "text": self.text, "answer": self.answer, "parsed": self.parsed,
-            "verified": self.verified, "status": self.status, "p_lower": self.p_lower, "reason": self.reason,
-            "exemplars": self.exemplars, "on_reject": self.on_reject, "stopped": self.stopped,
-            "decoding": self.decoding, "n_attempts": len(self.attempts), "tokens": self.tokens,
-            "seconds": round(self.seconds, 6), "attempts": [a.to_dict() for a in self.attempts],
-        }
+__all__ = ["ABSTAIN_TEXT", "REASK_TEMPLATE", "STATUSES", "STOPPED", "Attempt", "VerificationResult",
+           "VerifiedGenerator"]
+#: Rows decoded at once by default (``max_batch`` of the engine).
+DEFAULT_MAX_BATCH = 16
 
 
 def _load_model(config: GenerationConfig, head_config: dict | None, model, tokenizer):
@@ -184,6 +109,8 @@ class VerifiedGenerator:
         All settings at once; keywords in ``settings`` override its fields.
     model, tokenizer, verifier, heads : optional
         Already loaded objects instead of paths (an mlx-lm model + tokenizer, an ``SDMEstimator``, ``SDMHeads``).
+    max_batch : int, optional
+        Requests decoded at once (the engine's running batch).
     **settings
         Fields of ``GenerationConfig``: ``system``, ``prompt_template`` (``{document}`` slot),
         ``use_chat_template`` (how a prompt is templated: use the settings the verifier's data were built
@@ -198,8 +125,8 @@ class VerifiedGenerator:
     model, tokenizer, heads, estimator :
         The loaded language model and tokenizer, the SDM heads (None: plain decoding) and the verification
         layer's ``SDMEstimator``.
-    decoder : GreedyDecoder
-        Greedy decoding up to the verification unit; ``decoding`` is its mode, "plain" or "joint".
+    engine : DecodeEngine
+        The batched decoding loop (continuous batching); ``decoding`` is its mode, "plain" or "joint".
     verifier : AnswerVerifier
         Features of an answer -> the estimator's verdict.
     system, prompt_template, use_chat_template, max_tokens, delimiter, max_length :
@@ -209,11 +136,13 @@ class VerifiedGenerator:
     """
 
     def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
-                 model=None, tokenizer=None, verifier=None, heads=None, **settings):
+                 model=None, tokenizer=None, verifier=None, heads=None, max_batch: int = DEFAULT_MAX_BATCH,
+                 **settings):
         paths = {k: v for k, v in (("model", model_path), ("verifier", verifier_path), ("head", head_path))
                  if v is not None}
         self.config = config = dataclasses.replace(config or GenerationConfig(), **paths, **settings)
         config.validate()
+        self.max_batch = int(max_batch)
         head_config = None
         if config.head is not None:
             from ..network.artifact import read_network_config
@@ -232,8 +161,10 @@ class VerifiedGenerator:
         return cls(config=config, **loaded)
 
     def _settle(self, config: GenerationConfig, head_settings: dict | None, model, tokenizer, heads, verifier):
-        """Resolve the head-dependent settings and build the decoder and the verifier."""
+        """Resolve the head-dependent settings and build the prompts, the engine and the verifier."""
         t = config.templating(head_settings)
+        self.prompts = PromptBuilder(tokenizer, system=t["system"], prompt_template=t["prompt_template"],
+                                     use_chat_template=t["use_chat_template"], reask_template=config.reask_template)
         self.system, self.prompt_template, self.use_chat_template = (t["system"], t["prompt_template"],
                                                                      t["use_chat_template"])
         self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]
@@ -241,37 +172,30 @@ class VerifiedGenerator:
             raise InputError("max_tokens and max_length must be >= 1")
         self.on_reject, self.max_attempts = config.on_reject, int(config.max_attempts)
         self.reask_fallback = config.reask_fallback
-        self.reask_template = REASK_TEMPLATE if config.reask_template is None else config.reask_template
+        self.reask_template = self.prompts.reask_template
         self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
-        self.decoder = GreedyDecoder(model, tokenizer, heads=heads, delimiter=self.delimiter, features=True,
-                                     max_length=self.max_length)
-        self.decoding = self.decoder.mode  # "plain" | "joint"
+        cache = PrefixCache(int(config.prompt_cache_bytes)) if config.prompt_cache_bytes else False
+        self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=self.delimiter,
+                                   max_batch=self.max_batch, max_length=self.max_length, prefix_cache=cache)
+        self.decoding = self.engine.mode  # "plain" | "joint"
         self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
                                        max_length=self.max_length, n_exemplars=config.n_exemplars,
                                        require_json=config.require_json)
+        self.runner = BatchRunner(self.engine, self.verifier)
 
     # -- prompts ----------------------------------------------------------------------------------
     def user_message(self, prompt: str) -> str:
-        return self.prompt_template.replace("{document}", prompt) if self.prompt_template else prompt
+        return self.prompts.user_message(prompt)
 
     def prompt_text(self, prompt: str) -> str:
         """The templated generation prompt for a user message / document (as ``sdm-mlx embed`` templates it)."""
-        return _embed.chat_text(self.tokenizer, prompt, system=self.system, prompt_template=self.prompt_template,
-                                use_chat_template=self.use_chat_template)
+        return self.prompts.document_text(prompt)
 
     def reask_text(self, prompt: str, previous: str, reason: str | None, attempt: int) -> tuple[str, str]:
-        """``(generation prompt, re-ask message)`` asking to re-check ``previous`` (see the module docstring)."""
-        message = _fill(self.reask_template, previous=previous, reason=reason or "", attempt=attempt)
-        user = self.user_message(prompt)
-        if not self.use_chat_template:
-            head = self.system + "\n" if self.system else ""
-            return f"{head}{user}{previous}\n{message}\n", message
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": previous},
-                     {"role": "user", "content": message}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return text, message
+        """``(generation prompt text, re-ask message)`` asking to re-check ``previous`` (see :mod:`.prompts`)."""
+        ids, message = self.prompts.reask(previous, reason, attempt, messages=self.prompts.messages(prompt))
+        return self.tokenizer.decode(ids), message
 
     # -- one prompt -------------------------------------------------------------------------------
     def verify(self, prompt: str, answer_ids, text: str | None = None, id=None) -> Verdict:
@@ -283,6 +207,14 @@ class VerifiedGenerator:
         ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
         return self.verifier(ids, answer_ids, self.tokenizer.decode(list(answer_ids)) if text is None else text, id)
 
+    def document_task(self, prompt: str, id=None, **options):
+        """The :meth:`attempts` task of one prompt (the user message / document of the template)."""
+        if not isinstance(prompt, str) or not prompt:
+            raise InputError("prompt must be a non-empty string")
+        base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        return self.attempts(base_ids, self.prompts.reasker(messages=self.prompts.messages(prompt)), prompt=prompt,
+                             id=id, **options)
+
     def generate(self, prompt: str, id=None, *, on_text: Callable[[str], None] | None = None,
                  on_attempt_start: Callable[[int], None] | None = None,
                  on_attempt: Callable[[Attempt], None] | None = None, **options) -> VerificationResult:
@@ -290,55 +222,63 @@ class VerifiedGenerator:
 
         Callbacks: ``on_text(segment)`` streams the answer text of every attempt,
         ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict.
-        ``options``: per-call overrides of :meth:`generate_ids`.
+        ``options``: per-call overrides of :meth:`attempts`.
         """
-        if not isinstance(prompt, str) or not prompt:
-            raise InputError("prompt must be a non-empty string")
-        base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        task = self.document_task(prompt, id, on_text=on_text, on_attempt_start=on_attempt_start,
+                                  on_attempt=on_attempt, **options)
+        return self.runner.run([task])[0]
 
-        def reask(previous: str, reason: str | None, attempt: int) -> tuple[list, str]:
-            text, message = self.reask_text(prompt, previous, reason, attempt)
-            return _embed.encode(self.tokenizer, text), message
+    def generate_ids(self, base_ids, reask, **options) -> VerificationResult:
+        """:meth:`attempts` on an already templated prompt (token ids ``base_ids``), run to its result."""
+        return self.runner.run([self.attempts(base_ids, reask, **options)])[0]
 
-        return self.generate_ids(base_ids, reask, prompt=prompt, id=id, on_text=on_text,
-                                 on_attempt_start=on_attempt_start, on_attempt=on_attempt, **options)
+    def generate_many(self, prompts: Sequence[str], ids: Sequence | None = None,
+                      on_result: Callable[[int, VerificationResult], None] | None = None, **options) -> list:
+        """Every prompt's :class:`VerificationResult`, decoded together in one continuous batch.
 
-    def generate_ids(self, base_ids, reask: Callable[[str, str | None, int], tuple[list, str]] | None, *,
-                     prompt: str = "", id=None, on_text: Callable[[str], None] | None = None,
-                     on_attempt_start: Callable[[int], None] | None = None,
-                     on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
-                     max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
-                     temperature: float = 0.0) -> VerificationResult:
-        """The generate-verify-branch loop on an already templated prompt (token ids ``base_ids``).
+        ``on_result(i, result)`` is called as each finishes (not in input order); ``options`` as :meth:`attempts`.
+        """
+        ids = list(ids) if ids is not None else [None] * len(prompts)
+        tasks = [self.document_task(p, i, **options) for p, i in zip(prompts, ids)]
+        return self.runner.run(tasks, on_result)
+
+    def attempts(self, base_ids, reask: Callable[[str, str | None, int], tuple[list, str]] | None, *,
+                 prompt: str = "", id=None, on_text: Callable[[str], None] | None = None,
+                 on_attempt_start: Callable[[int], None] | None = None,
+                 on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
+                 max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
+                 sampling: SamplingParams = GREEDY, cancel: Callable[[], bool] | None = None):
+        """The generate-verify-branch loop of one prompt as a :class:`~.runner.BatchRunner` task.
 
         ``reask(previous, reason, attempt) -> (prompt ids, re-ask message)`` builds the prompt of a re-ask
         attempt (required with ``on_reject="reask"``); every attempt is verified against ``base_ids``.
         ``on_reject``, ``max_attempts``, ``max_tokens`` override the generator's settings for this call;
-        ``stop`` (strings) and ``temperature`` go to :class:`~.decoding.GreedyDecoder`.  ``prompt`` is only
-        recorded in the result.
+        ``stop`` (strings), ``sampling`` (:class:`~.sampling.SamplingParams`; attempt ``k`` draws with
+        seed + k − 1) and ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) go to the
+        decoding.  ``prompt`` is only recorded in the result.
         """
-        on_reject = self.on_reject if on_reject is None else on_reject
-        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
-        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
-        if on_reject not in ON_REJECT:
-            raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
-        if max_attempts < 1 or max_tokens < 1:
-            raise InputError("max_attempts and max_tokens must be >= 1")
-        if on_reject == "reask" and reask is None:
-            raise InputError("on_reject='reask' needs a reask prompt builder")
+        on_reject, max_attempts, max_tokens = self._options(on_reject, max_attempts, max_tokens, reask, sampling)
         base_ids = [int(t) for t in base_ids]
-        decode_options = {k: v for k, v in (("stop", list(stop or ())), ("temperature", temperature)) if v}
         t_start = time.perf_counter()
-        gen_ids, reask_message = base_ids, None
-        used = {tuple(base_ids)}
+        gen_ids, reask_message, used = base_ids, None, {tuple(base_ids)}
         limit = max_attempts if on_reject == "reask" else 1
         attempts: list[Attempt] = []
         stopped = "rejected"
         for k in range(1, limit + 1):
             if on_attempt_start is not None:
                 on_attempt_start(k)
-            att = self._attempt(k, gen_ids, base_ids, max_tokens, on_text, decode_options, id=id,
-                                reask_message=reask_message)
+            seed = None if sampling.seed is None else sampling.seed + k - 1
+            req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed), tuple(stop or ()),
+                                features=gen_ids is base_ids, on_text=on_text, cancel=cancel)
+            t0 = time.perf_counter()
+            dec = yield req
+            if dec.stop_reason == "cancelled":
+                raise dec.error if dec.error is not None else Cancelled("the request was cancelled")
+            # the first attempt's decoding computed the verifier input; a re-asked attempt is verified
+            # against the original prompt, which its decoding never saw: one feature pass
+            verdict = yield VerifyItem(base_ids, dec.token_ids, dec.text, id,
+                                       (dec.features, dec.feature_info) if dec.features is not None else None)
+            att = _attempt_record(k, dec, verdict, reask_message, time.perf_counter() - t0)
             attempts.append(att)
             if on_attempt is not None:
                 on_attempt(att)
@@ -349,28 +289,26 @@ class VerifiedGenerator:
                 stopped = "max_attempts" if on_reject == "reask" else "rejected"
                 break
             gen_ids, reask_message = reask(att.text, att.reason, k + 1)
-            if tuple(gen_ids) in used:
+            gen_ids = [int(t) for t in gen_ids]
+            if sampling.greedy and tuple(gen_ids) in used:
                 stopped = "repeated_prompt"
                 break
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
 
-    def _attempt(self, k: int, gen_ids, base_ids, max_tokens: int, on_text, decode_options: dict, *, id,
-                 reask_message) -> Attempt:
-        """Attempt ``k``: decode from ``gen_ids`` and verify the output against the original ``base_ids``."""
-        t0 = time.perf_counter()
-        dec = self.decoder(gen_ids, max_tokens, on_text, **decode_options)
-        # the first attempt's decoding already computed the verifier input; a re-asked attempt is verified
-        # against the original prompt, which its decoding never saw: one feature pass
-        own = (dec.features, dec.feature_info) if gen_ids is base_ids else None
-        verdict = self.verifier(base_ids, dec.token_ids, dec.text, id, **({"features": own} if own else {}))
-        return Attempt(
-            attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
-            reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
-            prompt_tokens=len(gen_ids), stop_reason=dec.stop_reason, seconds=time.perf_counter() - t0,
-            generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
-            reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
-        )
+    def _options(self, on_reject, max_attempts, max_tokens, reask, sampling: SamplingParams) -> tuple:
+        """``(on_reject, max_attempts, max_tokens)`` of one call, the generator's settings filling ``None``."""
+        on_reject = self.on_reject if on_reject is None else on_reject
+        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
+        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
+        if on_reject not in ON_REJECT:
+            raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
+        if max_attempts < 1 or max_tokens < 1:
+            raise InputError("max_attempts and max_tokens must be >= 1")
+        if on_reject == "reask" and reask is None:
+            raise InputError("on_reject='reask' needs a reask prompt builder")
+        sampling.validate()
+        return on_reject, max_attempts, max_tokens
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
@@ -381,10 +319,23 @@ class VerifiedGenerator:
         elif policy == "return":
             status, shown = "unverified", last.text
         else:
-            status, shown = "abstained", _fill(self.abstain_text, reason=last.reason)
+            status, shown = "abstained", fill(self.abstain_text, reason=last.reason)
         return VerificationResult(
             id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
             status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,
             on_reject=on_reject, stopped=stopped, decoding=self.decoding,
             tokens=sum(a.tokens for a in attempts), seconds=seconds,
         )
+
+
+def _attempt_record(k: int, dec, verdict: Verdict, reask_message, seconds: float) -> Attempt:
+    """Attempt ``k`` from its decoding and its verdict."""
+    return Attempt(
+        attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
+        reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
+        prompt_tokens=len(dec.prompt_ids), stop_reason=dec.stop_reason, seconds=seconds,
+        generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
+        reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
+        first_token_seconds=dec.first_token_seconds, cached_prompt_tokens=dec.cached_prompt_tokens,
+        logprobs=dec.logprobs,
+    )

@@ -47,6 +47,17 @@ VERIFIER_FIELDS = VERDICT_KEYS
 
 
 @dataclass
+class VerifyItem:
+    """One answer to verify: prompt and answer token ids, the answer text, an id, optional pooled features."""
+
+    prompt_ids: list
+    answer_ids: list
+    text: str
+    id: object = None
+    features: tuple | None = None  # (X [1, 2D], info) pooled from the decoding of exactly prompt + answer
+
+
+@dataclass
 class Verdict:
     """The verification of one answer (see the module docstring)."""
 
@@ -89,27 +100,46 @@ class AnswerVerifier:
 
     def features(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]):
         """``(embedding [1, 2D] float32, Features)`` of prompt + answer tokens (embed.py's construction)."""
-        doc = [int(t) for t in prompt_ids] + [int(t) for t in answer_ids]
-        feats = _embed.document_features(
-            self.model, self.tokenizer, [doc], [(len(prompt_ids), None)], position="delimiter",
-            delimiter=self.delimiter, max_length=self.max_length, batch_size=1, on_missing="prompt",
-        )
+        feats = self.features_batch([(prompt_ids, answer_ids)])
         return feats.embeddings, feats
+
+    def features_batch(self, pairs: Sequence[tuple]):
+        """:class:`~sdm_mlx.llm.embed.Features` of each ``(prompt ids, answer ids)`` pair, in one batched pass."""
+        docs = [[int(t) for t in p] + [int(t) for t in a] for p, a in pairs]
+        return _embed.document_features(
+            self.model, self.tokenizer, docs, [(len(p), None) for p, _ in pairs], position="delimiter",
+            delimiter=self.delimiter, max_length=self.max_length, batch_size=8, on_missing="prompt",
+        )
 
     def __call__(self, prompt_ids, answer_ids, text: str, id=None, features=None) -> Verdict:
         """Verify ``answer_ids`` after ``prompt_ids``.  ``features``: ``(X [1, 2D], info)`` already pooled from
         the decoding of exactly this prompt + answer (``Decoded.features`` / ``feature_info``); then the
         feature pass is skipped."""
+        return self.verify_many([VerifyItem(list(prompt_ids), list(answer_ids), text, id, features)])[0]
+
+    def verify_many(self, items: Sequence["VerifyItem"]) -> list:
+        """The :class:`Verdict` of every item: one batched feature pass for the items without features, one
+        batched estimate for all (the estimate is per row: a verdict does not depend on the other items)."""
+        import numpy as np
+
         t0 = time.perf_counter()
-        if features is not None and features[0] is not None:
-            X, info = features
-        else:
-            X, feats = self.features(prompt_ids, answer_ids)
-            info = {k: getattr(feats, k)[0] for k in ("n_kept", "delimiter_index", "missing_delimiter", "truncated")}
+        need = [i for i, it in enumerate(items) if it.features is None or it.features[0] is None]
+        pooled = {i: (np.asarray(it.features[0], dtype=np.float32).reshape(1, -1), it.features[1])
+                  for i, it in enumerate(items) if i not in need}
+        if need:
+            feats = self.features_batch([(items[i].prompt_ids, items[i].answer_ids) for i in need])
+            for k, i in enumerate(need):
+                info = {f: getattr(feats, f)[k] for f in ("n_kept", "delimiter_index", "missing_delimiter",
+                                                          "truncated")}
+                pooled[i] = (feats.embeddings[k : k + 1], info)
         t1 = time.perf_counter()
-        pred = self.estimator.estimate(X, ids=[id], n_exemplars=self.n_exemplars)
-        row = pred.to_dicts()[0]
+        X = np.concatenate([pooled[i][0] for i in range(len(items))], axis=0)
+        rows = self.estimator.estimate(X, ids=[it.id for it in items], n_exemplars=self.n_exemplars).to_dicts()
         t2 = time.perf_counter()
+        return [self._verdict(row, it.text, pooled[i][1], t1 - t0, t2 - t1) for i, (row, it) in
+                enumerate(zip(rows, items))]
+
+    def _verdict(self, row: dict, text: str, info: dict, feature_seconds: float, estimate_seconds: float):
         parsed = first_json_object(text)
         missing = bool(info["missing_delimiter"])
         record = {k: row[k] for k in VERIFIER_FIELDS}
@@ -127,7 +157,8 @@ class AnswerVerifier:
             reason = None
         return Verdict(
             verified=reason is None, reason=reason, p_lower=record["p_lower"], parsed=parsed,
-            exemplars=row["exemplars"], verifier=record, feature_seconds=t1 - t0, estimate_seconds=t2 - t1,
+            exemplars=row["exemplars"], verifier=record, feature_seconds=feature_seconds,
+            estimate_seconds=estimate_seconds,
             row=strict(row),
         )
 

@@ -100,3 +100,10 @@ def build_verified_lab(tiny_phi3_path, root):
         outs=outs, docs=docs, verified_doc=docs[int(ok[0])][0],
         verified_answer=outs[int(ok[0])].text, admitted_fraction=float(pred.admitted.mean()),
     )
+
+
+def verified_generator(s, **kw):
+    """A ``VerifiedGenerator`` on the lab ``s`` (the ``setup`` fixture): its model, verifier and head."""
+    from sdm_mlx.verified import VerifiedGenerator
+
+    return VerifiedGenerator(s.model_path, s.verifier_dir, head_path=s.head_dir, **kw)

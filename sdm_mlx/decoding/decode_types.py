@@ -1,0 +1,58 @@
+"""What the decoding engine is asked (:class:`DecodeRequest`) and what it answers (:class:`Decoded`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..errors import InputError
+from .sampling import GREEDY, SamplingParams
+
+STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
+
+
+@dataclass
+class DecodeRequest:
+    """One decoding: prompt token ids and how to pick and stop (``cancel``: polled at every token)."""
+
+    prompt_ids: list
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: Sequence[str] = ()
+    stop_at_delimiter: bool = True
+    features: bool = False
+    on_text: Callable[[str], None] | None = None
+    cancel: Callable[[], bool] | None = None
+
+
+@dataclass
+class Decoded:
+    """A finished decoding: generated ``token_ids`` (EOS not kept), their ``text``, why it stopped, timings.
+
+    ``features``: with ``features=True``, the verifier input ``[1, 2D]`` float32 of prompt + answer and
+    ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
+    ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token.
+    """
+
+    prompt_ids: list
+    token_ids: list
+    text: str
+    stop_reason: str
+    seconds: float
+    features: object = None
+    feature_info: dict | None = None
+    logprobs: list | None = None
+    first_token_seconds: float | None = None
+    cached_prompt_tokens: int = 0
+    error: BaseException | None = None  # raised by the request's on_text (the row was stopped)
+
+
+def check_request(req: DecodeRequest) -> None:
+    """Raise :class:`~sdm_mlx.errors.InputError` naming what is wrong with ``req``."""
+    if req.max_tokens < 1:
+        raise InputError("max_tokens must be >= 1")
+    if not req.prompt_ids:
+        raise InputError("empty prompt")
+    if any(not isinstance(s, str) or not s for s in req.stop):
+        raise InputError("stop strings must be non-empty strings")
+    req.sampling.validate()

@@ -1,0 +1,83 @@
+"""What one verified generation produced: its attempts and its result (JSON schema: :mod:`sdm_mlx.verified`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STATUSES = ("verified", "unverified", "abstained")
+STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
+#: The ``text`` of an abstention (slot ``{reason}``).
+ABSTAIN_TEXT = "NOT VERIFIED: the answer was withheld because the verification layer could not verify it ({reason})."
+
+
+@dataclass
+class Attempt:
+    """One generate-then-verify attempt."""
+
+    attempt: int
+    text: str
+    parsed: dict | None
+    verified: bool
+    p_lower: float | None
+    reason: str | None
+    exemplars: list
+    tokens: int
+    prompt_tokens: int
+    stop_reason: str
+    seconds: float
+    generation_seconds: float
+    verification_seconds: float
+    verifier: dict = field(default_factory=dict)
+    reask_message: str | None = None
+    token_ids: list = field(default_factory=list)
+    row: dict = field(default_factory=dict, repr=False)  # the verifier's full per-row output (not in to_dict)
+    first_token_seconds: float | None = None
+    cached_prompt_tokens: int = 0
+    logprobs: list | None = None  # with sampling.logprobs: one record per generated token
+
+    def to_dict(self) -> dict:
+        return {
+            "attempt": self.attempt, "text": self.text, "parsed": self.parsed, "verified": self.verified,
+            "p_lower": self.p_lower, "reason": self.reason, "exemplars": self.exemplars, "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens, "stop_reason": self.stop_reason,
+            "seconds": round(self.seconds, 6), "generation_seconds": round(self.generation_seconds, 6),
+            "verification_seconds": round(self.verification_seconds, 6),
+            "tokens_per_second": (round(self.tokens / self.generation_seconds, 3)
+                                  if self.generation_seconds > 0 else None),
+            "verifier": self.verifier, "reask_message": self.reask_message, "token_ids": self.token_ids,
+            "first_token_seconds": (None if self.first_token_seconds is None
+                                    else round(self.first_token_seconds, 6)),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+        }
+
+
+@dataclass
+class VerificationResult:
+    """The outcome for one prompt (JSON schema: :mod:`sdm_mlx.verified`)."""
+
+    id: object
+    prompt: str
+    text: str
+    answer: str
+    parsed: dict | None
+    verified: bool
+    status: str
+    p_lower: float | None
+    reason: str | None
+    exemplars: list
+    attempts: list
+    on_reject: str
+    stopped: str
+    decoding: str
+    tokens: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id, "prompt": self.prompt, "text": self.text, "answer": self.answer, "parsed": self.parsed,
+            "verified": self.verified, "status": self.status, "p_lower": self.p_lower, "reason": self.reason,
+            "exemplars": self.exemplars, "on_reject": self.on_reject, "stopped": self.stopped,
+            "decoding": self.decoding, "n_attempts": len(self.attempts), "tokens": self.tokens,
+            "seconds": round(self.seconds, 6), "attempts": [a.to_dict() for a in self.attempts],
+        }

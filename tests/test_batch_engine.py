@@ -1,0 +1,166 @@
+"""The batched decoding engine: a request's answer and verdict do not depend on the batch it runs in.
+
+Every request is decoded alone (a batch of one, no prompt cache) and in running batches of 2, 4, 8
+and 16 rows that it joins and leaves at token boundaries (including requests submitted while others
+are mid-decoding, and a prompt cache shared across requests); tokens and stop reasons must be
+identical and the verifier features within 1e-5.  Seeded sampling reproduces the same text alone and
+in a batch.  The verdicts of ``VerifiedGenerator.generate_many`` equal one-at-a-time ``generate``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from verified_lab import SYSTEM, TEMPLATE, reviews  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
+from verified_lab import verified_generator as _generator  # noqa: E402
+
+from sdm_mlx.llm import embed as E  # noqa: E402
+
+
+def _prompts(tok, n=16, seed=3):
+    docs = [d for d, _ in reviews(n, seed=seed)]
+    return [E.encode(tok, E.chat_text(tok, d, system=SYSTEM, prompt_template=TEMPLATE)) for d in docs]
+
+
+def _engine(model, tok, heads, max_batch, prefix_cache=False):
+    from sdm_mlx.decoding import DecodeEngine
+
+    return DecodeEngine(model, tok, heads=heads, max_batch=max_batch, prefix_cache=prefix_cache)
+
+
+def _requests(prompts, sampling=None, max_tokens=16):
+    from sdm_mlx.decoding import DecodeRequest, SamplingParams
+
+    sampling = sampling or SamplingParams()
+    return [DecodeRequest(p, max_tokens, sampling, features=True) for p in prompts]
+
+
+def _assert_same(alone, batched, tol=1e-5):
+    for a, b in zip(alone, batched):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason and a.text == b.text
+        assert a.feature_info == b.feature_info
+        np.testing.assert_allclose(b.features, a.features, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_answers_do_not_depend_on_the_batch(setup, joint):  # noqa: F811
+    from sdm_mlx.decoding import PrefixCache
+
+    gen = _generator(setup)
+    model, tok, heads = gen.model, gen.tokenizer, (gen.heads if joint else None)
+    prompts = _prompts(tok)
+    alone = [_engine(model, tok, heads, 1).run(_requests([p]))[0] for p in prompts]
+    assert len({a.stop_reason for a in alone}) >= 1 and any(a.token_ids for a in alone)
+    for size in (2, 4, 8, 16):
+        _assert_same(alone, _engine(model, tok, heads, size).run(_requests(prompts)))
+    # with a shared prompt cache: the template prefix is prefilled once, the answers stay the same
+    cache = PrefixCache()
+    cached = _engine(model, tok, heads, 16, prefix_cache=cache).run(_requests(prompts))
+    _assert_same(alone, cached)
+    assert cache.hits >= len(prompts) - 2 and sum(d.cached_prompt_tokens > 0 for d in cached) >= len(prompts) - 2
+
+
+def test_requests_join_a_running_batch(setup):  # noqa: F811
+    """Requests submitted while others decode join at the next token boundary; nothing changes for anyone."""
+    gen = _generator(setup)
+    prompts = _prompts(gen.tokenizer, 12, seed=5)
+    alone = [_engine(gen.model, gen.tokenizer, gen.heads, 1).run(_requests([p]))[0] for p in prompts]
+    eng = _engine(gen.model, gen.tokenizer, gen.heads, 8)
+    reqs = _requests(prompts)
+    got, k, sizes = {}, 0, set()
+    while k < len(reqs) or eng.busy:
+        if k < len(reqs):  # one new request per step
+            eng.submit(reqs[k])
+            k += 1
+        for req, dec in eng.step():
+            got[id(req)] = dec
+        sizes.add(len(eng.rows))
+    assert max(sizes) > 2  # really batched
+    _assert_same(alone, [got[id(r)] for r in reqs])
+
+
+def test_cancel_stops_one_row_only(setup):  # noqa: F811
+    gen = _generator(setup)
+    prompts = _prompts(gen.tokenizer, 4, seed=7)
+    reqs = _requests(prompts, max_tokens=20)
+    for r in reqs:
+        r.stop_at_delimiter = False
+    steps = [0]
+    reqs[1].cancel = lambda: steps[0] >= 3
+    eng = _engine(gen.model, gen.tokenizer, gen.heads, 4)
+    for r in reqs:
+        eng.submit(r)
+    done = {}
+    while eng.busy:
+        for req, dec in eng.step():
+            done[id(req)] = dec
+        steps[0] += 1
+    out = [done[id(r)] for r in reqs]
+    assert out[1].stop_reason == "cancelled" and len(out[1].token_ids) <= 4
+    alone = _engine(gen.model, gen.tokenizer, gen.heads, 1).run([reqs[0]])[0]
+    assert out[0].token_ids == alone.token_ids and out[0].stop_reason != "cancelled"
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(setup, joint):  # noqa: F811
+    from sdm_mlx.decoding import DecodeRequest, SamplingParams
+
+    gen = _generator(setup)
+    heads = gen.heads if joint else None
+    prompts = _prompts(gen.tokenizer, 6, seed=9)
+    s = SamplingParams(temperature=1.2, top_p=0.95, top_k=50, min_p=0.01, seed=11, repetition_penalty=1.1)
+    one = _engine(gen.model, gen.tokenizer, heads, 1).run([DecodeRequest(prompts[0], 12, s)])[0]
+    mixed = [DecodeRequest(prompts[0], 12, s)] + [DecodeRequest(p, 12) for p in prompts[1:]]  # greedy neighbours
+    batch = _engine(gen.model, gen.tokenizer, heads, 6).run(mixed)
+    assert batch[0].token_ids == one.token_ids
+    hot = [DecodeRequest(prompts[0], 12, SamplingParams(temperature=2.0, seed=k)) for k in range(8)]
+    greedy = _engine(gen.model, gen.tokenizer, heads, 1).run([DecodeRequest(prompts[0], 12)])[0]
+    draws = _engine(gen.model, gen.tokenizer, heads, 8).run(hot)
+    assert any(d.token_ids != greedy.token_ids for d in draws)  # the draw is random, the seed fixes it
+
+
+def test_logprobs_report_the_emitted_token(setup):  # noqa: F811
+    from sdm_mlx.decoding import DecodeRequest, SamplingParams
+
+    gen = _generator(setup)
+    p = _prompts(gen.tokenizer, 1)[0]
+    dec = _engine(gen.model, gen.tokenizer, gen.heads, 1).run(
+        [DecodeRequest(p, 8, SamplingParams(logprobs=True, top_logprobs=3))])[0]
+    assert len(dec.logprobs) == len(dec.token_ids)
+    for t, lp in zip(dec.token_ids, dec.logprobs):
+        assert lp["id"] == t and lp["logprob"] <= 1e-6 and len(lp["top_logprobs"]) == 3
+        assert lp["top_logprobs"][0]["logprob"] >= lp["logprob"] - 1e-6  # greedy: the emitted token is the best
+
+
+def test_prefix_cache_is_bounded_in_bytes(setup):  # noqa: F811
+    from sdm_mlx.decoding import PrefixCache
+
+    gen = _generator(setup)
+    prompts = _prompts(gen.tokenizer, 8)
+    big = PrefixCache()
+    _engine(gen.model, gen.tokenizer, None, 4, prefix_cache=big).run(_requests(prompts))
+    entry = big.nbytes / max(1, len(big))
+    small = PrefixCache(max_bytes=int(entry * 1.5))
+    _engine(gen.model, gen.tokenizer, None, 4, prefix_cache=small).run(_requests(prompts))
+    assert 0 < small.nbytes <= small.max_bytes and len(small) == 1 and small.hits > 0
+
+
+def test_generate_many_verdicts_equal_one_at_a_time(setup):  # noqa: F811
+    """Mixed policies in one batch; every result equals the same request run alone."""
+    gen = _generator(setup, on_reject="reask", max_attempts=2)
+    docs = [setup.verified_doc, "Hello", "Boring, too long, and badly written."] + \
+        [d for d, _ in reviews(5, seed=21)]
+    alone = [gen.generate(d, id=i) for i, d in enumerate(docs)]
+    many = gen.generate_many(docs, list(range(len(docs))))
+    assert any(r.verified for r in many) and any(len(r.attempts) > 1 for r in many)  # re-asks ran in the batch
+    for a, b in zip(alone, many):
+        assert (a.id, a.text, a.status, a.reason, a.stopped, len(a.attempts)) == \
+            (b.id, b.text, b.status, b.reason, b.stopped, len(b.attempts))
+        for x, y in zip(a.attempts, b.attempts):
+            assert x.token_ids == y.token_ids and x.verified == y.verified
+            assert (x.p_lower is None) == (y.p_lower is None)
+            if x.p_lower is not None:
+                assert abs(x.p_lower - y.p_lower) <= 1e-5

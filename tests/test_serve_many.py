@@ -1,0 +1,144 @@
+"""``sdm-mlx serve`` under concurrent clients, through the official ``openai`` client.
+
+One server (the tiny model, positive head and verifier of ``tests/test_generate.py``) serves many
+requests at once from one continuous decoding batch.  Checked: every concurrent answer and verdict
+equals the same request sent alone (streaming and not, policies ``return`` / ``abstain`` /
+``reask`` mixed); clients that disconnect mid-stream do not disturb the others; seeded sampling
+(``temperature``, ``top_p``, ``seed``) gives the same text alone and under load; ``logprobs`` come
+back in the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+openai = pytest.importorskip("openai")
+
+from server_process import ServerProcess, sdm_mlx  # noqa: E402
+from verified_lab import OOD_PROMPT, reviews  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def server(setup):  # noqa: F811
+    srv = ServerProcess(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--quiet"))
+    try:
+        yield srv
+        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.lines)
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def _ask(client, doc: str, policy: str, stream: bool, **extra) -> tuple[str, dict]:
+    kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": doc}], max_tokens=24,
+              extra_body={"sdm": {"on_reject": policy, "max_attempts": 2}}, **extra)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].model_extra["verification"]
+    text, verification = "", None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        c = ch.choices[0]
+        text += c.delta.content or ""
+        verification = (c.model_extra or {}).get("verification") or verification
+    return text, verification
+
+
+def _key(verification: dict) -> tuple:
+    return (verification["status"], verification["verified"], verification["rejection_reason"],
+            verification["n_attempts"], verification["stopped"])
+
+
+def test_concurrent_requests_equal_requests_alone(setup, client):  # noqa: F811
+    docs = [setup.verified_doc, OOD_PROMPT, "Hello"] + [d for d, _ in reviews(9, seed=31)]
+    jobs = [(d, ("return", "abstain", "reask")[i % 3], i % 2 == 0) for i, d in enumerate(docs)]
+    alone = [_ask(client, *j) for j in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda j: _ask(client, *j), jobs))
+    for (doc, policy, stream), a, b in zip(jobs, alone, together):
+        assert a[0] == b[0], (doc, policy, stream)
+        assert _key(a[1]) == _key(b[1])
+        if a[1]["p_lower"] is not None:
+            assert abs(a[1]["p_lower"] - b[1]["p_lower"]) <= 1e-5
+    assert any(v["verified"] for _, v in together) and any(v["n_attempts"] == 2 for _, v in together)
+
+
+def test_disconnecting_clients_do_not_disturb_the_others(setup, client, server):  # noqa: F811
+    ref = _ask(client, setup.verified_doc, "return", False)
+
+    def leave_early():
+        body = {"messages": [{"role": "user", "content": OOD_PROMPT}], "max_tokens": 200, "stream": True,
+                "sdm": {"on_reject": "return"}}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline()  # the first event, then the connection is closed
+        conn.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        gone = [pool.submit(leave_early) for _ in range(4)]
+        kept = [pool.submit(_ask, client, setup.verified_doc, "return", i % 2 == 0) for i in range(4)]
+        for f in gone:
+            f.result()
+        answers = [f.result() for f in kept]
+    for text, verification in answers:
+        assert text == ref[0] and _key(verification) == _key(ref[1])
+    assert client.models.list().data  # still serving
+
+
+def test_seeded_sampling_is_honoured_under_load(setup, client):  # noqa: F811
+    sampled = dict(temperature=1.5, top_p=0.9, seed=7)
+    alone = [_ask(client, OOD_PROMPT, "return", False, **sampled)[0] for _ in range(2)]
+    assert alone[0] == alone[1]
+    with ThreadPoolExecutor(6) as pool:
+        busy = [pool.submit(_ask, client, d, "return", True) for d, _ in reviews(4, seed=41)]
+        mine = pool.submit(_ask, client, OOD_PROMPT, "return", True, **sampled)
+        assert mine.result()[0] == alone[0]
+        [f.result() for f in busy]
+    doc = reviews(1, seed=43)[0][0]
+    others = {_ask(client, doc, "return", False, temperature=2.0, seed=s)[0] for s in range(8)}
+    assert len(others) > 1  # the seed matters
+
+
+def test_logprobs_in_openai_shape(setup, client):  # noqa: F811
+    r = client.chat.completions.create(
+        messages=[{"role": "user", "content": setup.verified_doc}], model=client.models.list().data[0].id,
+        max_tokens=24, logprobs=True, top_logprobs=2, extra_body={"sdm": {"on_reject": "return"}})
+    content = r.choices[0].logprobs.content
+    assert content and len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 1e-6 for c in content)
+
+
+def test_verify_burst_equals_verifications_alone(setup, server):  # noqa: F811
+    """Concurrent /v1/verify requests are verified together (one batched pass) with the verdicts they get alone."""
+    import urllib.request
+
+    def verify(doc, answer):
+        body = json.dumps({"messages": [{"role": "user", "content": doc}], "completion": answer}).encode()
+        req = urllib.request.Request(server.url + "/v1/verify", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            v = json.loads(r.read())["verification"]
+        return v["verified"], v["rejection_reason"], v["p_lower"]
+
+    pairs = [(d, a) for d, _ in reviews(4, seed=51) for a in ('{"sentiment": "positive"}', '{"sentiment": "negative"}')]
+    pairs.append((setup.verified_doc, setup.verified_answer))
+    alone = [verify(*p) for p in pairs]
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        together = list(pool.map(lambda p: verify(*p), pairs))
+    for a, b in zip(alone, together):
+        assert a[:2] == b[:2] and (a[2] is None) == (b[2] is None)
+        if a[2] is not None:
+            assert abs(a[2] - b[2]) <= 1e-5
+    assert alone[-1][0]  # the known-good answer is verified
