@@ -186,9 +186,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, subparsers
 
 
+def _closest_flags(flag: str, known: list) -> list:
+    """The verb's flags closest to ``flag`` (difflib ratio ≥ 0.6): the best, and a second only as close (within
+    0.05), so "--modle" suggests --model alone."""
+    import difflib
+
+    scored = sorted(((difflib.SequenceMatcher(None, flag, k).ratio(), k) for k in known), reverse=True)
+    scored = [(r, k) for r, k in scored if r >= 0.6]
+    return [k for r, k in scored[:2] if r >= scored[0][0] - 0.05]
+
+
 def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """"unrecognized arguments: ..." with a "did you mean" for each unknown flag close to one of the verb's."""
-    import difflib
 
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
     hints = []
@@ -196,7 +205,7 @@ def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]
         flag = extra.split("=", 1)[0]
         if not flag.startswith("-") or flag in known:
             continue
-        close = difflib.get_close_matches(flag, known, n=2, cutoff=0.6)
+        close = _closest_flags(flag, known)
         if close:
             hints.append(f"{flag}: did you mean {' or '.join(close)}?")
     return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
