@@ -397,3 +397,37 @@ def test_pool_states_is_the_one_pooling():
         np.testing.assert_allclose(E.pool_hidden(h[i], n, f), out[i], atol=1e-6)
     with pytest.raises(E.InputError):
         E.pool_hidden(h[0], 3, 3)
+
+
+def test_cli_embed_pooling_non_shared_records_its_prefix(tmp_path, tiny_phi3_path, phi3):
+    """`sdm-mlx embed --pooling non-shared` (a subprocess): the shared prefix is that of the whole input, recorded
+    in OUTPUT.features.json; a resumed run pools the same way; other settings on the same output are refused."""
+    import subprocess
+    import sys
+
+    inp, out = tmp_path / "docs.jsonl", tmp_path / "feats.jsonl"
+    _write_docs(inp, _rows())
+    cmd = [sys.executable, "-m", "sdm_mlx", "embed", "--model", tiny_phi3_path, "--input", str(inp),
+           "--output", str(out), "--completion-field", "completion", "--system", SYSTEM,
+           "--prompt-template", TEMPLATE, "--batch-size", "2", "--quiet"]
+    assert subprocess.run(cmd + ["--pooling", "non-shared"], capture_output=True, text=True).returncode == 0
+    spec = json.loads((tmp_path / "feats.jsonl.features.json").read_text())
+    model, tok = phi3
+    ps = prompts(tok)
+    ref = E.prompt_completion_features(model, tok, ps, COMPLETIONS, pooling="non-shared")
+    assert spec["pooling"] == "non-shared" and spec["shared_prefix_ids"] == ref.shared_prefix
+    assert spec["shared_prefix_text"] == tok.decode(ref.shared_prefix) and spec["position"] == "delimiter"
+    got = _read(out)
+    np.testing.assert_allclose(np.array([got[f"d{i}"]["embedding"] for i in range(5)]), ref.embeddings, atol=1e-5)
+    # resume after losing the last three rows: they are pooled with the recorded (whole-input) prefix
+    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text("".join(lines[:2]), encoding="utf-8")
+    assert subprocess.run(cmd + ["--pooling", "non-shared"], capture_output=True, text=True).returncode == 0
+    again = _read(out)
+    np.testing.assert_allclose(np.array([again[f"d{i}"]["embedding"] for i in range(5)]), ref.embeddings, atol=1e-5)
+    # the same output with the paper's pooling: refused, exit 2, naming the fix
+    (tmp_path / "more.jsonl").write_text(inp.read_text() + json.dumps(
+        {"id": "d9", "document": "Fine.", "completion": COMPLETIONS[0]}) + "\n")
+    bad = subprocess.run([c if c != str(inp) else str(tmp_path / "more.jsonl") for c in cmd] + ["--pooling", "all"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "(pooling, " in bad.stderr and "use another --output" in bad.stderr
