@@ -118,19 +118,32 @@ ON_MISSING = ("error", "last", "prompt")
 # --------------------------------------------------------------------------- model access
 
 
-def load_model(path_or_id: str, **kwargs):
-    """``(model, tokenizer)`` from a local mlx-lm directory or a Hugging Face hub id (via ``mlx_lm.load``).
+def load_model(path_or_id: str, *, head: bool = True, **kwargs):
+    """``(model, tokenizer)`` from a local mlx-lm directory or a Hugging Face hub id (via mlx-lm).
 
     A path that looks local (``/``, ``.``, ``~`` prefix) but does not exist raises
-    ``FileNotFoundError`` instead of being sent to the hub.
+    ``FileNotFoundError`` instead of being sent to the hub.  The weights are read
+    while the tokenizer loads (``mx.async_eval``).  ``head=False`` (features
+    only): an untied LM head is left unread, loaded from its file on first use
+    (saves its |V| x D weights of reading and memory when it is never used).
     """
+    import mlx.core as mx
+    from mlx_lm.utils import _download, load_model as _lm_load_model, load_tokenizer as _lm_load_tokenizer
+
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     expanded = os.path.expanduser(str(path_or_id))
     if not os.path.exists(expanded) and str(path_or_id).startswith(("/", ".", "~")):
         raise FileNotFoundError(f"model directory not found: {path_or_id}")
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(expanded if os.path.exists(expanded) else str(path_or_id), **kwargs)
+    path = _download(expanded if os.path.exists(expanded) else str(path_or_id), revision=kwargs.pop("revision", None))
+    model, config = _lm_load_model(path, lazy=True, model_config=kwargs.pop("model_config", None),
+                                   trust_remote_code=kwargs.pop("trust_remote_code", False))
+    weights = model.parameters() if head else trunk(model).parameters()
+    mx.async_eval(weights)  # read on MLX's thread while the tokenizer loads here
+    tokenizer = _lm_load_tokenizer(path, kwargs.pop("tokenizer_config", None),
+                                   eos_token_ids=config.get("eos_token_id", None))
+    if kwargs:
+        raise TypeError(f"load_model got unexpected keyword arguments {sorted(kwargs)}")
+    mx.eval(weights)
     trunk(model)  # validate early
     return model, tokenizer
 

@@ -221,7 +221,7 @@ def run(args) -> int:
         return 0
     from ..embed import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, head=False)  # features never use the LM head
     spec = _feature_spec(args, rows, tokenizer, position)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:
         stats = _embed_rows(args, todo, model, tokenizer, spec, bar, out)
