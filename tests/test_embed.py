@@ -336,7 +336,10 @@ def test_shared_prefix_runs_once_and_features_equal_unshared(lm, monkeypatch):
                        max(map(len, batch)) if isinstance(batch, list) else batch.shape[-1], cache is not None))
         return real_trunk_call(model_, batch, cache=cache, pad_id=pad_id)
 
+    import sdm_mlx.llm.model as M
+
     monkeypatch.setattr(E, "hidden_states", spy)
+    monkeypatch.setattr(M, "hidden_states", spy)  # the prefix pass (run_shared_prefix lives in llm/model.py)
     f = E.prompt_completion_features(model, tok, ps, COMPLETIONS, batch_size=2)
     monkeypatch.undo()
     kept = [s[:n] for s, n in zip(seqs, f.n_kept)]

@@ -210,12 +210,14 @@ def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
     prompts = [f"Review {i}: " + "a warm and funny film " * (i % 5) for i in range(23)]
     comps = ['{"sentiment": "positive"}' if i % 2 else '{"sentiment": "negative"}' for i in range(23)]
     dp = DataParallel(group=_Group())
-    full = E.prompt_completion_features(model, tok, prompts, comps, batch_size=4).embeddings
+    whole = E.prompt_completion_features(model, tok, prompts, comps, batch_size=4)
+    full = whole.embeddings
     keys = E.prompt_completion_kept_lengths(tok, prompts, comps)
     parts = dp.aligned_parts(keys, 4)
     assert sorted(np.concatenate(parts).tolist()) == list(range(23)) and all(len(p) for p in parts)
     for p in parts:
-        got = E.prompt_completion_features(model, tok, [prompts[i] for i in p], [comps[i] for i in p], batch_size=4)
+        got = E.prompt_completion_features(model, tok, [prompts[i] for i in p], [comps[i] for i in p], batch_size=4,
+                                           shared_prefix=whole.shared_prefix)  # as SDMNetworkTrainer.features_of
         assert np.array_equal(got.embeddings, full[p])
     heads = SDMHeads(model)
     gens = greedy_generate(heads, tok, prompts, max_new_tokens=4, batch_size=4)

@@ -328,11 +328,13 @@ def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int
     return np.array(feats, dtype=np.float32)
 
 
-def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress) -> np.ndarray:
-    """Features of every (cut) sequence: the longest common prefix runs once, then batches of ``batch_size``
-    rows, longest first.  Each row keeps at least one own token (its last state comes from its own pass)."""
+def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress, *, prefix_ids) -> np.ndarray:
+    """Features of every (cut) sequence: their common prefix with ``prefix_ids`` runs once, then batches of
+    ``batch_size`` rows, longest first.  Each row keeps at least one own token (its last state comes from its
+    own pass).  The prefix run once depends only on ``prefix_ids`` and the rows' own tokens, so callers that
+    split one set of rows (data-parallel ranks) and pass the whole set's prefix get the same rows bit for bit."""
     n_kept = np.array([len(s) for s in seqs], dtype=np.int64)
-    shared = min(common_prefix_length(seqs), int(n_kept.min()) - 1)
+    shared = min(common_prefix_length(list(seqs) + [list(prefix_ids)]), int(n_kept.min()) - 1)
     prefix = run_shared_prefix(model, seqs[0][:shared])
     order = np.argsort(-n_kept, kind="stable")
     out = None
@@ -396,7 +398,8 @@ def document_features(
         shared_prefix = seqs[0][: common_prefix_length(seqs)] if seqs else []
     shared_prefix = [int(t) for t in shared_prefix]
     first = np.array([pooled_from(s, len(s), pooling, shared_prefix) for s in seqs], dtype=np.int64)
-    out = _pooled_all(model, seqs, first, batch_size, progress) if n_docs else np.zeros((0, 0), np.float32)
+    out = (_pooled_all(model, seqs, first, batch_size, progress, prefix_ids=shared_prefix) if n_docs
+           else np.zeros((0, 0), np.float32))
     return Features(
         embeddings=out,
         n_tokens=np.array([len(p[0]) for p in plans], dtype=np.int64),

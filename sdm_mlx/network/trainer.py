@@ -209,17 +209,20 @@ class SDMNetworkTrainer:
         """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
         c = self.config
         prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
-        parts = [np.arange(len(rows))]
+        parts, shared = [np.arange(len(rows))], None
         if self.dp.active:
             keys = _embed.prompt_completion_kept_lengths(self.tokenizer, prompts, completions,
                                                          delimiter=c.delimiter, max_length=c.max_length)
             parts = self.dp.aligned_parts(keys, c.embed_batch_size)
+            # the whole set's shared prefix: every rank runs the prefix a single process would (same rows)
+            seqs = [_embed.encode(self.tokenizer, p + q) for p, q in zip(prompts, completions)]
+            shared = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None
         mine = parts[self.dp.rank]
         with Progress(len(mine), desc, unit="doc", enabled=c.verbose) as bar:
             feats = _embed.prompt_completion_features(
                 self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
                 delimiter=c.delimiter, max_length=c.max_length,
-                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update,
+                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update, shared_prefix=shared,
             ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
         return self.dp.gather_parts(feats, parts)
 
