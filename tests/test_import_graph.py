@@ -106,3 +106,16 @@ def test_no_test_imports_another_test_module():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad = [n for n in names if n.split(".")[0].startswith("test_")]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}: move what it shares to conftest.py or tests/helpers/"
+
+
+def test_public_paths_users_know_keep_working():
+    """The paths the README, the docs and users' scripts import from resolve after the move into packages."""
+    import sdm_mlx
+    from sdm_mlx import calibration, index  # noqa: F401
+    from sdm_mlx.data import Dataset, factcheck_splits, load_factcheck, read_jsonl
+    from sdm_mlx.estimator import SDMEstimator
+    from sdm_mlx.network import load_network  # noqa: F401
+
+    assert sdm_mlx.SDMEstimator is SDMEstimator and sdm_mlx.read_jsonl is read_jsonl
+    assert callable(factcheck_splits) and len(load_factcheck("generated").y) == 245 and Dataset is not None
+    assert callable(calibration.estimate) and callable(index.make_index)

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: The layers, bottom first: (name, module prefixes relative to sdm_mlx).  "" is the root ``__init__``.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("_lazy", "errors", "results", "settings", "validation", "runtime")),
-    ("storage", ("storage",)),
+    ("storage", ("storage", "data")),
     ("primitives", ("core", "index", "llm")),
     ("calibration", ("calibration",)),
     ("estimator", ("estimator",)),
