@@ -49,7 +49,7 @@ MOVES: dict[str, str] = {
     # L1 storage: disk and JSONL
     "sdm_mlx.io": "sdm_mlx.storage.files",
     "sdm_mlx.artifact": "sdm_mlx.storage.artifact",
-    "sdm_mlx.data": "sdm_mlx.storage.datasets",
+    # "sdm_mlx.data" stays a public path: a lazy package over sdm_mlx.storage.datasets (sdm_mlx/data/__init__.py)
     # L2 core: paper primitives
     "sdm_mlx.activation": "sdm_mlx.core.activation",
     "sdm_mlx.adaptor": "sdm_mlx.core.adaptor",
