@@ -64,7 +64,8 @@ class SDMEstimator:
     end a round after this many epochs without a better balanced median calibration q (None: run
     every epoch, as the paper); ``exemplar_dim`` M; ``batch_size``; ``learning_rate`` (Adam);
     ``k`` neighbours scanned for q (None: largest class count of the training split);
-    ``normalize`` scalar input normalisation; ``stratified`` J re-splits per class;
+    ``normalize`` input normalisation (DESIGN #2): "scalar" (default; one mean and std over the
+    training split), "per-dimension" (one per feature dimension: LLM hidden states) or "none"; ``stratified`` J re-splits per class;
     ``index_backend`` "exact" (MLX) or "hnsw" (approximate); rescaler settings
     (Alg. 2: ``rescaler_max_epochs``, ``rescaler_patience``, ``rescaler_learning_rate``,
     ``rescaler_engine`` "numpy" (default: the sequential batch-1 Adam loop on the host, ~10x faster than
@@ -84,7 +85,7 @@ class SDMEstimator:
         batch_size: int = _D.batch_size,
         learning_rate: float = _D.learning_rate,
         k: int | None = _D.k,
-        normalize: bool = _D.normalize,
+        normalize: str = _D.normalize,
         stratified: bool = _D.stratified,
         index_backend: str = _D.index_backend,
         rescaler_max_epochs: int = _D.rescaler_max_epochs,

@@ -14,7 +14,7 @@ import os
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .adaptor import ExemplarAdaptor, exemplar_basis
+from .adaptor import ExemplarAdaptor, exemplar_basis, normalize_mode
 from .artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from .calibration import RoundCalibration
 from .feedback import LOG_FILE as FEEDBACK_LOG
@@ -116,6 +116,9 @@ def _restore(est, groups: dict, meta: dict) -> tuple[int, int]:
     adaptor = groups["adaptor"]
     m, d = adaptor["projection.weight"].shape
     model = ExemplarAdaptor(d, m, C)
+    _check_normalization(est, adaptor, d)
+    if adaptor["input_mean"].ndim == 1:  # per-dimension statistics (DESIGN #2): shape the slots before loading
+        model.set_normalization(np.zeros(d), np.ones(d))
     model.load_weights([(k, mx.array(v)) for k, v in adaptor.items()])
     est.model_ = model
     est.num_classes_ = C
@@ -142,6 +145,20 @@ def _restore(est, groups: dict, meta: dict) -> tuple[int, int]:
     est.classes_ = np.asarray(meta["classes"]) if "classes" in meta else np.arange(C)  # absent: indices
     est.n_features_in_ = est.input_dim_
     return m, d
+
+
+def _check_normalization(est, adaptor: dict, d: int) -> None:
+    """The stored input statistics must fit the stored ``normalize`` mode (DESIGN #2) and the input width."""
+    mode = normalize_mode(est.normalize)
+    mean, std = adaptor["input_mean"], adaptor["input_std"]
+    want = (d,) if mode == "per-dimension" else ()
+    if mean.shape != want or std.shape != want:
+        raise ArtifactError(f"normalize {mode!r} needs input statistics of shape {want}, the artifact holds "
+                            f"{mean.shape} and {std.shape}")
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
+        raise ArtifactError("the stored input statistics are not finite, or a std is not positive")
+    if mode == "none" and (float(mean) != 0.0 or float(std) != 1.0):
+        raise ArtifactError(f"normalize 'none' but the stored statistics are mean {float(mean)}, std {float(std)}")
 
 
 def _check_loaded(est, path, meta: dict, m: int, d: int) -> int:

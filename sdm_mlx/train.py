@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 
 from .activation import Q_SOFTMAX, sdm, sdm_nll_loss
 from .callbacks import SILENT, Callback
-from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
+from .adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, fit_normalization, normalize_mode
 from .defaults import DISTRIBUTED_TIMEOUT
 from .distance import distance_ecdfs, distance_quantile
 from .index import default_k, good_neighbours_by_class, make_index
@@ -54,7 +54,7 @@ class TrainConfig:
     learning_rate: float = 1e-5
     exemplar_dim: int = 1000
     k: int | None = None  #: neighbours scanned for q; None = largest class count of the training split
-    normalize: bool = True
+    normalize: str = "scalar"  #: DESIGN #2: scalar | per-dimension | none (True/False: scalar/none)
     iterations: int = 10  #: J
     stratified: bool = True
     seed: int = 0
@@ -64,6 +64,7 @@ class TrainConfig:
     shard_timeout: float = DISTRIBUTED_TIMEOUT  #: seconds a sharded-index collective waits for the other ranks
 
     def validate(self) -> None:
+        normalize_mode(self.normalize)
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -211,10 +212,12 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k, config):
 
 
 def _new_adaptor(X_tr: np.ndarray, num_classes: int, config: TrainConfig, seed: int) -> ExemplarAdaptor:
-    """A freshly initialised exemplar adaptor for a round (with the scalar input normalisation if set)."""
+    """A freshly initialised exemplar adaptor for a round, with the input normalisation (DESIGN #2) fitted on
+    this round's training split."""
     model = ExemplarAdaptor(X_tr.shape[1], config.exemplar_dim, num_classes, seed=seed)
-    if config.normalize:
-        model.set_normalization(*scalar_normalization(X_tr))
+    stats = fit_normalization(X_tr, config.normalize)
+    if stats is not None:
+        model.set_normalization(*stats)
     return model
 
 

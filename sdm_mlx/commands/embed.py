@@ -7,7 +7,9 @@ positions.  The text is the chat-templated ``--document-field`` (with
 ``--system`` and ``--prompt-template``), or an already templated
 ``--prompt-field``; ``--completion-field`` appends the assistant completion
 (force-decoding).  The output is appended to and re-running skips ids already
-present, so an interrupted run resumes where it stopped.
+present, so an interrupted run resumes where it stopped.  Every written row also carries
+``embedding_source: "llm-hidden-states"``, by which ``sdm-mlx train`` picks the per-dimension
+input normalisation of LLM features (DESIGN #2) when ``--normalize`` is not given.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from ..errors import CLIError, InputError
 from ..data import pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
+
+#: ``embedding_source`` of rows written here: LLM hidden states (DESIGN #2: per-dimension normalisation).
+LLM_FEATURES = "llm-hidden-states"
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
@@ -132,7 +137,8 @@ def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> 
             lineno, row = part[e.index]
             raise InputError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
         stats["width"] = feats.embeddings.shape[1]
-        out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
+        out.write("".join(format_row({**r, "embedding_source": LLM_FEATURES}, e)
+                          for (_, r), e in zip(part, feats.embeddings)))
         out.flush()
         stats["truncated"] += int(feats.truncated.sum())
         stats["missing"] += int(feats.missing_delimiter.sum())
