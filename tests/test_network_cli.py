@@ -29,6 +29,7 @@ def _recipe(tmp_path, model, **extra):
         "verifier-exemplar-dim": 8,
         "verifier-rescaler-max-epochs": 5,
         "quiet": True,
+        "require-admission": False,  # this 60-row verifier admits nothing; the smoke test runs the epochs anyway
         **extra,
     }
     path = tmp_path / "recipe.yaml"
@@ -69,6 +70,37 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
         assert main(["network-train", "--config", recipe, "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert load_network(out / "network", load_verifier=False).config["base_model"] == str(tiny_phi3_path)
+
+
+def test_network_train_stops_when_the_verifier_admits_nothing(tiny_phi3_path, tmp_path, capsys):
+    """A verification layer that admits no calibration row would leave Alg. 4's count at 0: network-train stops
+    before the epochs (exit 2) with the estimator's diagnosis; the verifier is kept for --verifier."""
+    import warnings
+
+    recipe = _recipe(tmp_path, tiny_phi3_path, **{"require-admission": True, "alpha": 0.99, "epochs": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["network-train", "--config", recipe]) == 2
+    err = capsys.readouterr().err
+    assert "the verification layer admits no calibration row at alpha' = 0.99" in err
+    assert "stopped before the 3 epoch(s)" in err and "[no_valid_threshold]" in err and "Next step:" in err
+    assert "--no-require-admission" in err
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped"] == "verifier_admits_nothing" and metrics["epochs"] == []
+    assert metrics["verifier_diagnosis"]["can_admit"] is False
+    assert not (out / "network").exists()  # no head was trained or saved
+    from sdm_mlx import SDMEstimator
+
+    assert SDMEstimator.load(out / "verifier").normalize == "per-dimension"  # DESIGN #2: LLM features
+
+    # a verifier that can admit lets the epochs run: --verifier with the kept one at a lower alpha' is not needed
+    # here; --no-require-admission runs them with the same verifier
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["network-train", "--config", recipe, "--overwrite", "--no-require-admission"])
+    assert rc == 0
+    assert len(json.loads((out / "metrics.json").read_text())["epochs"]) == 3
 
 
 def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):

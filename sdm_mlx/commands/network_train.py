@@ -39,7 +39,8 @@ def add_arguments(p) -> None:
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
                                          "compile_step", "reference_head", "seed", "distributed_timeout"),
         "verification layer (SDM estimator)": tuple(f for f in NetworkConfig.__dataclass_fields__
-                                                    if f == "verifier" or f == "alpha" or f.startswith("verifier_")),
+                                                    if f in ("verifier", "alpha", "require_admission")
+                                                    or f.startswith("verifier_")),
     }
     for title, names in groups.items():
         add_settings(p, NetworkConfig, title=title, only=names)

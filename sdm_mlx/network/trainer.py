@@ -61,7 +61,11 @@ from .step import make_optimizer, make_train_step, train_epoch
 from .training_data import TokenCache, build_token_cache, build_verification_rows, completion_token_positions
 from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
 from .heads import SDMHeads
-from ..errors import InputError
+from ..errors import InputError, SDMError
+
+
+class VerifierAdmitsNothing(SDMError):
+    """The verification layer admits no calibration row: Alg. 4's selection count cannot leave 0."""
 
 
 def _input_paths(config: NetworkConfig) -> list:
@@ -364,6 +368,7 @@ class SDMNetworkTrainer:
         rows = build_verification_rows(c, self.tokenizer)
         est, train_rows, cal_rows = self.fit_verifier(rows)
         self._write_verifier(est, rows, train_rows, cal_rows)
+        self._check_admission(est, train_rows, cal_rows)
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
@@ -395,6 +400,24 @@ class SDMNetworkTrainer:
         split.update({id_key(r["id"]): "calibration" for r in cal_rows})
         write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
                     [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
+
+    def _check_admission(self, est, train_rows, cal_rows) -> None:
+        """Stop before the token epochs when the verification layer admits no calibration row (its diagnosis,
+        :mod:`sdm_mlx.diagnosis`): every count of (e) would be 0, so no epoch could ever be selected."""
+        c = self.config
+        diag = getattr(est, "admission_", None)
+        if not c.require_admission or c.epochs == 0 or diag is None or diag["can_admit"]:
+            return
+        from ..diagnosis import diagnosis_message
+
+        self.write_metrics({"config": strict(c), "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
+                            "finished": False, "stopped": "verifier_admits_nothing", "verifier_diagnosis": diag,
+                            "epochs": []})
+        raise VerifierAdmitsNothing(
+            f"the verification layer admits no calibration row at alpha' = {diag['alpha']:g}, so Alg. 4 could not "
+            f"select any epoch (its calibration count stays 0): stopped before the {c.epochs} epoch(s). The "
+            f"verification layer is saved in {self.verifier_path} (reuse it with --verifier).\n"
+            f"{diagnosis_message(diag)}\n(--no-require-admission runs the epochs anyway)")
 
     def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
         """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
