@@ -44,6 +44,11 @@ class NetworkConfig:
     delimiter: str = option(_embed.DEFAULT_DELIMITER, "closing delimiter of the answer")
     max_length: int = option(_embed.DEFAULT_MAX_LENGTH, "token positions kept for features and targets")
     negatives_seed: int = option(0, "seed of the constructed-negative assignment")
+    answers: str = option(
+        "preset", "completions of the verification rows built from --data/--tasks: 'model' = the model's own greedy "
+                  "answers (label 1 = the parsed answer is right; the form the model writes at generation time; wrong "
+                  "answers, corrected in the model's layout, become W_pos positives), 'preset' = the completions "
+                  "force-decoded with constructed negatives (the paper's encoding)", choices=("model", "preset"))
     # next-token training of W_pos
     epochs: int = option(5, "epochs of W_pos training")
     beta_min: float = option(0.0, "β at the first mini-batch of every epoch")

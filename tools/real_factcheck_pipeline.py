@@ -14,7 +14,10 @@ RSS land in ``OUT/stages.json``):
    temperature, APS, RAPS on the verification task "is the model's answer right");
 6. ``generate`` -- ``sdm-mlx generate`` itself over the first ``generate_check`` held-out statements and
    an out-of-distribution prompt: the user's path, to set beside the table's verdicts;
-7. ``table``    -- the verified-generation table (``OUT/table.json``): task accuracy (unparsable =
+7. ``forced_*`` -- the paper's force-decoded verification rows of the first ``forced_statements``
+   statements (``sdm-mlx make-verification-data --model`` + ``sdm-mlx embed``: half constructed
+   negatives, label = the shown answer is right), trained and evaluated like the answer rows;
+8. ``table``    -- the verified-generation table (``OUT/table.json``): task accuracy (unparsable =
    wrong) and admitted fraction, no-reject vs p̂_lower, per split.
 
     python tools/real_factcheck_pipeline.py -c recipes/qwen15_factcheck_verified_cpu.yaml
@@ -37,7 +40,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("sample", "answers", "split", "train", "evaluate", "generate", "table")
+STAGES = ("sample", "answers", "split", "train", "evaluate", "generate", "forced_rows", "forced_embed",
+          "forced_split", "forced_train", "forced_evaluate", "table")
 OOD_PROMPT = "Write a haiku about the sea."
 
 
@@ -120,7 +124,30 @@ def stage_commands(cfg: dict, out: str) -> dict:
                                                     p("generate_check_prompts.jsonl"), "--output",
                                                     p("generate_check.jsonl"), "--on-reject", "return", "--quiet"),
                      True),
+        "forced_rows": (p("forced.jsonl"), cli("make-verification-data", "--input", p("task_forced.jsonl"), "--output",
+                                               p("forced.jsonl"), "--model", cfg["model"], "--preset", "factcheck"),
+                        False),
+        "forced_embed": (p("forced_emb.jsonl"), cli("embed", "-m", cfg["model"], "--input", p("forced.jsonl"),
+                                                    "--output", p("forced_emb.jsonl"), "--prompt-field", "prompt",
+                                                    "--completion-field", "completion", "--batch-size",
+                                                    cfg.get("embed_batch_size", 8)), True),
+        "forced_split": (p("forced_emb.pool.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"),
+                                                      "--split-file", p("forced_emb.jsonl")], False),
+        "forced_train": (p("verifier_forced"), cli("train", "--train", p("forced_emb.pool.jsonl"), "--output",
+                                                   p("verifier_forced"), "--alpha", a, "--class-names", "wrong",
+                                                   "correct", *map(str, cfg.get("train_args", []))), False),
+        "forced_evaluate": (p("evaluate_forced.json"), cli(
+            "evaluate", "--model", p("verifier_forced"), "--input", p("forced_emb.heldout_topics.jsonl"), "--input",
+            p("forced_emb.generated.jsonl"), "--report", p("evaluate_forced.json")), False),
     }
+
+
+def write_forced_tasks(cfg: dict, out: str) -> None:
+    """The first ``forced_statements`` rows of the sample (a stratified prefix)."""
+    with open(os.path.join(out, "task.jsonl")) as f:
+        lines = [x for x in f if x.strip()][: cfg.get("forced_statements", 400)]
+    with open(os.path.join(out, "task_forced.jsonl"), "w") as f:
+        f.writelines(lines)
 
 
 def answers_done(out: str) -> bool:
@@ -208,6 +235,8 @@ def main(argv=None) -> int:
             continue
         if stage == "generate":
             write_generate_prompts(cfg, out)
+        if stage == "forced_rows":
+            write_forced_tasks(cfg, out)
         runner.run(stage, cmd, heavy)
     return 0
 
