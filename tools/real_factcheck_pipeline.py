@@ -210,6 +210,19 @@ def verified_generation_table(out: str) -> dict:
     return table
 
 
+def verification_task_table(path: str) -> dict:
+    """{dataset: {estimator: {accuracy, admitted, n, calibrated}}} at the estimator's alpha', from an evaluate report."""
+    rep = json.load(open(path))
+    out = {}
+    for name, ds in rep["datasets"].items():
+        out[name] = {}
+        for est, r in ds["reports"].items():
+            m = r["marginal"]
+            out[name][est] = {"accuracy": m.get("accuracy"), "admitted": m.get("n_admitted"), "n": ds["n"],
+                              "index_conditionally_calibrated": est in ds["calibrated"]}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-c", "--config", required=True)
@@ -224,6 +237,9 @@ def main(argv=None) -> int:
     for stage in args.only or STAGES:
         if stage == "table":
             table = verified_generation_table(out)
+            for name in ("evaluate", "evaluate_forced"):
+                if os.path.exists(os.path.join(out, f"{name}.json")):
+                    table[f"verification_task/{name}"] = verification_task_table(os.path.join(out, f"{name}.json"))
             with open(os.path.join(out, "table.json"), "w") as f:
                 json.dump(table, f, indent=1)
             print(json.dumps(table, indent=1))
