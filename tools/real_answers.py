@@ -143,6 +143,33 @@ def decode_shared(model, tokenizer, prefix: dict, prompt_ids: list, max_tokens: 
     return out
 
 
+def forced_shared(model, tokenizer, prefix: dict, prompts: list, completions: list) -> np.ndarray:
+    """Features of force-decoded ``prompt + completion`` (as ``sdm-mlx embed --prompt-field --completion-field``
+    computes them: mean over the positions before the completion's last delimiter token ⊕ the state predicting
+    it), with the shared prompt prefix computed once; rows sorted by length are fed in one padded block."""
+    import mlx.core as mx
+
+    P = len(prefix["ids"])
+    ids, ns = [], []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        toks = _embed.encode(tokenizer, p + c)
+        j = _embed.delimiter_token_index_in_text(tokenizer, p + c, toks, (len(p), None), _embed.DEFAULT_DELIMITER)
+        if j is None or toks[:P] != prefix["ids"]:
+            raise SystemExit(f"row {i}: no closing delimiter in the completion, or not the shared prompt prefix")
+        ids.append(toks[P:j])
+        ns.append(j)
+    W = max(len(r) for r in ids)
+    pads = [W - len(r) for r in ids]
+    cache = [SharedPrefixCache(k, v, pads) for k, v in prefix["kv"]]
+    h = _embed.hidden_states(model, mx.array(np.array([[0] * q + r for q, r in zip(pads, ids)], dtype=np.int32)),
+                             cache=cache)
+    feats = [mx.concatenate([(prefix["state_sum"] + h[i, pads[i]:].sum(axis=0)) / float(n), h[i, -1]])
+             for i, n in enumerate(ns)]
+    out = mx.stack(feats)
+    mx.eval(out)
+    return np.array(out, dtype=np.float32)
+
+
 def answer_form(text: str) -> str:
     """``compact`` (one-line JSON), ``fenced`` (a ```json block), ``other`` (JSON in another layout) or ``unparsable``."""
     if first_json_object(text) is None:
@@ -255,6 +282,31 @@ def check_rows(model, tokenizer, rows, have, args, preset, prefix) -> None:
         raise SystemExit("shared-prefix decoding disagrees with the full prefill: use --no-shared-prefix")
 
 
+def run_forced(args) -> int:
+    """``--forced``: embed verification rows (id, prompt, completion, ...) with the shared prefix; resumable."""
+    rows = read_rows(args.input)[: args.limit]
+    have = done_ids(args.output)
+    todo = [r for r in rows if r["id"] not in have]
+    print(f"{len(have)} rows already in {args.output}; {len(todo)} to embed", file=sys.stderr, flush=True)
+    if not todo:
+        return 0
+    model, tokenizer = _embed.load_model(args.model)
+    prefix = shared_prefix(model, [_embed.encode(tokenizer, r["prompt"]) for r in rows])
+    todo.sort(key=lambda r: -len(r["prompt"] + r["completion"]))
+    t0 = time.time()
+    with open(args.output, "a", encoding="utf-8") as f:
+        for b0 in range(0, len(todo), args.batch_size):
+            part = todo[b0: b0 + args.batch_size]
+            feats = forced_shared(model, tokenizer, prefix, [r["prompt"] for r in part],
+                                  [r["completion"] for r in part])
+            for r, e in zip(part, feats):
+                f.write(json.dumps({**r, "embedding_source": "llm-hidden-states",
+                                    "embedding": [float(x) for x in e]}) + "\n")
+            f.flush()
+            print(f"{b0 + len(part)}/{len(todo)} rows, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", "-m", required=True)
@@ -270,7 +322,12 @@ def main(argv=None) -> int:
                     help="prefill every prompt in full (greedy_generate) instead of the shared prefix once")
     ap.add_argument("--check", type=int, default=0,
                     help="first re-decode this many rows already in --output and compare texts and features")
+    ap.add_argument("--forced", action="store_true",
+                    help="instead: --input holds verification rows (id, prompt, completion); write their force-decoded "
+                         "features (sdm-mlx embed's) computed with the shared prompt prefix")
     args = ap.parse_args(argv)
+    if args.forced:
+        return run_forced(args)
     preset = PRESETS[args.preset]
     rows = read_rows(args.input)[: args.limit]
     if args.prefix_stats:

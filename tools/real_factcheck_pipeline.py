@@ -127,10 +127,12 @@ def stage_commands(cfg: dict, out: str) -> dict:
         "forced_rows": (p("forced.jsonl"), cli("make-verification-data", "--input", p("task_forced.jsonl"), "--output",
                                                p("forced.jsonl"), "--model", cfg["model"], "--preset", "factcheck"),
                         False),
-        "forced_embed": (p("forced_emb.jsonl"), cli("embed", "-m", cfg["model"], "--input", p("forced.jsonl"),
-                                                    "--output", p("forced_emb.jsonl"), "--prompt-field", "prompt",
-                                                    "--completion-field", "completion", "--batch-size",
-                                                    cfg.get("embed_batch_size", 8)), True),
+        # sdm-mlx embed --prompt-field prompt --completion-field completion computes the same features (to ~1e-7);
+        # the tool computes the shared prompt prefix once
+        "forced_embed": (p("forced_emb.jsonl"), [sys.executable, os.path.join(tools, "real_answers.py"), "--forced",
+                                                 "--model", cfg["model"], "--input", p("forced.jsonl"), "--output",
+                                                 p("forced_emb.jsonl"), "--batch-size",
+                                                 cfg.get("embed_batch_size", 16)], True),
         "forced_split": (p("forced_emb.pool.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"),
                                                       "--split-file", p("forced_emb.jsonl")], False),
         "forced_train": (p("verifier_forced"), cli("train", "--train", p("forced_emb.pool.jsonl"), "--output",
@@ -150,8 +152,8 @@ def write_forced_tasks(cfg: dict, out: str) -> None:
         f.writelines(lines)
 
 
-def answers_done(out: str) -> bool:
-    return count_lines(os.path.join(out, "answers.jsonl")) >= count_lines(os.path.join(out, "task.jsonl")) > 0
+def answers_done(out: str, name: str = "answers.jsonl", source: str = "task.jsonl") -> bool:
+    return count_lines(os.path.join(out, name)) >= count_lines(os.path.join(out, source)) > 0
 
 
 def write_generate_prompts(cfg: dict, out: str) -> None:
@@ -245,7 +247,9 @@ def main(argv=None) -> int:
             print(json.dumps(table, indent=1))
             continue
         done_path, cmd, heavy = commands[stage]
-        done = answers_done(out) if stage == "answers" else os.path.exists(done_path)
+        done = {"answers": lambda: answers_done(out),
+                "forced_embed": lambda: answers_done(out, "forced_emb.jsonl", "forced.jsonl")}.get(
+            stage, lambda: os.path.exists(done_path))()
         if done:
             print(f"[{stage}] done: {done_path}", file=sys.stderr)
             continue
