@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         print(f"shared prefix: {len(prefix['ids'])} tokens, computed once", file=sys.stderr, flush=True)
         if args.check:
             check_rows(model, tokenizer, rows, have, args, preset, prefix)
-    step = args.batch_size * 4
+    step = args.batch_size  # one batch per flush: a stopped run loses at most one batch
     t0, n_done, n_tok = time.time(), 0, 0
     with open(args.output, "a", encoding="utf-8") as f:
         for b0 in range(0, len(todo), step):

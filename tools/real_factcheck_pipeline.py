@@ -24,7 +24,7 @@ RSS land in ``OUT/stages.json``):
     python tools/real_factcheck_pipeline.py -c recipes/qwen15_factcheck_verified_cpu.yaml --only table
 
 Real-model stages run the model in a subprocess (one at a time); prefix a command with e.g.
-``--wrap /work/wt/realslot`` to hold a machine-wide slot.
+``--wrap '/work/wt/realslot nice -n 5'`` to hold a machine-wide slot.
 """
 
 from __future__ import annotations
@@ -166,12 +166,13 @@ def write_generate_prompts(cfg: dict, out: str) -> None:
         f.write(json.dumps({"id": "ood-haiku", "document": OOD_PROMPT}) + "\n")
 
 
-def verified_generation_table(out: str) -> dict:
-    """Per split: task accuracy and admitted fraction of the base model + SDM verifier (no-reject, p̂_lower)."""
+def verified_generation_table(out: str, verifier: str = "verifier") -> dict:
+    """Per split: task accuracy and admitted fraction of the base model + SDM verifier (no-reject, p̂_lower), on
+    the model's own answers and the features of their decoding (what ``generate`` verifies)."""
     from sdm_mlx import SDMEstimator
 
-    est = SDMEstimator.load(os.path.join(out, "verifier"))
-    table = {"alpha": est.alpha}
+    est = SDMEstimator.load(os.path.join(out, verifier))
+    table = {"alpha": est.alpha, "verifier": verifier}
     for split in ("heldout_topics", "generated", "pool"):
         path = os.path.join(out, f"answers.{split}.jsonl")
         if not os.path.exists(path):
@@ -190,7 +191,7 @@ def verified_generation_table(out: str) -> dict:
             "verifier_accuracy": round(float(np.mean(np.asarray(p.prediction) == correct.astype(int))), 4),
         }
     check = os.path.join(out, "generate_check.jsonl")
-    if os.path.exists(check):
+    if os.path.exists(check) and verifier == "verifier":
         by_id = {}
         for split in ("heldout_topics",):
             for x in open(os.path.join(out, f"answers.{split}.jsonl")):
@@ -229,16 +230,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-c", "--config", required=True)
     ap.add_argument("--only", nargs="+", choices=STAGES, default=None)
-    ap.add_argument("--wrap", nargs="+", default=[], help="prefix of model-loading commands (e.g. a slot holder)")
+    ap.add_argument("--wrap", default="", help="prefix of model-loading commands, one string (e.g. a slot holder: "
+                                              "'/work/wt/realslot nice -n 5')")
     args = ap.parse_args(argv)
     cfg = load_recipe(args.config)
     out = os.path.join(ROOT, cfg["output"]) if not os.path.isabs(cfg["output"]) else cfg["output"]
     os.makedirs(out, exist_ok=True)
-    runner = Runner(out, args.wrap)
+    import shlex
+
+    runner = Runner(out, shlex.split(args.wrap))
     commands = stage_commands(cfg, out)
     for stage in args.only or STAGES:
         if stage == "table":
             table = verified_generation_table(out)
+            if os.path.isdir(os.path.join(out, "verifier_forced")):
+                table["paper_encoding_verifier"] = verified_generation_table(out, "verifier_forced")
             for name in ("evaluate", "evaluate_forced"):
                 if os.path.exists(os.path.join(out, f"{name}.json")):
                     table[f"verification_task/{name}"] = verification_task_table(os.path.join(out, f"{name}.json"))

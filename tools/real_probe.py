@@ -57,6 +57,22 @@ def non_shared(X: np.ndarray, n_kept: np.ndarray, P: int, state_sum: np.ndarray)
     return np.concatenate([mean.astype(np.float32), X[:, D:]], axis=1)
 
 
+def add_positions(rows, model_path: str) -> None:
+    """``n_kept`` (positions pooled before the completion's delimiter) and ``answer_label`` of force-decoded rows."""
+    from sdm_mlx import embed as E
+    from sdm_mlx.network.generation import parse_task_prediction
+    from sdm_mlx.verification_data import PRESETS
+
+    tok = E.load_tokenizer(model_path)
+    for r in rows:
+        if "n_kept" not in r:
+            text = r["prompt"] + r["completion"]
+            r["n_kept"] = E.delimiter_token_index_in_text(tok, text, E.encode(tok, text), (len(r["prompt"]), None),
+                                                          E.DEFAULT_DELIMITER)
+        if "answer_label" not in r:
+            r["answer_label"] = parse_task_prediction(r["completion"], PRESETS["factcheck"]["completions"])
+
+
 def variants(rows, X, prefix) -> dict:
     D = X.shape[1] // 2
     out = {"all": X, "state": X[:, D:]}
@@ -117,8 +133,11 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--no-sdm", action="store_true", help="probes only")
     ap.add_argument("--task-label", action="store_true", help="also probe task_label and answer_label")
+    ap.add_argument("--tokenizer", default=None, help="model directory: positions of force-decoded rows")
     args = ap.parse_args(argv)
     rows, X = load(args.rows, args.limit)
+    if args.tokenizer:
+        add_positions(rows, args.tokenizer)
     prefix = dict(np.load(args.prefix_stats)) if args.prefix_stats else None
     split = np.array([r["split"] for r in rows])
     y = np.array([int(r["label"]) for r in rows])
@@ -127,7 +146,7 @@ def main(argv=None) -> int:
     targets = {"label": y}
     if args.task_label:
         targets["task_label"] = np.array([int(r["task_label"]) for r in rows])
-        targets["answer_label"] = np.array([int(r.get("answer_label", r.get("shown_label", -1))) for r in rows])
+        targets["answer_label"] = np.array([int(r["answer_label"]) for r in rows])
     for vname, V in variants(rows, X, prefix).items():
         for tname, t in targets.items():
             tests = {s: (V[split == s], t[split == s]) for s in SPLITS[1:]}
