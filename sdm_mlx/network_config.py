@@ -45,7 +45,7 @@ class NetworkConfig:
     max_length: int = option(_embed.DEFAULT_MAX_LENGTH, "token positions kept for features and targets")
     negatives_seed: int = option(0, "seed of the constructed-negative assignment")
     answers: str = option(
-        "preset", "completions of the verification rows built from --data/--tasks: 'model' = the model's own greedy "
+        "model", "completions of the verification rows built from --data/--tasks: 'model' = the model's own greedy "
                   "answers (label 1 = the parsed answer is right; the form the model writes at generation time; wrong "
                   "answers, corrected in the model's layout, become W_pos positives), 'preset' = the completions "
                   "force-decoded with constructed negatives (the paper's encoding)", choices=("model", "preset"))
