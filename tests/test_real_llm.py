@@ -419,7 +419,8 @@ def test_generate_admits_a_verified_answer_and_abstains_out_of_distribution(mode
     est = SDMEstimator.load(verified_run.verifier)
     assert est.alpha >= 0.95 and est.normalize == "per-dimension"
     assert verified_run.admitted, (
-        f"the pipeline's verifier admitted none of the {len(verified_run.checked)} held-out answers of its generate "
+        f"the pipeline's verifier admitted none of the {sum(r['id'] in verified_run.tasks for r in verified_run.checked)}"
+        " held-out answers of its generate "
         f"check (admission diagnosis: {est.admission_.get('next_step') if est.admission_ else None}); "
         "docs/verified-generation-real.md says why")
     rows = [{"id": r["id"], "document": verified_run.tasks[r["id"]]["document"]} for r in verified_run.admitted[:2]]
