@@ -1,4 +1,4 @@
-"""Hidden-state features of an mlx-lm language model (DESIGN #21, reference_spec §8.2).
+"""Hidden-state features of an mlx-lm language model (DESIGN #21).
 
 Positions, explicitly
 ---------------------
@@ -34,6 +34,18 @@ Because the models are causal, ``h_0 .. h_{n-1}`` depend only on ``x_0 ..
 x_{n-1}``: documents are cut to ``n`` tokens before the forward pass, batched
 with right padding, and padded positions are masked out of the mean, so the
 features do not depend on the batch composition (up to float rounding, ~1e-6).
+For the same reason the states of a token prefix that every document of a call
+shares (a chat template, system message and instruction: ~42 of ~59 tokens of
+a factcheck verification prompt) are the same in every document: that prefix
+runs through the model once, its mlx-lm KV cache is tiled over each batch and
+only each document's own tokens run; the prefix's states enter the mean as
+they are (:func:`run_shared_prefix`, :func:`tiled_cache`).
+
+Pooling (DESIGN #21): ``pooling="all"`` (default, the paper's) takes the mean
+over all ``n`` kept positions; ``pooling="non-shared"`` starts the mean after
+the document's common prefix with ``shared_prefix`` (the prompt part every row
+shares), i.e. over the document and completion positions.  Every caller pools
+with :func:`pool_states`.
 
 Reuse by the SDM-network / verified-generation code
 ---------------------------------------------------
@@ -78,6 +90,10 @@ __all__ = [
     "kept_positions",
     "generated_n_kept",
     "pool_hidden",
+    "pool_states",
+    "pooled_from",
+    "common_prefix_length",
+    "POOLINGS",
     "DocumentError",
     "Features",
     "document_features",
@@ -94,25 +110,40 @@ __all__ = [
 #: Default number of kept positions (the research code's 500-position cut).
 DEFAULT_MAX_LENGTH = 500
 POSITIONS = ("delimiter", "last")
+#: Mean half of the feature: over all kept positions (the paper's) or without the shared prompt prefix (DESIGN #21).
+POOLINGS = ("all", "non-shared")
 ON_MISSING = ("error", "last", "prompt")
 
 
 # --------------------------------------------------------------------------- model access
 
 
-def load_model(path_or_id: str, **kwargs):
-    """``(model, tokenizer)`` from a local mlx-lm directory or a Hugging Face hub id (via ``mlx_lm.load``).
+def load_model(path_or_id: str, *, head: bool = True, **kwargs):
+    """``(model, tokenizer)`` from a local mlx-lm directory or a Hugging Face hub id (via mlx-lm).
 
     A path that looks local (``/``, ``.``, ``~`` prefix) but does not exist raises
-    ``FileNotFoundError`` instead of being sent to the hub.
+    ``FileNotFoundError`` instead of being sent to the hub.  The weights are read
+    while the tokenizer loads (``mx.async_eval``).  ``head=False`` (features
+    only): an untied LM head is left unread, loaded from its file on first use
+    (saves its |V| x D weights of reading and memory when it is never used).
     """
+    import mlx.core as mx
+    from mlx_lm.utils import _download, load_model as _lm_load_model, load_tokenizer as _lm_load_tokenizer
+
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     expanded = os.path.expanduser(str(path_or_id))
     if not os.path.exists(expanded) and str(path_or_id).startswith(("/", ".", "~")):
         raise FileNotFoundError(f"model directory not found: {path_or_id}")
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(expanded if os.path.exists(expanded) else str(path_or_id), **kwargs)
+    path = _download(expanded if os.path.exists(expanded) else str(path_or_id), revision=kwargs.pop("revision", None))
+    model, config = _lm_load_model(path, lazy=True, model_config=kwargs.pop("model_config", None),
+                                   trust_remote_code=kwargs.pop("trust_remote_code", False))
+    weights = model.parameters() if head else trunk(model).parameters()
+    mx.async_eval(weights)  # read on MLX's thread while the tokenizer loads here
+    tokenizer = _lm_load_tokenizer(path, kwargs.pop("tokenizer_config", None),
+                                   eos_token_ids=config.get("eos_token_id", None))
+    if kwargs:
+        raise TypeError(f"load_model got unexpected keyword arguments {sorted(kwargs)}")
+    mx.eval(weights)
     trunk(model)  # validate early
     return model, tokenizer
 
@@ -246,12 +277,59 @@ def generated_n_kept(
     return n, {"delimiter_index": j, "truncated": truncated, "missing_delimiter": missing}
 
 
-def pool_hidden(hidden, n_kept: int) -> np.ndarray:
-    """``concat(mean(hidden[:n_kept]), hidden[n_kept-1])`` as float32 NumPy, for one document's ``[T, D]`` states."""
+def pool_states(states, n_kept, first=None):
+    """The one pooling of the features (DESIGN #21): per row ``concat(mean(h[first:n]), h[n-1])``, float32 ``mx.array``.
+
+    ``states``: ``[B, T, D]`` hidden states (``mx.array`` or NumPy; positions
+    past a row's ``n`` are ignored, so right padding is harmless); ``n_kept``:
+    ``[B]`` kept positions ``n``; ``first``: ``[B]`` first pooled position of
+    the mean (default 0: the paper's pooling over all kept positions; see
+    :func:`pooled_from` for ``pooling="non-shared"``).  The second half is always
+    the state at ``n - 1``.
+    """
+    import mlx.core as mx
+
+    h = states if isinstance(states, mx.array) else mx.array(np.asarray(states, dtype=np.float32))
+    h = h.astype(mx.float32)
+    n = mx.array(np.asarray(n_kept, dtype=np.int32).reshape(-1))
+    f = mx.zeros_like(n) if first is None else mx.array(np.asarray(first, dtype=np.int32).reshape(-1))
+    t = mx.arange(h.shape[1])[None, :]
+    mask = ((t >= f[:, None]) & (t < n[:, None]))[..., None]
+    mean = mx.where(mask, h, 0.0).sum(axis=1) / (n - f).astype(mx.float32)[:, None]
+    last = mx.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0, :]
+    return mx.concatenate([mean, last], axis=1)
+
+
+def pool_hidden(hidden, n_kept: int, first: int = 0) -> np.ndarray:
+    """:func:`pool_states` of one document's ``[T, D]`` states, as float32 NumPy ``[2D]``."""
     h = np.asarray(hidden, dtype=np.float32)
-    if h.ndim != 2 or not 1 <= n_kept <= h.shape[0]:
-        raise InputError(f"need 1 <= n_kept <= T for hidden states of shape {h.shape}, got n_kept={n_kept}")
-    return np.concatenate([h[:n_kept].mean(axis=0, dtype=np.float32), h[n_kept - 1]]).astype(np.float32)
+    if h.ndim != 2 or not 1 <= n_kept <= h.shape[0] or not 0 <= first < n_kept:
+        raise InputError(f"need 0 <= first < n_kept <= T for hidden states of shape {h.shape}, "
+                         f"got first={first}, n_kept={n_kept}")
+    return np.array(pool_states(h[None], [n_kept], [first])[0], dtype=np.float32)
+
+
+def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix of token-id sequences (0 for none; a lone sequence's own length)."""
+    seqs = [list(s) for s in sequences]
+    if not seqs:
+        return 0
+    width = min(len(s) for s in seqs)
+    if width == 0:
+        return 0
+    grid = np.array([s[:width] for s in seqs], dtype=np.int64)
+    differs = (grid != grid[0]).any(axis=0)
+    return int(np.argmax(differs)) if differs.any() else width
+
+
+def pooled_from(ids: Sequence[int], n_kept: int, pooling: str, shared_prefix: Sequence[int] | None) -> int:
+    """First position of the mean: 0 for ``"all"``; for ``"non-shared"`` the length of the common prefix of
+    ``ids`` and ``shared_prefix`` (the prompt part every row shares), at most ``n_kept - 1``."""
+    if pooling not in POOLINGS:
+        raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    if pooling == "all" or not shared_prefix:
+        return 0
+    return min(common_prefix_length([list(ids[:n_kept]), list(shared_prefix)]), n_kept - 1)
 
 
 # --------------------------------------------------------------------------- batched features
@@ -269,7 +347,9 @@ class DocumentError(ValueError):
 class Features:
     """Per-document features and the positions they came from (all arrays have one entry per document).
 
-    ``embeddings[i] = concat(mean(h_0..h_{n-1}), h_{n-1})`` with ``n = n_kept[i]``;
+    ``embeddings[i] = concat(mean(h_f..h_{n-1}), h_{n-1})`` with ``n = n_kept[i]`` and ``f =
+    pooled_from[i]`` (0 for ``pooling="all"``; ``shared_prefix``: the token ids whose common prefix with
+    a document ``pooling="non-shared"`` leaves out — record both with the features);
     ``delimiter_index[i]`` is the token index of the delimiter token (-1: not used
     or not found); ``n_tokens[i]`` the encoded length before truncation.
     """
@@ -280,6 +360,9 @@ class Features:
     delimiter_index: np.ndarray
     truncated: np.ndarray
     missing_delimiter: np.ndarray
+    pooled_from: np.ndarray | None = None
+    pooling: str = "all"
+    shared_prefix: list | None = None
 
 
 def _plan(tokenizer, doc, span, position, delimiter, max_length, on_missing, idx):
@@ -332,18 +415,85 @@ def _check_feature_options(n_docs: int, completion_spans, position: str, on_miss
     return spans
 
 
-def _pooled_batch(model, seqs: list, lens: list[int]) -> np.ndarray:
-    """``concat(mean(h_0 .. h_{n-1}), h_{n-1})`` float32 [B, 2D] of one right-padded batch of kept tokens."""
+@dataclass
+class SharedPrefix:
+    """Leading tokens shared by every document of a call, run through the trunk once: per-layer keys and
+    values ``[1, H, P, d]`` (mlx-lm ``KVCache`` contents) and final-norm states ``[P, D]``."""
+
+    length: int
+    keys: list
+    values: list
+    states: object
+
+
+def run_shared_prefix(model, ids: Sequence[int]) -> SharedPrefix | None:
+    """Prefill ``ids`` once into an mlx-lm prompt cache; None when ``ids`` is empty or the model's cache is
+    not a plain ``KVCache`` per layer (sliding windows, recurrent state: those rows run in full)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    if len(ids) == 0:
+        return None
+    cache = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in cache):
+        return None
+    states = hidden_states(model, [list(ids)], cache=cache)[0]
+    p = len(ids)
+    keys = [c.keys[..., :p, :] for c in cache]
+    values = [c.values[..., :p, :] for c in cache]
+    mx.eval(states, keys, values)
+    return SharedPrefix(p, keys, values, states)
+
+
+def tiled_cache(prefix: SharedPrefix, batch: int) -> list:
+    """One mlx-lm ``KVCache`` per layer holding the prefix's keys/values broadcast over ``batch`` rows."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for k, v in zip(prefix.keys, prefix.values):
+        c = KVCache()
+        c.keys = mx.broadcast_to(k, (batch,) + tuple(k.shape[1:]))
+        c.values = mx.broadcast_to(v, (batch,) + tuple(v.shape[1:]))
+        c.offset = prefix.length
+        caches.append(c)
+    return caches
+
+
+def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int], first: list[int]) -> np.ndarray:
+    """Pooled features float32 [B, 2D] of one batch of kept tokens: the shared prefix comes from its cache
+    and states, only each row's own tokens (right-padded) run through the trunk."""
     import mlx.core as mx
 
-    h = hidden_states(model, seqs)
-    lens_mx = mx.array(np.array(lens, dtype=np.int32))
-    mask = (mx.arange(h.shape[1])[None, :] < lens_mx[:, None])[..., None]
-    mean = mx.where(mask, h, 0.0).sum(axis=1) / lens_mx[:, None].astype(mx.float32)
-    last = mx.take_along_axis(h, (lens_mx - 1)[:, None, None], axis=1)[:, 0, :]
-    feats = mx.concatenate([mean, last], axis=1)
+    p = prefix.length if prefix is not None else 0
+    cache = tiled_cache(prefix, len(seqs)) if p else None
+    h = hidden_states(model, [s[p:] for s in seqs], cache=cache)
+    if p:
+        shared = mx.broadcast_to(prefix.states[None], (len(seqs),) + tuple(prefix.states.shape))
+        h = mx.concatenate([shared, h], axis=1)
+    feats = pool_states(h, lens, first)
     mx.eval(feats)
     return np.array(feats, dtype=np.float32)
+
+
+def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress) -> np.ndarray:
+    """Features of every (cut) sequence: the longest common prefix runs once, then batches of ``batch_size``
+    rows, longest first.  Each row keeps at least one own token (its last state comes from its own pass)."""
+    n_kept = np.array([len(s) for s in seqs], dtype=np.int64)
+    shared = min(common_prefix_length(seqs), int(n_kept.min()) - 1)
+    prefix = run_shared_prefix(model, seqs[0][:shared])
+    order = np.argsort(-n_kept, kind="stable")
+    out = None
+    for b0 in range(0, len(seqs), batch_size):
+        idx = order[b0 : b0 + batch_size]
+        feats = _pooled_batch(model, prefix, [seqs[i] for i in idx], [int(n_kept[i]) for i in idx],
+                              [int(first[i]) for i in idx])
+        if out is None:
+            out = np.empty((len(seqs), feats.shape[1]), dtype=np.float32)
+        out[idx] = feats
+        if progress is not None:
+            progress(len(idx))
+    return out
 
 
 def document_features(
@@ -357,6 +507,8 @@ def document_features(
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_size: int = 8,
     on_missing: str = "error",
+    pooling: str = "all",
+    shared_prefix: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Features:
     """Features ``concat(mean, state)`` for each document (see the module docstring for the positions).
@@ -369,30 +521,30 @@ def document_features(
     ``on_missing``: what to do when the completion holds no delimiter —
     ``"error"`` (ValueError naming the document), ``"last"`` (use the last
     token), ``"prompt"`` (pool the positions before the completion only).
-    Documents are sorted by kept length and processed ``batch_size`` at a time
-    with right padding; ``progress(k)`` is called after each batch of ``k``.
+    ``pooling``: ``"all"`` (the paper's mean over every kept position) or
+    ``"non-shared"`` (the mean leaves out each document's common prefix with
+    ``shared_prefix``, token ids; default: the longest common token prefix of
+    these documents — pass it when documents come one at a time).  The tokens
+    every document shares run through the model once (their KV cache is tiled
+    over each batch); documents are sorted by kept length and processed
+    ``batch_size`` at a time with right padding; ``progress(k)`` is called after
+    each batch of ``k``.
     """
     n_docs = len(documents)
     spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
-
+    if pooling not in POOLINGS:
+        raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     plans = [
         _plan(tokenizer, d, s, position, delimiter, max_length, on_missing, i)
         for i, (d, s) in enumerate(zip(documents, spans))
     ]
     n_kept = np.array([p[1] for p in plans], dtype=np.int64)
-    order = np.argsort(-n_kept, kind="stable")
-    out = None
-    for b0 in range(0, n_docs, batch_size):
-        idx = order[b0 : b0 + batch_size]
-        lens = [int(n_kept[i]) for i in idx]
-        feats = _pooled_batch(model, [plans[i][0][: lens[k]] for k, i in enumerate(idx)], lens)
-        if out is None:
-            out = np.empty((n_docs, feats.shape[1]), dtype=np.float32)
-        out[idx] = feats
-        if progress is not None:
-            progress(len(idx))
-    if out is None:
-        out = np.zeros((0, 0), dtype=np.float32)
+    seqs = [p[0][: int(n)] for p, n in zip(plans, n_kept)]
+    if shared_prefix is None:
+        shared_prefix = seqs[0][: common_prefix_length(seqs)] if seqs else []
+    shared_prefix = [int(t) for t in shared_prefix]
+    first = np.array([pooled_from(s, len(s), pooling, shared_prefix) for s in seqs], dtype=np.int64)
+    out = _pooled_all(model, seqs, first, batch_size, progress) if n_docs else np.zeros((0, 0), np.float32)
     return Features(
         embeddings=out,
         n_tokens=np.array([len(p[0]) for p in plans], dtype=np.int64),
@@ -400,6 +552,9 @@ def document_features(
         delimiter_index=np.array([p[2] for p in plans], dtype=np.int64),
         truncated=np.array([p[3] for p in plans], dtype=bool),
         missing_delimiter=np.array([p[4] for p in plans], dtype=bool),
+        pooled_from=first,
+        pooling=pooling,
+        shared_prefix=shared_prefix,
     )
 
 

@@ -308,3 +308,126 @@ def test_prompt_tail_and_foreign_prompt_warning(tmp_path, tiny_phi3_path, phi3, 
     assert main(["embed", "--model", tiny_phi3_path, "--input", str(inp), "--output", str(out2),
                  "--prompt-field", "prompt", "--completion-field", "completion", "--quiet"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def _unshared_reference(model, seqs, first=None):
+    """Features computed the way 052b975 did: every row's full (cut) sequence through the trunk on its own."""
+    first = [0] * len(seqs) if first is None else first
+    out = []
+    for s, f in zip(seqs, first):
+        h = np.array(E.hidden_states(model, [s]))[0]
+        out.append(np.concatenate([h[f:].mean(0), h[-1]]))
+    return np.array(out, dtype=np.float32)
+
+
+def test_shared_prefix_runs_once_and_features_equal_unshared(lm, monkeypatch):
+    """The common token prefix of a call is prefilled once (KV cache tiled over each batch); only each row's
+    own tokens run, and the features equal a full forward of every row within 1e-4 relative."""
+    model, tok = lm
+    ps = prompts(tok)
+    seqs = [E.encode(tok, p + c) for p, c in zip(ps, COMPLETIONS)]
+    shared = E.common_prefix_length(seqs)
+    assert shared > 10 and all(s[:shared] == seqs[0][:shared] for s in seqs)
+    widths = []
+    real_trunk_call = E.hidden_states
+
+    def spy(model_, batch, cache=None, pad_id=0):
+        widths.append((len(batch) if not hasattr(batch, "shape") else batch.shape[0],
+                       max(map(len, batch)) if isinstance(batch, list) else batch.shape[-1], cache is not None))
+        return real_trunk_call(model_, batch, cache=cache, pad_id=pad_id)
+
+    monkeypatch.setattr(E, "hidden_states", spy)
+    f = E.prompt_completion_features(model, tok, ps, COMPLETIONS, batch_size=2)
+    monkeypatch.undo()
+    kept = [s[:n] for s, n in zip(seqs, f.n_kept)]
+    assert widths[0] == (1, shared, True)  # the prefix, once
+    assert all(c and w <= max(map(len, kept)) - shared for _, w, c in widths[1:])  # then only own tokens
+    assert len(widths) == 1 + 3
+    ref = _unshared_reference(model, kept)
+    scale = np.abs(ref).max()
+    assert np.abs(f.embeddings - ref).max() <= 1e-4 * scale
+    # a call with one document runs all but its last token as the prefix: the same features
+    one = E.prompt_completion_features(model, tok, ps[2:3], COMPLETIONS[2:3])
+    assert np.abs(one.embeddings[0] - ref[2]).max() <= 1e-4 * scale
+
+
+def test_shared_prefix_with_truncation_and_short_rows(phi3):
+    """Rows cut by max_length or shorter than the common prefix keep at least one own token."""
+    model, tok = phi3
+    ps = prompts(tok)
+    f = E.prompt_completion_features(model, tok, ps, COMPLETIONS)
+    cut = int(E.common_prefix_length([E.encode(tok, p) for p in ps])) - 2
+    t = E.prompt_completion_features(model, tok, ps, COMPLETIONS, max_length=cut, batch_size=3)
+    seqs = [E.encode(tok, p + c)[:cut] for p, c in zip(ps, COMPLETIONS)]
+    np.testing.assert_allclose(t.embeddings, _unshared_reference(model, seqs), rtol=0, atol=1e-5)
+    mixed = E.document_features(model, tok, ["hi"] + [p + c for p, c in zip(ps, COMPLETIONS)], position="last")
+    seqs = [E.encode(tok, "hi")] + [E.encode(tok, p + c) for p, c in zip(ps, COMPLETIONS)]
+    np.testing.assert_allclose(mixed.embeddings, _unshared_reference(model, seqs), atol=1e-5)
+    assert f.pooling == "all" and (f.pooled_from == 0).all()
+
+
+def test_non_shared_pooling(lm):
+    """pooling="non-shared": the mean leaves out the prompt prefix every row shares; the state half is unchanged."""
+    model, tok = lm
+    ps = prompts(tok)
+    f = E.prompt_completion_features(model, tok, ps, COMPLETIONS)
+    g = E.prompt_completion_features(model, tok, ps, COMPLETIONS, pooling="non-shared", batch_size=2)
+    seqs = [E.encode(tok, p + c)[:n] for p, c, n in zip(ps, COMPLETIONS, f.n_kept)]
+    shared = E.common_prefix_length(seqs)
+    assert g.pooling == "non-shared" and g.shared_prefix == seqs[0][:shared]
+    assert (g.pooled_from == shared).all()
+    np.testing.assert_allclose(g.embeddings, _unshared_reference(model, seqs, [shared] * 5), atol=1e-5)
+    D = f.embeddings.shape[1] // 2
+    np.testing.assert_allclose(g.embeddings[:, D:], f.embeddings[:, D:], atol=1e-5)
+    assert np.abs(g.embeddings[:, :D] - f.embeddings[:, :D]).max() > 1e-3
+    # one document at a time, with the recorded shared prefix: the same features (batch-independent)
+    for i in (0, 3):
+        h = E.prompt_completion_features(model, tok, [ps[i]], [COMPLETIONS[i]], pooling="non-shared",
+                                         shared_prefix=g.shared_prefix)
+        np.testing.assert_allclose(h.embeddings[0], g.embeddings[i], atol=1e-5)
+    with pytest.raises(E.InputError, match="pooling"):
+        E.prompt_completion_features(model, tok, ps, COMPLETIONS, pooling="median")
+
+
+def test_pool_states_is_the_one_pooling():
+    h = np.random.default_rng(0).normal(size=(3, 7, 4)).astype(np.float32)
+    out = np.array(E.pool_states(h, [7, 3, 5], [0, 1, 4]))
+    for i, (n, f) in enumerate([(7, 0), (3, 1), (5, 4)]):
+        np.testing.assert_allclose(out[i], np.concatenate([h[i, f:n].mean(0), h[i, n - 1]]), atol=1e-6)
+        np.testing.assert_allclose(E.pool_hidden(h[i], n, f), out[i], atol=1e-6)
+    with pytest.raises(E.InputError):
+        E.pool_hidden(h[0], 3, 3)
+
+
+def test_cli_embed_pooling_non_shared_records_its_prefix(tmp_path, tiny_phi3_path, phi3):
+    """`sdm-mlx embed --pooling non-shared` (a subprocess): the shared prefix is that of the whole input, recorded
+    in OUTPUT.features.json; a resumed run pools the same way; other settings on the same output are refused."""
+    import subprocess
+    import sys
+
+    inp, out = tmp_path / "docs.jsonl", tmp_path / "feats.jsonl"
+    _write_docs(inp, _rows())
+    cmd = [sys.executable, "-m", "sdm_mlx", "embed", "--model", tiny_phi3_path, "--input", str(inp),
+           "--output", str(out), "--completion-field", "completion", "--system", SYSTEM,
+           "--prompt-template", TEMPLATE, "--batch-size", "2", "--quiet"]
+    assert subprocess.run(cmd + ["--pooling", "non-shared"], capture_output=True, text=True).returncode == 0
+    spec = json.loads((tmp_path / "feats.jsonl.features.json").read_text())
+    model, tok = phi3
+    ps = prompts(tok)
+    ref = E.prompt_completion_features(model, tok, ps, COMPLETIONS, pooling="non-shared")
+    assert spec["pooling"] == "non-shared" and spec["shared_prefix_ids"] == ref.shared_prefix
+    assert spec["shared_prefix_text"] == tok.decode(ref.shared_prefix) and spec["position"] == "delimiter"
+    got = _read(out)
+    np.testing.assert_allclose(np.array([got[f"d{i}"]["embedding"] for i in range(5)]), ref.embeddings, atol=1e-5)
+    # resume after losing the last three rows: they are pooled with the recorded (whole-input) prefix
+    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    out.write_text("".join(lines[:2]), encoding="utf-8")
+    assert subprocess.run(cmd + ["--pooling", "non-shared"], capture_output=True, text=True).returncode == 0
+    again = _read(out)
+    np.testing.assert_allclose(np.array([again[f"d{i}"]["embedding"] for i in range(5)]), ref.embeddings, atol=1e-5)
+    # the same output with the paper's pooling: refused, exit 2, naming the fix
+    (tmp_path / "more.jsonl").write_text(inp.read_text() + json.dumps(
+        {"id": "d9", "document": "Fine.", "completion": COMPLETIONS[0]}) + "\n")
+    bad = subprocess.run([c if c != str(inp) else str(tmp_path / "more.jsonl") for c in cmd] + ["--pooling", "all"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "(pooling, " in bad.stderr and "use another --output" in bad.stderr

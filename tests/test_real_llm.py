@@ -376,6 +376,27 @@ def test_serve_chat_completion_carries_the_verdict(network, lenient_results):
         assert srv.stop() == 0, "".join(srv.lines)
 
 
+def test_shared_prefix_features_equal_a_full_forward_of_each_row(verification, model_path):
+    """The chat template, system message and instruction (~42 tokens) every factcheck verification prompt shares run
+    once; the features equal each row's own full forward pass within 1e-4 relative (mean and state halves)."""
+    _, ver, _ = verification
+    model, tok = E.load_model(model_path)
+    prompts, completions = [r["prompt"] for r in ver], [r["completion"] for r in ver]
+    feats = E.prompt_completion_features(model, tok, prompts, completions, batch_size=4)
+    seqs = [E.encode(tok, p + c)[: int(n)] for p, c, n in zip(prompts, completions, feats.n_kept)]
+    shared = E.common_prefix_length(seqs)
+    assert shared >= 30 and shared < int(feats.n_kept.min())
+    ref = np.stack([np.array(E.pool_states(E.hidden_states(model, [s]), [len(s)]))[0] for s in seqs])
+    rel = _rel(ref, feats.embeddings)
+    assert rel.max() < BATCH_RTOL, f"shared-prefix vs full forward: max relative difference {rel.max():.2e}"
+    ns = E.prompt_completion_features(model, tok, prompts, completions, pooling="non-shared", batch_size=4)
+    assert (ns.pooled_from == shared).all()
+    D = ref.shape[1] // 2
+    ref_ns = np.stack([np.concatenate([np.array(E.hidden_states(model, [s]))[0][shared:].mean(0), r[D:]])
+                       for s, r in zip(seqs, ref)])
+    assert _rel(ref_ns, ns.embeddings).max() < BATCH_RTOL
+
+
 # ------------------------------------------------------------------ verified generation that verifies ("continue")
 #: The factcheck pipeline's output directory (``tools/real_factcheck_pipeline.py``): its ``verifier/`` was trained
 #: on the model's own answers to pooled topic statements, ``generate_check.jsonl`` is ``sdm-mlx generate`` over

@@ -1,30 +1,34 @@
-"""Benchmark: LLM feature extraction (``sdm_mlx.embed``) vs a plain mlx-lm forward pass.
+"""Benchmark: LLM features with the shared prompt prefix run once (``sdm_mlx.embed``) vs the unshared old way.
 
-    python tools/bench_embed.py [--model PATH] [--docs 64] [--batch-size 1 8] [--json out.json]
-    python tools/bench_embed.py --size phi3-like-small     # a larger random model, same tokenizer
+    python tools/bench_embed.py [--model PATH] [--docs 64] [--batch-size 1 8] [--rounds 2] [--json out.json]
+    python tools/bench_embed.py --size small           # a larger random model, same tokenizer
     python tools/bench_embed.py --model ~/.cache/sdm_mlx/test_llm/qwen2.5-coder-1.5b-instruct-float32 \
-        --factcheck --docs 64 --batch-size 8 --cold          # the real model (tools/fetch_test_llm.py)
+        --factcheck --docs 32 --batch-size 8 --rounds 2   # the real model (tools/fetch_test_llm.py)
 
 Without ``--model`` a random model is built locally with ``tools/tiny_models.py``
 (``--size tiny``: hidden 64, 2 layers; ``small``: hidden 512, 4 layers, |V| 32064;
-``medium``: hidden 1024, 8 layers, |V| 32064).  For each batch size it reports
-documents/s and tokens/s of ``prompt_completion_features`` (tokenisation +
-delimiter search + trunk forward + masked pooling) and the per-token cost
-relative to ``model(x)`` — the plain mlx-lm forward pass producing logits — on
-exactly the same (cut, right-padded) token batches; the host-side share
-(tokenisation and delimiter search) is timed separately.  Prints a table, writes
-JSON with ``--json`` and states which BLAS MLX used.  ``--factcheck`` uses the
-embedded factcheck statements in the paper's verification encoding (the
-model's chat template, ``{"correctness": true/false}`` completions) instead of
-random words; ``--cold`` times one call of each pass after a single short
-warm-up forward that pages the weights in (for real models, where one pass
-takes minutes).  Peak RSS and MLX peak memory are
-reported.
+``medium``: hidden 1024, 8 layers, |V| 32064).  For each batch size it times,
+alternating old and new ``--rounds`` times in one process (ratios within one
+run: the machine is shared), rows/s of
+
+* new: ``prompt_completion_features`` — tokenisation, delimiter search, the
+  token prefix every row shares prefilled once into a KV cache tiled over each
+  batch, each row's own tokens, pooling;
+* old: the 052b975 computation — every row's full kept token sequence through
+  the trunk in right-padded batches, the same pooling;
+
+and the largest relative difference between their features.  ``--factcheck``
+uses the embedded factcheck statements in the paper's verification encoding
+(the model's chat template, ``{"correctness": true/false}`` completions)
+instead of random words.  Records the BLAS MLX used, the load average after
+every round, peak RSS and MLX peak memory; prints a table, writes JSON with
+``--json``.  Model load time is not included (the same for both ways).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import resource
 import sys
@@ -68,71 +72,60 @@ def factcheck_docs(tok, n: int, seed: int = 0):
     return [r["prompt"] for r in ver], [r["completion"] for r in ver]
 
 
-def timer(repeat: int, cold: bool):
-    """``time(fn)``: one cold call (``cold``) or :func:`best_time`."""
-    def once(fn):
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
-    return once if cold else (lambda fn: best_time(fn, repeat))
-
-
-def bench(model, tok, prompts, comps, batch_size: int, max_length: int, repeat: int, cold: bool = False) -> dict:
-    timed = timer(repeat, cold)
-    out = {}
-
-    def features():
-        out["feats"] = E.prompt_completion_features(model, tok, prompts, comps, batch_size=batch_size,
-                                                    max_length=max_length)
-
-    t_feat = timed(features)
-    feats = out["feats"]
-    n_kept = feats.n_kept
-    tokens = int(n_kept.sum())
-
-    # host-side share: tokenisation + delimiter search only
-    def host():
-        for p, c in zip(prompts, comps):
-            ids = E.encode(tok, p + c)
-            E.delimiter_token_index_in_text(tok, p + c, ids, (len(p), None))
-
-    t_host = timed(host)
-
-    # the same cut, padded batches through the full model (logits)
-    order = np.argsort(-n_kept, kind="stable")
-    seqs = [E.encode(tok, p + c) for p, c in zip(prompts, comps)]
-    batches = []
+def unshared_features(model, seqs: list, batch_size: int) -> np.ndarray:
+    """The 052b975 computation: every (cut) row's full token sequence through the trunk, longest first, in
+    right-padded batches, pooled with the same :func:`sdm_mlx.embed.pool_states` (the "old way")."""
+    lens = np.array([len(s) for s in seqs])
+    order = np.argsort(-lens, kind="stable")
+    out = np.empty((len(seqs), 0), dtype=np.float32)
     for b0 in range(0, len(seqs), batch_size):
         idx = order[b0 : b0 + batch_size]
-        width = int(n_kept[idx].max())
-        batches.append(mx.array(np.array([seqs[i][: n_kept[i]] + [0] * (width - n_kept[i]) for i in idx], np.int32)))
-    padded = sum(int(b.size) for b in batches)
+        feats = E.pool_states(E.hidden_states(model, [seqs[i] for i in idx]), lens[idx])
+        mx.eval(feats)
+        if out.shape[1] == 0:
+            out = np.empty((len(seqs), feats.shape[1]), dtype=np.float32)
+        out[idx] = np.array(feats)
+    return out
 
-    def logits():
-        for b in batches:
-            mx.eval(model(b))
 
-    def trunk_only():
-        for b in batches:
-            mx.eval(E.hidden_states(model, b))
+def bench(model, tok, prompts, comps, batch_size: int, max_length: int, rounds: int) -> dict:
+    """Shared-prefix features (``prompt_completion_features``) against the unshared old way on the same
+    rows, alternating ``rounds`` times (ratios within one run on a shared machine); host share timed apart."""
+    got = {}
 
-    t_logits = timed(logits)
-    t_trunk = timed(trunk_only)
+    def shared():
+        got["feats"] = E.prompt_completion_features(model, tok, prompts, comps, batch_size=batch_size,
+                                                    max_length=max_length)
+
+    shared()  # warm-up: pages the weights in, fixes the kept lengths
+    feats = got["feats"]
+    seqs = [E.encode(tok, p + c)[: int(n)] for p, c, n in zip(prompts, comps, feats.n_kept)]
+
+    def old():
+        got["old"] = unshared_features(model, seqs, batch_size)
+
+    t_old, t_new, loads = [], [], []
+    for _ in range(rounds):
+        for fn, acc in ((old, t_old), (shared, t_new)):
+            t = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t)
+        loads.append(os.getloadavg()[0])
+    t = time.perf_counter()
+    for p, c in zip(prompts, comps):  # host-side share: tokenisation + delimiter search
+        E.delimiter_token_index_in_text(tok, p + c, E.encode(tok, p + c), (len(p), None))
+    t_host = time.perf_counter() - t
+    ref = got["old"]
+    rel = float(np.abs(got["feats"].embeddings - ref).max() / np.abs(ref).max())
+    tokens = int(feats.n_kept.sum())
+    shared_len = E.common_prefix_length(seqs)
+    own = tokens - len(seqs) * min(shared_len, int(feats.n_kept.min()) - 1)
     return {
-        "batch_size": batch_size,
-        "docs": len(prompts),
-        "tokens": tokens,
-        "padded_tokens": padded,
-        "features_s": t_feat,
-        "docs_per_s": len(prompts) / t_feat,
-        "tokens_per_s": tokens / t_feat,
-        "features_us_per_token": 1e6 * t_feat / tokens,
-        "logits_forward_us_per_token": 1e6 * t_logits / tokens,
-        "trunk_forward_us_per_token": 1e6 * t_trunk / tokens,
-        "host_us_per_token": 1e6 * t_host / tokens,
-        "features_over_logits": t_feat / t_logits,
-        "logits_tokens_per_s": tokens / t_logits,
+        "batch_size": batch_size, "docs": len(prompts), "kept_tokens": tokens, "shared_prefix_tokens": shared_len,
+        "own_tokens": own, "old_s": t_old, "new_s": t_new,
+        "old_rows_per_s": len(prompts) / min(t_old), "new_rows_per_s": len(prompts) / min(t_new),
+        "ratio_best": min(t_old) / min(t_new), "ratio_sum": sum(t_old) / sum(t_new),
+        "host_s": t_host, "max_rel_difference": rel, "load_average_1min": loads,
     }
 
 
@@ -143,11 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-length", type=int, default=500)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating old/new timings per batch size")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--factcheck", action="store_true",
                     help="factcheck statements in the verification encoding instead of random words")
-    ap.add_argument("--cold", action="store_true", help="time one call of each pass after one short warm-up forward (large models)")
     args = ap.parse_args(argv)
 
     model, tok, label = load_bench_model(args.model, args.size)
@@ -159,9 +151,7 @@ def main(argv=None) -> int:
         prompts = [E.chat_text(tok, d, system="You are a helpful AI assistant.",
                                prompt_template='Classify the sentiment. Respond using the following JSON: '
                                                '{"sentiment": str}. REVIEW: {document}') for d in docs]
-    if args.cold:  # page the (memory-mapped) weights in, so the first timed pass does not pay for it
-        mx.eval(model(mx.array(tok.encode("warm up the weights")[:8])[None]))
-    rows = [bench(model, tok, prompts, comps, b, args.max_length, args.repeat, args.cold) for b in args.batch_size]
+    rows = [bench(model, tok, prompts, comps, b, args.max_length, args.rounds) for b in args.batch_size]
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
@@ -176,7 +166,7 @@ def main(argv=None) -> int:
         "mlx_device": str(mx.default_device()),
         "dtype": str(model.model.embed_tokens.weight.dtype),
         "data": "factcheck verification encoding" if args.factcheck else "random words",
-        "timing": "one cold call" if args.cold else f"best of {args.repeat} after a warm-up",
+        "timing": f"{args.rounds} alternating rounds (old, new) after a warm-up",
         "peak_rss_gb": peak_rss_gb,
         "mlx_peak_memory_gb": mx.get_peak_memory() / 1e9,
         "load_average_at_end": load,
@@ -186,14 +176,12 @@ def main(argv=None) -> int:
           f"features {2 * cfg.hidden_size}-dim")
     print(f"BLAS: {report['blas']}   device: {report['mlx_device']}   dtype: {report['dtype']}   "
           f"data: {report['data']}   timing: {report['timing']}")
-    head = f"{'batch':>5} {'docs/s':>8} {'tok/s':>9} {'feat us/tok':>11} {'logits us/tok':>13} {'trunk us/tok':>12} {'host us/tok':>11} {'feat/logits':>11}"
-    print(head)
+    print(f"{'batch':>5} {'old rows/s':>10} {'new rows/s':>10} {'ratio':>6} {'kept tok':>8} {'shared':>6} "
+          f"{'own tok':>7} {'max rel diff':>12} {'load':>10}")
     for r in rows:
-        print(f"{r['batch_size']:>5} {r['docs_per_s']:>8.1f} {r['tokens_per_s']:>9.0f} {r['features_us_per_token']:>11.2f} "
-              f"{r['logits_forward_us_per_token']:>13.2f} {r['trunk_forward_us_per_token']:>12.2f} "
-              f"{r['host_us_per_token']:>11.2f} {r['features_over_logits']:>11.2f}")
-    print(f"({args.docs} documents, {rows[0]['tokens']} kept tokens; padding overhead at the largest batch "
-          f"{rows[-1]['padded_tokens'] / rows[-1]['tokens'] - 1:.1%})")
+        print(f"{r['batch_size']:>5} {r['old_rows_per_s']:>10.3f} {r['new_rows_per_s']:>10.3f} {r['ratio_sum']:>6.2f} "
+              f"{r['kept_tokens']:>8} {r['shared_prefix_tokens']:>6} {r['own_tokens']:>7} "
+              f"{r['max_rel_difference']:>12.2e} {' '.join(f'{x:.1f}' for x in r['load_average_1min']):>10}")
     print(f"peak RSS {peak_rss_gb:.2f} GB, MLX peak memory {report['mlx_peak_memory_gb']:.2f} GB, "
           f"load average at the end {' '.join(load)} (shared machine)")
     if args.json:

@@ -40,16 +40,17 @@ import sys
 import tempfile
 import time
 
-import mlx.core as mx
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import sdm_mlx  # noqa: E402,F401  (before mlx: loads OpenBLAS on Linux; MLX's bundled BLAS is ~100x slower)
+import mlx.core as mx  # noqa: E402
 from sdm_mlx.blas import describe_blas  # noqa: E402
 
-SIZES = {"tiny": (616, 64), "mid": (8192, 1024), "phi35": (32064, 3072)}
+SIZES = {"tiny": (616, 64), "mid": (8192, 1024), "phi35": (32064, 3072), "qwen15": (151936, 1536)}
 
 # Sizes of the paper's experiments (reference_spec §11, §8.2) used by the estimate.
 PHI35 = {
@@ -159,6 +160,27 @@ def tiny_recipe_run(workdir: str) -> dict:
     }
 
 
+def machine_rates(n_gemm: int = 2048, stream_mb: int = 512) -> dict:
+    """This box's float32 GEMM rate (``mx.matmul``, n x n, best of 3) and memory bandwidth (NumPy float32 copy of
+    ``stream_mb`` MB, read + write, best of 3), measured now (the machine may be shared)."""
+    a = mx.random.normal((n_gemm, n_gemm))
+    mx.eval(a)
+    mx.eval(a @ a)
+    t_gemm = min(_timed(lambda: mx.eval(a @ a)) for _ in range(3))
+    src = np.ones(stream_mb * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t_copy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    return {"gemm_gflops": 2 * n_gemm**3 / t_gemm / 1e9, "stream_gbs": 2 * src.nbytes / t_copy / 1e9,
+            "load_average": os.getloadavg()[0]}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def head_step_roofline(vocab: int, hidden: int, batch: int, tflops: float, gbs: float, ref_bytes: float = 0.5625):
     """Seconds per step from flops / F + bytes / BW (see FORMULA); ``ref_bytes`` per weight of the frozen head."""
     p = vocab * hidden
@@ -250,6 +272,16 @@ def main(argv=None) -> int:
                 heads.append(r)
                 print(f"head step {name} ref={ref} compile={comp}: {r['step_ms']:.1f} ms/step", file=sys.stderr,
                       flush=True)
+    rates = machine_rates()
+    report["machine_rates"] = rates
+    for h in heads:  # float32 reference head (4 B/weight) unless quantised
+        ref_bytes = 4.0 if not h["quantized_ref_head_bits"] else 0.5625
+        t_roof, _, _ = head_step_roofline(h["vocab"], h["hidden"], h["batch"], rates["gemm_gflops"] / 1000,
+                                          rates["stream_gbs"], ref_bytes)
+        h["roofline_here_ms"] = 1000 * t_roof
+        h["fraction_of_roofline"] = t_roof * 1000 / h["step_ms"]
+        print(f"head step {h['size']}: roofline here {1000 * t_roof:.0f} ms (GEMM {rates['gemm_gflops']:.0f} GFLOP/s, "
+              f"stream {rates['stream_gbs']:.1f} GB/s): {h['fraction_of_roofline']:.0%} of it", file=sys.stderr)
     report["head_step"] = heads
     if not args.no_tiny_run:
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,10 @@ positions.  The text is the chat-templated ``--document-field`` (with
 ``--system`` and ``--prompt-template``), or an already templated
 ``--prompt-field``; ``--completion-field`` appends the assistant completion
 (force-decoding).  The output is appended to and re-running skips ids already
-present, so an interrupted run resumes where it stopped.  Every written row also carries
+present, so an interrupted run resumes where it stopped.  ``OUTPUT.features.json``
+records how the features were made (model, position, delimiter, max length,
+pooling and, for ``--pooling non-shared``, the shared token prefix of the whole
+input) so that verification at generation time pools the same way.  Every written row also carries
 ``embedding_source: "llm-hidden-states"``, by which ``sdm-mlx train`` picks the per-dimension
 input normalisation of LLM features (DESIGN #2) when ``--normalize`` is not given.
 """
@@ -54,6 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--on-missing-delimiter", choices=["error", "last", "prompt"], default="error",
                    help="completion without the delimiter: fail, use the last token, "
                         "or pool the prompt positions only")
+    p.add_argument("--pooling", choices=["all", "non-shared"], default="all",
+                   help="mean half of the feature: over all kept positions (the paper's), or without the token "
+                        "prefix every input row shares (document + completion positions; DESIGN #21)")
     p.add_argument("--max-length", type=int, default=500, help="keep at most this many leading token positions")
     p.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -118,7 +124,7 @@ def _position(args) -> str:
     return position
 
 
-def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> dict:
+def _embed_rows(args, todo: list, model, tokenizer, spec: dict, bar, out) -> dict:
     """Append the embedded rows of ``todo`` to ``out``, chunk by chunk; counts of truncated / missing rows."""
     from ..embed import DocumentError, document_features
 
@@ -129,9 +135,9 @@ def _embed_rows(args, todo: list, model, tokenizer, position: str, bar, out) -> 
         docs, spans = _texts(args, part, tokenizer, args.input, stats["foreign"])
         try:
             feats = document_features(
-                model, tokenizer, docs, spans, position=position, delimiter=args.delimiter,
-                max_length=args.max_length, batch_size=args.batch_size,
-                on_missing=args.on_missing_delimiter, progress=bar.update,
+                model, tokenizer, docs, spans, position=spec["position"], delimiter=args.delimiter,
+                max_length=args.max_length, batch_size=args.batch_size, on_missing=args.on_missing_delimiter,
+                pooling=args.pooling, shared_prefix=spec["shared_prefix_ids"], progress=bar.update,
             )
         except DocumentError as e:
             lineno, row = part[e.index]
@@ -169,6 +175,40 @@ def _report(args, stats: dict, n: int, position: str, tokenizer, say) -> None:
             f"(handled with --on-missing-delimiter {args.on_missing_delimiter})")
 
 
+def spec_path(output: str) -> str:
+    """Where ``embed`` records how the features in ``output`` were made."""
+    return str(output) + ".features.json"
+
+
+def _feature_spec(args, rows: list, tokenizer, position: str) -> dict:
+    """How the features are made; written next to the output (checked against it when resuming)."""
+    import json
+    import os
+
+    from ..embed import common_prefix_length, encode
+    from ..io import write_json
+
+    shared = None
+    if args.pooling == "non-shared":  # over every input row, so that a resumed run pools the same way
+        docs, _ = _texts(args, rows, tokenizer, args.input)
+        seqs = [encode(tokenizer, d)[: args.max_length] for d in docs]
+        shared = seqs[0][: common_prefix_length(seqs)]
+    spec = {"model": args.model, "position": position, "delimiter": args.delimiter, "max_length": args.max_length,
+            "on_missing_delimiter": args.on_missing_delimiter, "pooling": args.pooling, "shared_prefix_ids": shared,
+            "shared_prefix_text": None if shared is None else tokenizer.decode(shared)}
+    path = spec_path(args.output)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        keys = ("position", "delimiter", "max_length", "pooling", "shared_prefix_ids")
+        changed = [k for k in keys if old.get(k) != spec[k]]
+        if changed:
+            raise InputError(f"{args.output} holds features made with other settings ({', '.join(changed)} differ "
+                             f"from {os.path.basename(path)}): use another --output or the same options")
+    write_json(path, spec)
+    return spec
+
+
 def run(args) -> int:
     from ..callbacks import cli_callback
     from ..io import open_append, refuse_same_files
@@ -187,8 +227,9 @@ def run(args) -> int:
         return 0
     from ..embed import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, head=False)  # features never use the LM head
+    spec = _feature_spec(args, rows, tokenizer, position)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:
-        stats = _embed_rows(args, todo, model, tokenizer, position, bar, out)
+        stats = _embed_rows(args, todo, model, tokenizer, spec, bar, out)
     _report(args, stats, len(todo), position, tokenizer, say)
     return 0

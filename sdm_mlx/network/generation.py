@@ -214,9 +214,7 @@ def _pool(prompt_h, pad, step_h, n_prompt, n_kept):
     states = prompt_h[pad:]
     if n_kept > n_prompt:
         states = mx.concatenate([states, step_h[: n_kept - n_prompt]], axis=0)
-    states = states[:n_kept]
-    feat = mx.concatenate([states.sum(axis=0) / float(n_kept), states[n_kept - 1]])
-    return np.array(feat, dtype=np.float32)
+    return np.array(_embed.pool_states(states[None, :n_kept], [n_kept])[0], dtype=np.float32)
 
 
 def greedy_generate(
