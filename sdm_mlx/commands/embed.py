@@ -19,12 +19,10 @@ from __future__ import annotations
 
 
 from ..errors import CLIError, InputError
-from ..data import pending_rows
+from ..data import LLM_FEATURES, pending_rows
 from ..io import dumps
 from ..data import read_objects as read_jsonl
 
-#: ``embedding_source`` of rows written here: LLM hidden states (DESIGN #2: per-dimension normalisation).
-LLM_FEATURES = "llm-hidden-states"
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 

@@ -74,7 +74,7 @@ def llm_rows(path) -> bool:
     """True when the first row of ``path`` was written by ``sdm-mlx embed`` (LLM hidden-state features)."""
     import json
 
-    from .embed import LLM_FEATURES
+    from ..data import LLM_FEATURES
 
     if path == "-":
         return False
