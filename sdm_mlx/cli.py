@@ -124,12 +124,18 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser, classes=()) -> 
                for s in a.option_strings  # old spellings such as "unstratified: true", "no-normalize: true"
                if isinstance(a, argparse._StoreFalseAction)
                or (isinstance(a, argparse.BooleanOptionalAction) and s.startswith("--no-"))}
-    values = yaml_values(path, classes, extra_keys=tuple(actions) + tuple(negated))
+    constants = {s[2:].replace("-", "_"): a for a in parser._actions if a.dest in fields  # "no-normalize: true"
+                 for s in a.option_strings if isinstance(a, argparse._StoreConstAction)}
+    values = yaml_values(path, classes, extra_keys=tuple(actions) + tuple(negated) + tuple(constants))
     for key, value in list(values.items()):
         where = f"{path}: key {key.replace('_', '-')!r}"
         if key in negated:
             del values[key]
             values[negated[key]] = not _check_plain_option(argparse.Action([], key, nargs=0), value, where)
+        elif key in constants:
+            del values[key]
+            if _check_plain_option(argparse.Action([], key, nargs=0), value, where):
+                values[constants[key].dest] = constants[key].const
         elif key in actions:
             values[key] = _check_plain_option(actions[key], value, where)
     return values

@@ -29,16 +29,19 @@ _META = "sdm_mlx"
 
 
 def option(default: Any, help: str, *, choices=None, short: str | None = None, aliases=(), none_means: str = "",
-           metavar: str | None = None, required: bool = False, cli: bool = True, flag: str | None = None) -> Any:
+           metavar: str | None = None, required: bool = False, cli: bool = True, flag: str | None = None,
+           booleans: tuple | None = None) -> Any:
     """A dataclass field carrying its default, help text and CLI details.
 
     ``none_means`` explains a ``None`` default in ``--help`` ("largest class count"); ``aliases``
     are older flag spellings kept working; ``required`` fields have no usable default (``None``
     until given); ``cli=False`` keeps a field out of the command line (API/YAML only); ``flag`` replaces
-    the flag made from the field name (``output_dir`` shown as ``--output``; the field name stays an alias).
+    the flag made from the field name (``output_dir`` shown as ``--output``; the field name stays an alias);
+    ``booleans = (value for false, value for true)`` keeps YAML's older true/false spelling of a field that
+    became a choice (``normalize: false`` → ``"none"``).
     """
     meta = {_META: dict(help=help, choices=choices, short=short, aliases=tuple(aliases), none_means=none_means,
-                        metavar=metavar, required=required, cli=cli, flag=flag)}
+                        metavar=metavar, required=required, cli=cli, flag=flag, booleans=booleans)}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -183,8 +186,11 @@ def check_value(cls, name: str, value, where: str):
         if not isinstance(value, list):
             raise SettingsError(f"{where}: expected a list (YAML [a, b] or one '- item' per line), got {value!r}")
         return [_check_scalar(v, item, f"{where}[{i}]") if item else v for i, v in enumerate(value)]
+    meta = _meta({f.name: f for f in dataclasses.fields(cls)}[name])
+    if meta.get("booleans") and isinstance(value, bool):
+        value = meta["booleans"][int(value)]
     value = _check_scalar(value, tp, where)
-    choices = _meta({f.name: f for f in dataclasses.fields(cls)}[name]).get("choices")
+    choices = meta.get("choices")
     if choices and value not in choices:
         raise SettingsError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
     return value

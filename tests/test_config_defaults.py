@@ -47,7 +47,7 @@ def test_cli_and_yaml_reach_the_estimator_and_cli_wins(tmp_path):
                               "--index", "exact", "--patience", "0"])
     got = estimator_config(args, paper_base(args))
     assert (got.epochs, got.exemplar_dim, got.index_backend, got.normalize, got.stratified, got.patience) == \
-        (3, 32, "exact", False, False, None)
+        (3, 32, "exact", "none", False, None)  # YAML normalize: false is the older spelling of "none"
 
 
 def _cli(*argv, cwd):
@@ -137,7 +137,7 @@ def test_yaml_keeps_the_old_negative_spellings(tmp_path):
     cfg = tmp_path / "old.yaml"
     cfg.write_text("unstratified: true\nindex: hnsw\nno-normalize: true\n")
     values = load_yaml_config(str(cfg), train_parser, SETTINGS)
-    assert values == {"stratified": False, "index_backend": "hnsw", "normalize": False}
+    assert values == {"stratified": False, "index_backend": "hnsw", "normalize": "none"}
     cfg.write_text("unstratified: 1\n")
     with pytest.raises(ValueError, match="key 'unstratified': expected true or false"):
         load_yaml_config(str(cfg), train_parser, SETTINGS)

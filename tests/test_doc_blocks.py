@@ -56,6 +56,9 @@ LLM = re.compile(r"\$\{?MODEL\b|^\s*MODEL\s*=|runs/sentiment/", re.M)
 NOT_RUN = {
     "real_llm.md": [("pip install 'sdm_mlx[tools]'", "downloads a 1.5B model (about 3 GB)"),
                     ("python -m pytest -m real_llm", "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
+    "verified-generation-real.md": [("MODEL=", "the real 1.5B model (7.5 GB per process) and hours of CPU"),
+                                    ("python -m pytest -m real_llm tests/test_real_llm.py",
+                                     "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
 }
 
 
@@ -125,6 +128,7 @@ def llm_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("doc_llm")
     built = make_tiny_model.build(str(root / "tiny"), rows=300, tune_steps=150, quiet=True)
     cfg = NetworkConfig(model=built["model"], data=built["task"], output_dir=str(root / "runs" / "sentiment"),
+                        answers="preset",
                         preset="sentiment", epochs=1, learning_rate=1e-2, batch_size=50, max_new_tokens=12,
                         generation_batch_size=64, embed_batch_size=32, alpha=0.8, verifier_iterations=1,
                         verifier_epochs=20, verifier_exemplar_dim=32, verifier_learning_rate=3e-3,

@@ -403,6 +403,7 @@ def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path
     model, tok = load_model(tiny_phi3_path)
     data = write_synthetic_sentiment(tmp_path / "task.jsonl", n=24, seed=0)
     cfg = NetworkConfig(model=tiny_phi3_path, output_dir=str(tmp_path / "run"), data=data, preset="sentiment",
+                        answers="preset",
                         epochs=3, learning_rate=1e-2, batch_size=8, max_new_tokens=3, verbose=False)
     trainer = SDMNetworkTrainer(cfg, model, tok, estimator_factory=FakeVerifier)
     base_head = np.array(trainer.heads.pos.weight)

@@ -16,6 +16,7 @@ def _recipe(tmp_path, model, **extra):
         "model": model,
         "data": write_synthetic_sentiment(tmp_path / "task.jsonl", n=60, seed=1),
         "preset": "sentiment",
+        "answers": "preset",  # the tiny random model's answers are noise: the paper's encoding
         "output-dir": str(tmp_path / "out"),
         "epochs": 1,
         "learning-rate": 0.01,
@@ -29,6 +30,7 @@ def _recipe(tmp_path, model, **extra):
         "verifier-exemplar-dim": 8,
         "verifier-rescaler-max-epochs": 5,
         "quiet": True,
+        "require-admission": False,  # this 60-row verifier admits nothing; the smoke test runs the epochs anyway
         **extra,
     }
     path = tmp_path / "recipe.yaml"
@@ -69,6 +71,94 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
         assert main(["network-train", "--config", recipe, "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert load_network(out / "network", load_verifier=False).config["base_model"] == str(tiny_phi3_path)
+
+
+def test_network_train_stops_when_the_verifier_admits_nothing(tiny_phi3_path, tmp_path, capsys):
+    """A verification layer that admits no calibration row would leave Alg. 4's count at 0: network-train stops
+    before the epochs (exit 2) with the estimator's diagnosis; the verifier is kept for --verifier."""
+    import warnings
+
+    recipe = _recipe(tmp_path, tiny_phi3_path, **{"require-admission": True, "alpha": 0.99, "epochs": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["network-train", "--config", recipe]) == 2
+    err = capsys.readouterr().err
+    assert "the verification layer admits no calibration row at alpha' = 0.99" in err
+    assert "stopped before the 3 epoch(s)" in err and "[no_valid_threshold]" in err and "Next step:" in err
+    assert "--no-require-admission" in err
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stopped"] == "verifier_admits_nothing" and metrics["epochs"] == []
+    assert metrics["verifier_diagnosis"]["can_admit"] is False
+    assert not (out / "network").exists()  # no head was trained or saved
+    from sdm_mlx import SDMEstimator
+
+    assert SDMEstimator.load(out / "verifier").normalize == "per-dimension"  # DESIGN #2: LLM features
+
+    # a verifier that can admit lets the epochs run: --verifier with the kept one at a lower alpha' is not needed
+    # here; --no-require-admission runs them with the same verifier
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(["network-train", "--config", recipe, "--overwrite", "--no-require-admission"])
+    assert rc == 0
+    assert len(json.loads((out / "metrics.json").read_text())["epochs"]) == 3
+
+
+def test_answer_form_helpers():
+    from sdm_mlx.network.training_data import answer_form, corrected_answer, corrected_rows, model_answer_rows
+
+    fc = ['{"correctness": false}', '{"correctness": true}']
+    fenced = '```json\n{\n  "correctness": false\n}\n```'
+    assert [answer_form(t) for t in (fc[1], fenced, '{\n"correctness": true}', "I think so")] == \
+        ["compact", "fenced", "other", "unparsable"]
+    assert corrected_answer(fenced, fc[0], fc[1]) == '```json\n{\n  "correctness": true\n}\n```'
+    assert corrected_answer('{"sentiment":"negative"}', '{"sentiment": "negative"}', '{"sentiment": "positive"}') \
+        == '{"sentiment":"positive"}'
+    assert corrected_answer("no json", fc[0], fc[1]) is None
+    rows = [{"id": i, "prompt": "p", "task_label": t} for i, t in enumerate((1, 0, 1))]
+    got = model_answer_rows(rows, [fenced, fenced, "maybe"], fc)
+    assert [(r["label"], r["answer_label"], r["form"]) for r in got] == [(0, 0, "fenced"), (1, 0, "fenced"),
+                                                                          (0, -1, "unparsable")]
+    (fixed,) = corrected_rows(got, fc)  # the unparsable answer has nothing to correct
+    assert fixed["id"] == 0 and fixed["label"] == 1 and fixed["completion"].count("true") == 1
+
+
+def test_network_train_on_the_models_own_answers(tiny_phi3_path, tmp_path, capsys):
+    """answers: model -- the verification rows are the model's greedy answers (completion = generated text, label =
+    parsed answer right), their features those of the decoding; wrong answers corrected in the model's layout join
+    the W_pos positives."""
+    import warnings
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "make_tiny_model.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    built = tool.build(str(tmp_path / "tiny"), rows=80, quiet=True)  # answers in the task's JSON, right ~half the time
+    recipe = _recipe(tmp_path, built["model"], answers="model", data=built["task"], **{"max-new-tokens": 12})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["network-train", "--config", recipe]) == 0
+    out = tmp_path / "out"
+    rows = [json.loads(x) for x in (out / "verification_rows.jsonl").read_text().splitlines()]
+    task = {json.loads(x)["id"]: json.loads(x) for x in open(built["task"])}
+    assert len(rows) == len(task) == 80
+    from sdm_mlx.network.generation import parse_task_prediction
+
+    comps = ['{"sentiment": "negative"}', '{"sentiment": "positive"}']
+    for r in rows:
+        assert r["answer_label"] == parse_task_prediction(r["completion"], comps)
+        assert r["label"] == int(r["answer_label"] == task[r["id"]]["label"]) and r["task_label"] == task[r["id"]]["label"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    ans = metrics["answers"]
+    assert ans["mode"] == "model" and ans["rows"] == 80 and sum(ans["forms"].values()) == 80
+    assert 0 < ans["correct"] < 80
+    assert ans["correct"] == sum(r["label"] for r in rows)
+    wrong_train = [r for r in rows if r["split"] == "train" and r["label"] == 0 and r["answer_label"] >= 0]
+    assert ans["corrected_positives"] == len(wrong_train)
+    assert metrics["train_positive_rows"] == sum(r["split"] == "train" and r["label"] == 1 for r in rows) + \
+        len(wrong_train)
 
 
 def test_network_train_cli_errors(tiny_phi3_path, tmp_path, capsys):

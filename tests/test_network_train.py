@@ -27,6 +27,7 @@ def run(tmp_path_factory):
     built = _tool().build(str(tmp / "tiny"), rows=1000, quiet=True)
     cfg = NetworkConfig(
         model=built["model"], data=built["task"], output_dir=str(tmp / "out"), preset="sentiment", epochs=2,
+        answers="preset",
         learning_rate=1e-2, batch_size=50, max_new_tokens=12, generation_batch_size=64, embed_batch_size=32,
         alpha=0.8, verifier_iterations=3, verifier_epochs=50, verifier_exemplar_dim=64,
         verifier_learning_rate=3e-3, verifier_rescaler_max_epochs=50, verbose=False,

@@ -228,7 +228,8 @@ def network(model_path, tokenizer, tmp_path_factory):
         "--preset", "factcheck", "--completions", *QWEN_COMPLETIONS, "--epochs", 1, "--max-new-tokens", 24,
         "--generation-batch-size", 12, "--embed-batch-size", 8, "--batch-size", 50, "--learning-rate", 1e-5,
         "--no-compile", "--alpha", 0.51, "--verifier-iterations", 1, "--verifier-epochs", 30,
-        "--verifier-exemplar-dim", 16, "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8, "--quiet")
+        "--verifier-exemplar-dim", 16, "--verifier-learning-rate", 3e-3, "--verifier-batch-size", 8,
+        "--no-require-admission", "--quiet")  # 36 rows: the paths below are exercised even if nothing is admitted
     rows = read_jsonl(out / "verification_rows.jsonl")
     strict = tmp / "verifier_strict"
     cli("recalibrate", "--model", out / "verifier", "--alpha", 0.99, "--output", strict)
@@ -376,3 +377,102 @@ def test_shared_prefix_features_equal_a_full_forward_of_each_row(verification, m
     ref_ns = np.stack([np.concatenate([np.array(E.hidden_states(model, [s]))[0][shared:].mean(0), r[D:]])
                        for s, r in zip(seqs, ref)])
     assert _rel(ref_ns, ns.embeddings).max() < BATCH_RTOL
+
+
+# ------------------------------------------------------------------ verified generation that verifies ("continue")
+#: The factcheck pipeline's output directory (``tools/real_factcheck_pipeline.py``): its ``verifier/`` was trained
+#: on the model's own answers to pooled topic statements, ``generate_check.jsonl`` is ``sdm-mlx generate`` over
+#: held-out statements.  Default: the recipe's output directory.
+VERIFIED_RUN_ENV = "SDM_MLX_TEST_VERIFIED_RUN"
+
+
+@pytest.fixture(scope="module")
+def verified_run(model_path):
+    """The pipeline's run directory, or a skip naming the command that makes it."""
+    import types
+
+    path = Path(os.environ.get(VERIFIED_RUN_ENV, ROOT / "runs" / "qwen15_factcheck_verified")).expanduser()
+    if not (path / "verifier").is_dir() or not (path / "task.jsonl").is_file():
+        pytest.skip(f"no verified-generation run at {path}: run `python tools/real_factcheck_pipeline.py -c "
+                    f"recipes/qwen15_factcheck_verified_cpu.yaml` (or set {VERIFIED_RUN_ENV} to its output directory)")
+    checked = read_jsonl(path / "generate_check.jsonl") if (path / "generate_check.jsonl").is_file() else []
+    tasks = {r["id"]: r for r in read_jsonl(path / "task.jsonl")}
+    return types.SimpleNamespace(dir=path, verifier=path / "verifier", checked=checked, tasks=tasks,
+                                 admitted=[r for r in checked if r["status"] == "verified"],
+                                 heldout=[r for r in tasks.values() if r["split"] == "heldout_topics"])
+
+
+def _generate(model_path, run, rows, tmp):
+    """``sdm-mlx generate --input`` (default policy: abstain) with the run's verifier and templating."""
+    inp, out = tmp / "prompts.jsonl", tmp / "results.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cli("generate", "--model", model_path, "--verifier", run.verifier, "--system", PAPER_SYSTEM,
+        "--prompt-template", PRESETS["factcheck"]["prompt_template"], "--max-tokens", 32, "--input", inp,
+        "--output", out, "--quiet")
+    return {r["id"]: r for r in read_jsonl(out)}
+
+
+def test_generate_admits_a_verified_answer_and_abstains_out_of_distribution(model_path, verified_run,
+                                                                           tmp_path_factory):
+    """Continue on the real model: a held-out factcheck answer is ADMITTED by p-hat_lower at the trained alpha'
+    (0.95, never recalibrated down) from the verifier's own statistics, and its text is served; a haiku request
+    is abstained on.  The statements are ones the pipeline's own `generate` check admitted."""
+    from sdm_mlx import SDMEstimator
+
+    est = SDMEstimator.load(verified_run.verifier)
+    assert est.alpha >= 0.95 and est.normalize == "per-dimension"
+    assert verified_run.admitted, (
+        f"the pipeline's verifier admitted none of the {sum(r['id'] in verified_run.tasks for r in verified_run.checked)}"
+        " held-out answers of its generate "
+        f"check (admission diagnosis: {est.admission_.get('next_step') if est.admission_ else None}); "
+        "docs/verified-generation-real.md says why")
+    rows = [{"id": r["id"], "document": verified_run.tasks[r["id"]]["document"]} for r in verified_run.admitted[:2]]
+    by_id = _generate(model_path, verified_run, rows + [{"id": "ood", "document": OOD_PROMPT}],
+                      tmp_path_factory.mktemp("real_llm_admit"))
+    continued = [by_id[r["id"]] for r in rows if by_id[r["id"]]["status"] == "verified"]
+    assert continued, [(by_id[r["id"]]["status"], by_id[r["id"]].get("reason")) for r in rows]
+    for r in continued:
+        v = r["attempts"][0]["verifier"]
+        assert r["verified"] and r["stopped"] == "verified" and r["text"] == r["answer"] and r["n_attempts"] == 1
+        assert v["admitted"] and v["prediction"] == 1 and r["p_lower"] >= est.alpha - 1e-9
+        assert r["parsed"] is not None and set(r["parsed"]) == {"correctness"}
+        assert verified_run.tasks[r["id"]]["split"] == "heldout_topics"  # a held-out part of its topic
+    ood = by_id["ood"]
+    assert ood["status"] == "abstained" and not ood["verified"] and ood["text"].startswith("NOT VERIFIED")
+    assert ood["reason"]
+
+
+def test_served_verdict_equals_generate_on_a_heldout_statement(model_path, verified_run, tmp_path_factory):
+    """``sdm-mlx serve`` with the pipeline's verifier and templating: a held-out statement's chat completion
+    carries the same answer, status, p-hat_lower and X-SDM-Verified as ``generate``'s verdict on it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import http.client
+
+    from server_process import ServerProcess
+
+    first = (verified_run.admitted or verified_run.heldout)[0]
+    doc = verified_run.tasks[first["id"]]["document"]
+    g = _generate(model_path, verified_run, [{"id": first["id"], "document": doc}],
+                  tmp_path_factory.mktemp("real_llm_serve"))[first["id"]]
+    srv = ServerProcess([sys.executable, "-m", "sdm_mlx", "serve", "--model", model_path, "--verifier",
+                         str(verified_run.verifier), "--system", PAPER_SYSTEM, "--prompt-template",
+                         PRESETS["factcheck"]["prompt_template"], "--max-tokens", "32", "--port", "0", "--quiet",
+                         "--served-model-name", "qwen"], timeout=900)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=900)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(
+            {"model": "qwen", "messages": [{"role": "user", "content": doc}], "sdm": {"on_reject": "return"}}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 200, data
+        choice = data["choices"][0]
+        ver = choice["verification"]
+        assert choice["message"]["content"] == g["answer"]
+        assert ver["verified"] == g["verified"] and ver["prediction"] == g["attempts"][0]["verifier"]["prediction"]
+        assert ver["status"] == ("verified" if g["verified"] else "unverified")  # served with on_reject=return
+        assert resp.getheader("X-SDM-Verified") == ("true" if g["verified"] else "false")
+        assert ver["p_lower"] == pytest.approx(g["p_lower"], rel=1e-4, abs=1e-6)
+    finally:
+        assert srv.stop() == 0, "".join(srv.lines)

@@ -161,6 +161,8 @@ def add_estimator_arguments(p) -> None:
     g = add_arguments(p, EstimatorConfig, title="estimator")
     g.add_argument("--unstratified", dest="stratified", action="store_false", default=argparse.SUPPRESS,
                    help="same as --no-stratified")
+    g.add_argument("--no-normalize", dest="normalize", action="store_const", const="none", default=argparse.SUPPRESS,
+                   help="same as --normalize none")
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 def estimator_config(args, base: dict | None = None):

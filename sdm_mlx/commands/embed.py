@@ -10,16 +10,19 @@ positions.  The text is the chat-templated ``--document-field`` (with
 present, so an interrupted run resumes where it stopped.  ``OUTPUT.features.json``
 records how the features were made (model, position, delimiter, max length,
 pooling and, for ``--pooling non-shared``, the shared token prefix of the whole
-input) so that verification at generation time pools the same way.
+input) so that verification at generation time pools the same way.  Every written row also carries
+``embedding_source: "llm-hidden-states"``, by which ``sdm-mlx train`` picks the per-dimension
+input normalisation of LLM features (DESIGN #2) when ``--normalize`` is not given.
 """
 
 from __future__ import annotations
 
 
 from ..errors import CLIError, InputError
-from ..storage.datasets import pending_rows
+from ..storage.datasets import LLM_FEATURES, pending_rows
 from ..storage.files import dumps
 from ..storage.datasets import read_objects as read_jsonl
+
 
 HELP = "add LLM hidden-state features (mean ⊕ state at the delimiter/last position) to JSONL rows"
 
@@ -138,7 +141,8 @@ def _embed_rows(args, todo: list, model, tokenizer, spec: dict, bar, *, out) -> 
             lineno, row = part[e.index]
             raise InputError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
         stats["width"] = feats.embeddings.shape[1]
-        out.write("".join(format_row(r, e) for (_, r), e in zip(part, feats.embeddings)))
+        out.write("".join(format_row({**r, "embedding_source": LLM_FEATURES}, e)
+                          for (_, r), e in zip(part, feats.embeddings)))
         out.flush()
         stats["truncated"] += int(feats.truncated.sum())
         stats["missing"] += int(feats.missing_delimiter.sum())

@@ -34,12 +34,13 @@ def add_arguments(p) -> None:
     groups = {
         "model and data": ("model", "output_dir", "data", "verification_data", "completions", "preset", "system",
                            "prompt_template", "use_chat_template", "delimiter", "max_length", "negatives_seed",
-                           "overwrite"),
+                           "answers", "overwrite"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
                                          "compile_step", "reference_head", "seed", "distributed_timeout"),
         "verification layer (SDM estimator)": tuple(f for f in NetworkConfig.__dataclass_fields__
-                                                    if f == "verifier" or f == "alpha" or f.startswith("verifier_")),
+                                                    if f in ("verifier", "alpha", "require_admission")
+                                                    or f.startswith("verifier_")),
     }
     for title, names in groups.items():
         add_settings(p, NetworkConfig, title=title, only=names)

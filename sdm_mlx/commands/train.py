@@ -77,6 +77,37 @@ def summary_line(report: dict) -> str:
     )
 
 
+def llm_rows(path) -> bool:
+    """True when the first row of ``path`` was written by ``sdm-mlx embed`` (LLM hidden-state features)."""
+    import json
+
+    from ..storage.datasets import LLM_FEATURES
+
+    if path == "-":
+        return False
+    with open(path, encoding="utf-8-sig") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line).get("embedding_source") == LLM_FEATURES
+                except (ValueError, AttributeError):
+                    return False
+    return False
+
+
+def default_normalize(args, train) -> None:
+    """DESIGN #2: without --normalize (CLI or YAML), features written by ``sdm-mlx embed`` get the per-dimension
+    normalisation, every other feature the scalar one (the estimator's default)."""
+    from ..runtime.callbacks import log
+
+    if "normalize" in vars(args) or train.features not in ("embedding", "embedding+attributes"):
+        return
+    if llm_rows(args.train):
+        args.normalize = "per-dimension"
+        log("normalize: per-dimension (the rows hold LLM hidden states written by sdm-mlx embed; DESIGN #2; "
+            "--normalize scalar for the paper's scalar statistics)", not args.quiet)
+
+
 def run(args) -> int:
     import os
     import sys
@@ -98,6 +129,7 @@ def run(args) -> int:
         raise InputError(
             f"{args.calibration}: feature width {cal.X.shape[1]} differs from {args.train} ({train.X.shape[1]})"
         )
+    default_normalize(args, train)
     est = estimator_from_args(args, args.class_names)
     checkpoint = os.path.abspath(args.output).rstrip(os.sep) + ".partial"
     if args.restart:

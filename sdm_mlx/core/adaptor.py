@@ -4,7 +4,9 @@ The paper's 1-D CNN has kernel = stride = D (the full input width) and one
 input channel, so it is exactly a dense affine map; with no nonlinearity the
 adaptor is (DESIGN #3)
 
-    x_norm = (x − μ) / σ          (one scalar μ, σ (ddof=1) over the training split)
+    x_norm = (x − μ) / σ          (DESIGN #2: μ, σ (ddof=1) fitted on the training split — one scalar
+                                   each ("scalar"), one per feature dimension ("per-dimension"), or
+                                   μ = 0, σ = 1 ("none"))
     h'     = W_g x_norm + b_g     Linear(D, M): the exemplar vector
     z'     = W' h' + b'           Linear(M, C): the logits (Magnitude)
 
@@ -55,13 +57,23 @@ class ExemplarAdaptor(nn.Module):
         m, d = self.projection.weight.shape
         return d, m, self.classifier.weight.shape[0]
 
-    def set_normalization(self, mean: float, std: float) -> None:
-        """Set the scalar μ, σ applied to every input (σ must be > 0)."""
-        if not np.isfinite(mean) or not np.isfinite(std) or std <= 0:
-            raise InputError(f"normalisation needs a finite mean and a positive std, got mean={mean}, std={std}")
-        self.input_mean = mx.array(float(mean))
-        self.input_std = mx.array(float(std))
+    def set_normalization(self, mean, std) -> None:
+        """Set μ, σ applied to the inputs: scalars, or one value per input dimension (every σ must be > 0)."""
+        mean = np.asarray(mean, dtype=np.float64)
+        std = np.asarray(std, dtype=np.float64)
+        d = self.dims[0]
+        if mean.shape != std.shape or mean.shape not in ((), (d,)):
+            raise InputError(f"normalisation needs scalar or [{d}] mean and std, got shapes {mean.shape}, {std.shape}")
+        if not np.all(np.isfinite(mean)) or not np.all(np.isfinite(std)) or not np.all(std > 0):
+            raise InputError("normalisation needs finite means and positive stds")
+        self.input_mean = mx.array(mean.astype(np.float32))
+        self.input_std = mx.array(std.astype(np.float32))
         self.freeze(keys=["input_mean", "input_std"], recurse=False)
+
+    @property
+    def normalization_shape(self) -> tuple:
+        """``()`` for scalar μ, σ; ``(D,)`` per dimension."""
+        return tuple(self.input_mean.shape)
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Return (z' [N, C], h' [N, M])."""
@@ -78,6 +90,43 @@ def scalar_normalization(x: np.ndarray) -> tuple[float, float]:
     if not std > 0:
         raise InputError("training features are constant (std = 0); disable normalisation or check the data")
     return float(x.mean()), std
+
+
+def per_dimension_normalization(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and sample std (ddof=1) of every feature dimension over the training rows (float64 ``[D]`` each).
+
+    A dimension that is constant on the training rows gets σ = 1: it is only centred (it carries no
+    signal the adaptor could use, and dividing by 0 would not be defined).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise InputError("per-dimension normalisation needs at least two training rows")
+    mean = x.mean(axis=0)
+    std = x.std(axis=0, ddof=1)
+    return mean, np.where(std > 0, std, 1.0)
+
+
+#: The input normalisations of DESIGN #2.
+NORMALIZE_MODES = ("scalar", "per-dimension", "none")
+
+
+def normalize_mode(value) -> str:
+    """The DESIGN #2 mode of ``value`` (``True``/``False`` are the older spellings of "scalar"/"none")."""
+    if value is True:
+        return "scalar"
+    if value is False:
+        return "none"
+    if value not in NORMALIZE_MODES:
+        raise InputError(f"normalize must be one of {', '.join(NORMALIZE_MODES)}, got {value!r}")
+    return value
+
+
+def fit_normalization(x: np.ndarray, mode) -> tuple | None:
+    """``(mean, std)`` of the training rows ``x`` for a DESIGN #2 mode (None for "none")."""
+    mode = normalize_mode(mode)
+    if mode == "none":
+        return None
+    return scalar_normalization(x) if mode == "scalar" else per_dimension_normalization(x)
 
 
 def exemplar_basis(model: ExemplarAdaptor) -> np.ndarray | None:
@@ -122,8 +171,8 @@ class InvariantForward:
     def __init__(self, model: ExemplarAdaptor, basis=_NO_BASIS):
         self.basis = exemplar_basis(model) if basis is _NO_BASIS else basis
         self.dims = model.dims
-        self._mean = float(np.array(model.input_mean, dtype=np.float64))
-        self._std = float(np.array(model.input_std, dtype=np.float64))
+        self._mean = np.array(model.input_mean, dtype=np.float64)  # scalar or [D] (DESIGN #2)
+        self._std = np.array(model.input_std, dtype=np.float64)
         w_g = np.array(model.projection.weight, dtype=np.float64)
         b_g = np.array(model.projection.bias, dtype=np.float64)
         w_c = np.array(model.classifier.weight, dtype=np.float64)

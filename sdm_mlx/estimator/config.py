@@ -37,7 +37,10 @@ class EstimatorConfig:
         5, "convergence-aware stopping: end a round after this many epochs without a better balanced median "
            "calibration q; 0 (or null in YAML) = run every epoch", none_means="off")
     k: int | None = option(None, "neighbours scanned for q", none_means="largest class count")
-    normalize: bool = option(True, "scalar input normalisation")
+    normalize: str = option("scalar", "input normalisation (DESIGN #2), statistics fitted on the training split: "
+                                      "scalar (one mean/std, the paper), per-dimension (one per feature dimension, "
+                                      "for LLM hidden states), none", choices=("scalar", "per-dimension", "none"),
+                            booleans=("none", "scalar"))
     stratified: bool = option(True, "split rounds stratified by label (--unstratified: as the research code)")
     index_backend: str = option("exact", "support index backend", choices=("exact", "hnsw"), aliases=("--index",))
     rescaler_max_epochs: int = option(R.DEFAULT_MAX_EPOCHS, "Alg. 2: most epochs of the rescaler W''")

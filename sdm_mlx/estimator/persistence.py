@@ -16,7 +16,7 @@ import os
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..core.adaptor import ExemplarAdaptor, exemplar_basis
+from ..core.adaptor import ExemplarAdaptor, exemplar_basis, normalize_mode
 from ..storage.artifact import ArtifactError, load_artifact, pack_ragged, save_artifact, unpack_ragged
 from ..calibration import RoundCalibration
 from .feedback import LOG_FILE as FEEDBACK_LOG
@@ -145,6 +145,9 @@ def _restore(groups: dict, meta: dict) -> tuple[FittedState, int, int]:
     adaptor = groups["adaptor"]
     m, d = adaptor["projection.weight"].shape
     model = ExemplarAdaptor(d, m, C)
+    _check_normalization(meta["params"].get("normalize", True), adaptor, d)
+    if adaptor["input_mean"].ndim == 1:  # per-dimension statistics (DESIGN #2): shape the slots before loading
+        model.set_normalization(np.zeros(d), np.ones(d))
     model.load_weights([(k, mx.array(v)) for k, v in adaptor.items()])
     # the stored basis reproduces the stored support coordinates bit for bit (absent in older artifacts)
     stored_basis = groups["support"].get("basis")
@@ -172,6 +175,20 @@ def _restore(groups: dict, meta: dict) -> tuple[FittedState, int, int]:
         feature_field=meta.get("feature_field"),  # absent before it was stored: "auto"
     )
     return state, m, d
+
+
+def _check_normalization(normalize, adaptor: dict, d: int) -> None:
+    """The stored input statistics must fit the stored ``normalize`` mode (DESIGN #2) and the input width."""
+    mode = normalize_mode(normalize)
+    mean, std = adaptor["input_mean"], adaptor["input_std"]
+    want = (d,) if mode == "per-dimension" else ()
+    if mean.shape != want or std.shape != want:
+        raise ArtifactError(f"normalize {mode!r} needs input statistics of shape {want}, the artifact holds "
+                            f"{mean.shape} and {std.shape}")
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
+        raise ArtifactError("the stored input statistics are not finite, or a std is not positive")
+    if mode == "none" and (float(mean) != 0.0 or float(std) != 1.0):
+        raise ArtifactError(f"normalize 'none' but the stored statistics are mean {float(mean)}, std {float(std)}")
 
 
 def _check_loaded(state: FittedState, path, meta: dict, m: int, d: int) -> int:

@@ -88,8 +88,9 @@ class SDMEstimator:
         Alg. 1's mini-batch size and Adam learning rate.
     k : int or None
         Neighbours scanned for q (None: the largest class count of the training split).
-    normalize : bool
-        Scalar input normalisation (DESIGN #2).
+    normalize : {"scalar", "per-dimension", "none"}
+        Input normalisation (DESIGN #2), statistics fitted on the training split: "scalar" (default; one mean and
+        std), "per-dimension" (one per feature dimension: LLM hidden states) or "none".
     stratified : bool
         Re-split each round per class.
     index_backend : {"exact", "hnsw"}
@@ -150,7 +151,7 @@ class SDMEstimator:
         batch_size: int = _D.batch_size,
         learning_rate: float = _D.learning_rate,
         k: int | None = _D.k,
-        normalize: bool = _D.normalize,
+        normalize: str = _D.normalize,
         stratified: bool = _D.stratified,
         index_backend: str = _D.index_backend,
         rescaler_max_epochs: int = _D.rescaler_max_epochs,

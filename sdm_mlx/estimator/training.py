@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten
 from ..calibration.bins import unique_argmax_is
 from ..core.activation import Q_SOFTMAX, sdm_nll_loss, sdm_numpy
 from ..runtime.callbacks import SILENT, Callback
-from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, scalar_normalization
+from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, fit_normalization, normalize_mode
 from .config import EstimatorConfig
 from ..core.distance import distance_ecdfs, distance_quantile
 from ..index import default_k, good_neighbours_by_class, make_index
@@ -58,7 +58,7 @@ class TrainConfig:
     learning_rate: float = _D.learning_rate
     exemplar_dim: int = _D.exemplar_dim
     k: int | None = _D.k  #: neighbours scanned for q; None = largest class count of the training split
-    normalize: bool = _D.normalize
+    normalize: str = _D.normalize  #: DESIGN #2: scalar | per-dimension | none (True/False: scalar/none)
     iterations: int = _D.iterations  #: J
     stratified: bool = _D.stratified
     seed: int = _D.seed
@@ -73,6 +73,7 @@ class TrainConfig:
         return cls(**{f.name: params[f.name] for f in fields(cls)})
 
     def validate(self) -> None:
+        normalize_mode(self.normalize)
         for name in ("epochs", "batch_size", "exemplar_dim", "iterations"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -212,10 +213,12 @@ def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, *, k, config):
 
 
 def _new_adaptor(X_tr: np.ndarray, num_classes: int, config: TrainConfig, seed: int) -> ExemplarAdaptor:
-    """A freshly initialised exemplar adaptor for a round (with the scalar input normalisation if set)."""
+    """A freshly initialised exemplar adaptor for a round, with the input normalisation (DESIGN #2) fitted on
+    this round's training split."""
     model = ExemplarAdaptor(X_tr.shape[1], config.exemplar_dim, num_classes, seed=seed)
-    if config.normalize:
-        model.set_normalization(*scalar_normalization(X_tr))
+    stats = fit_normalization(X_tr, config.normalize)
+    if stats is not None:
+        model.set_normalization(*stats)
     return model
 
 

@@ -44,6 +44,11 @@ class NetworkConfig:
     delimiter: str = option(_embed.DEFAULT_DELIMITER, "closing delimiter of the answer")
     max_length: int = option(_embed.DEFAULT_MAX_LENGTH, "token positions kept for features and targets")
     negatives_seed: int = option(0, "seed of the constructed-negative assignment")
+    answers: str = option(
+        "model", "completions of the verification rows built from --data/--tasks: 'model' = the model's own greedy "
+                  "answers (label 1 = the parsed answer is right; the form the model writes at generation time; wrong "
+                  "answers, corrected in the model's layout, become W_pos positives), 'preset' = the completions "
+                  "force-decoded with constructed negatives (the paper's encoding)", choices=("model", "preset"))
     # next-token training of W_pos
     epochs: int = option(5, "epochs of W_pos training")
     beta_min: float = option(0.0, "β at the first mini-batch of every epoch")
@@ -68,6 +73,12 @@ class NetworkConfig:
     verifier_batch_size: int = option(_E.batch_size, "Adam batch size of the verification layer")
     verifier_learning_rate: float = option(_E.learning_rate, "Adam learning rate of the verification layer")
     verifier_rescaler_max_epochs: int = option(_E.rescaler_max_epochs, "Alg. 2 epochs of the verification layer")
+    verifier_normalize: str = option("per-dimension", "input normalisation of the verification layer (DESIGN #2: "
+                                                      "per-dimension for LLM hidden states)",
+                                     choices=("scalar", "per-dimension", "none"))
+    require_admission: bool = option(True, "stop before the epochs, with the verification layer's diagnosis, when it "
+                                           "admits no calibration row: Alg. 4's count would stay 0 and no epoch "
+                                           "could be selected (--no-require-admission: run the epochs anyway)")
     verifier_options: dict = option({}, "any other SDMEstimator keyword for the verification layer (YAML only)",
                                     cli=False)
     seed: int = option(0, "random seed")
@@ -145,7 +156,7 @@ class NetworkConfig:
             alpha=self.alpha, iterations=self.verifier_iterations, epochs=self.verifier_epochs,
             exemplar_dim=self.verifier_exemplar_dim, batch_size=self.verifier_batch_size,
             learning_rate=self.verifier_learning_rate, rescaler_max_epochs=self.verifier_rescaler_max_epochs,
-            seed=self.seed, verbose=self.verbose,
+            normalize=self.verifier_normalize, seed=self.seed, verbose=self.verbose,
         )
         params.update(self.verifier_options or {})
         return params

@@ -58,10 +58,15 @@ from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .step import make_optimizer, make_train_step, train_epoch
-from .training_data import TokenCache, build_token_cache, build_verification_rows, completion_token_positions
+from .training_data import (TokenCache, build_token_cache, build_verification_rows, completion_token_positions,
+                            corrected_rows, model_answer_rows)
 from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
 from .heads import SDMHeads
-from ..errors import InputError
+from ..errors import InputError, SDMError
+
+
+class VerifierAdmitsNothing(SDMError):
+    """The verification layer admits no calibration row: Alg. 4's selection count cannot leave 0."""
 
 
 def _input_paths(config: NetworkConfig) -> list:
@@ -236,7 +241,19 @@ class SDMNetworkTrainer:
             )
 
     # -- (a) -------------------------------------------------------------------------------------
-    def fit_verifier(self, rows: Sequence[dict]):
+    def model_answers(self, rows: Sequence[dict]) -> tuple[list, np.ndarray]:
+        """``answers: model``: the base model's greedy answer to every prompt (W_pos still equals the head, so joint
+        decoding is the model's own greedy decoding) becomes the row's completion, labelled by its parsed task
+        answer; the features are those of that decoding, i.e. what verified generation computes."""
+        gens = self.generate(rows, "model answers")
+        out = model_answer_rows(rows, [g.text for g in gens], self.completions)
+        forms = {k: sum(r["form"] == k for r in out) for k in ("compact", "fenced", "other", "unparsable")}
+        self.answer_stats = {"mode": "model", "forms": forms, "correct": int(sum(r["label"] for r in out)),
+                             "rows": len(out)}
+        self.log(f"the model's own answers: {self.answer_stats['correct']} of {len(out)} right; forms {forms}")
+        return out, generation_features(gens)
+
+    def fit_verifier(self, rows: Sequence[dict], X: np.ndarray | None = None):
         """Train (or load) the verification layer; returns (estimator, train_rows, cal_rows)."""
         c = self.config
         if c.verifier:
@@ -251,7 +268,7 @@ class SDMNetworkTrainer:
                                  f"{width}")
             self.log(f"reusing the verification layer at {c.verifier}")
         else:
-            X = self.features_of(rows, "verifier features")
+            X = self.features_of(rows, "verifier features") if X is None else X
             ids = [r["id"] for r in rows]
             y = np.array([int(r["label"]) for r in rows], dtype=np.int64)
             self.log(f"training the verification layer on {len(rows)} force-decoded rows "
@@ -384,10 +401,17 @@ class SDMNetworkTrainer:
         if self.dp.writer:
             prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
         t_start = time.perf_counter()
-        rows = build_verification_rows(c, self.tokenizer)
-        est, train_rows, cal_rows = self.fit_verifier(rows)
+        rows, X = build_verification_rows(c, self.tokenizer), None
+        if c.answers == "model" and not c.verification_data:
+            rows, X = self.model_answers(rows)
+        est, train_rows, cal_rows = self.fit_verifier(rows, X)
         self._write_verifier(est, rows, train_rows, cal_rows)
+        self._check_admission(est, train_rows, cal_rows)
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
+        if c.answers == "model" and not c.verification_data:  # wrong own answers, corrected in their own layout
+            fixed = corrected_rows(train_rows, self.completions)
+            self.answer_stats["corrected_positives"] = len(fixed)
+            pos_rows += fixed
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
         cache, hidden, targets = self._device_cache(pos_rows)
@@ -420,6 +444,24 @@ class SDMNetworkTrainer:
         write_jsonl(os.path.join(self.out, "verification_rows.jsonl"),
                     [{**r, "split": split.get(id_key(r["id"]), "unused")} for r in rows])
 
+    def _check_admission(self, est, train_rows, cal_rows) -> None:
+        """Stop before the token epochs when the verification layer admits no calibration row (its diagnosis,
+        :mod:`sdm_mlx.calibration.diagnosis`): every count of (e) would be 0, so no epoch could ever be selected."""
+        c = self.config
+        diag = getattr(est, "admission_", None)
+        if not c.require_admission or c.epochs == 0 or diag is None or diag["can_admit"]:
+            return
+        from ..calibration.diagnosis import diagnosis_message
+
+        self.write_metrics({"config": strict(c), "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
+                            "finished": False, "stopped": "verifier_admits_nothing", "verifier_diagnosis": diag,
+                            "epochs": []})
+        raise VerifierAdmitsNothing(
+            f"the verification layer admits no calibration row at alpha' = {diag['alpha']:g}, so Alg. 4 could not "
+            f"select any epoch (its calibration count stays 0): stopped before the {c.epochs} epoch(s). The "
+            f"verification layer is saved in {self.verifier_path} (reuse it with --verifier).\n"
+            f"{diagnosis_message(diag)}\n(--no-require-admission runs the epochs anyway)")
+
     def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
         """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
         c = self.config
@@ -442,6 +484,7 @@ class SDMNetworkTrainer:
                    "train_positive_rows": len(pos_rows), "tokens": tokens, "epochs": []}
         if self.dp.active:
             metrics["data_parallel"] = {"ranks": self.dp.size, "split": "whole batches", "gradient_exchange": "auto"}
+        metrics["answers"] = getattr(self, "answer_stats", {"mode": "preset" if not c.verification_data else "given"})
         return metrics
 
     def _initial_count(self, est, cal_rows, metrics: dict) -> dict:

@@ -22,6 +22,69 @@ from ..llm.verification_data import PRESETS, make_verification_rows
 from .heads import SDMHeads, token_hidden_states
 
 
+def answer_form(text: str) -> str:
+    """How a generated answer is written: ``compact`` (one-line JSON), ``fenced`` (a ``` block), ``other``
+    (JSON in another layout) or ``unparsable`` (no JSON object)."""
+    from .generation import first_json_object
+
+    if first_json_object(text) is None:
+        return "unparsable"
+    stripped = text.strip()
+    if stripped.startswith("```"):
+        return "fenced"
+    return "compact" if stripped.startswith("{") and "\n" not in stripped else "other"
+
+
+def corrected_answer(text: str, shown: str, right: str) -> str | None:
+    """``text`` (the model's answer, which parses to completion ``shown``) with its JSON values changed to those
+    of completion ``right``, keeping the model's own layout; None when a value cannot be found in the text."""
+    import json
+    import re
+
+    from .generation import first_json_object
+
+    a, b = first_json_object(shown), first_json_object(right)
+    if a is None or b is None or set(a) != set(b):
+        return None
+    out = text
+    for key in a:
+        if a[key] == b[key]:
+            continue
+        pattern = re.compile(r'("' + re.escape(key) + r'"\s*:\s*)' + re.escape(json.dumps(a[key])))
+        out, n = pattern.subn(lambda m: m.group(1) + json.dumps(b[key]), out, count=1)
+        if n != 1:
+            return None
+    return out
+
+
+def model_answer_rows(rows: Sequence[dict], texts: Sequence[str], completions) -> list[dict]:
+    """Verification rows from the model's own answers: ``completion`` = the generated text, ``answer_label`` =
+    the task label it parses to (−1: unparsable), ``label`` = 1 iff that is the row's ``task_label``, ``form``
+    (:func:`answer_form`).  ``completions``: one list, or ``{task name: list}`` by each row's ``task``."""
+    from .generation import parse_task_prediction
+
+    out = []
+    for r, text in zip(rows, texts):
+        comps = completions.get(r.get("task")) if isinstance(completions, dict) else completions
+        pred = parse_task_prediction(text, comps)
+        out.append({**r, "completion": text, "answer_label": int(pred), "form": answer_form(text),
+                    "label": int(pred == int(r["task_label"]))})
+    return out
+
+
+def corrected_rows(rows: Sequence[dict], completions) -> list[dict]:
+    """For the label-0 own-answer rows that parse: the right answer in the model's own layout (W_pos positives)."""
+    out = []
+    for r in rows:
+        if int(r["label"]) == 1 or r.get("answer_label", -1) < 0:
+            continue
+        comps = completions.get(r.get("task")) if isinstance(completions, dict) else completions
+        fixed = corrected_answer(r["completion"], comps[r["answer_label"]], comps[int(r["task_label"])])
+        if fixed is not None:
+            out.append({**r, "completion": fixed, "label": 1, "corrected": True})
+    return out
+
+
 def _read_jsonl(path: str) -> list[dict]:
     return [row for _, row in read_objects(path)]
 

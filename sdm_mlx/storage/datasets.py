@@ -25,6 +25,10 @@ from ..errors import InputError
 from ..validation import features, label_indices
 from .files import is_stream, iter_jsonl  # noqa: F401  (the one JSONL reader; re-exported for callers of sdm_mlx.storage.datasets)
 
+#: ``embedding_source`` of rows that ``sdm-mlx embed`` writes: LLM hidden states, which ``sdm-mlx train``
+#: normalises per dimension unless told otherwise (DESIGN #2).
+LLM_FEATURES = "llm-hidden-states"
+
 FEATURE_CHOICES = ("auto", "embedding", "attributes", "embedding+attributes")
 
 
