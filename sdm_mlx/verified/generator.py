@@ -331,11 +331,8 @@ class VerifiedGenerator:
 def _attempt_record(k: int, dec, verdict: Verdict, reask_message, seconds: float) -> Attempt:
     """Attempt ``k`` from its decoding and its verdict."""
     return Attempt(
-        attempt=k, text=dec.text, parsed=verdict.parsed, verified=verdict.verified, p_lower=verdict.p_lower,
-        reason=verdict.reason, exemplars=verdict.exemplars, tokens=len(dec.token_ids),
-        prompt_tokens=len(dec.prompt_ids), stop_reason=dec.stop_reason, seconds=seconds,
-        generation_seconds=dec.seconds, verification_seconds=verdict.seconds, verifier=verdict.verifier,
-        reask_message=reask_message, token_ids=list(dec.token_ids), row=getattr(verdict, "row", {}),
-        first_token_seconds=dec.first_token_seconds, cached_prompt_tokens=dec.cached_prompt_tokens,
-        logprobs=dec.logprobs,
+        attempt=k, text=dec.text, verdict=verdict, tokens=len(dec.token_ids), prompt_tokens=len(dec.prompt_ids),
+        stop_reason=dec.stop_reason, seconds=seconds, generation_seconds=dec.seconds, reask_message=reask_message,
+        token_ids=list(dec.token_ids), first_token_seconds=dec.first_token_seconds,
+        cached_prompt_tokens=dec.cached_prompt_tokens, logprobs=dec.logprobs,
     )

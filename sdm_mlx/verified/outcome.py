@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .verification import Verdict
 
 STATUSES = ("verified", "unverified", "abstained")
 STOPPED = ("verified", "rejected", "max_attempts", "repeated_prompt")
@@ -12,28 +16,32 @@ ABSTAIN_TEXT = "NOT VERIFIED: the answer was withheld because the verification l
 
 @dataclass
 class Attempt:
-    """One generate-then-verify attempt."""
+    """One generate-then-verify attempt: what decoding produced, and the attempt's :class:`Verdict` (held, not
+    copied: ``verified``, ``p_lower``, ``reason``, ``parsed``, ``exemplars``, ``verifier`` and ``row`` are the
+    verdict's)."""
 
     attempt: int
     text: str
-    parsed: dict | None
-    verified: bool
-    p_lower: float | None
-    reason: str | None
-    exemplars: list
+    verdict: "Verdict"
     tokens: int
     prompt_tokens: int
     stop_reason: str
     seconds: float
     generation_seconds: float
-    verification_seconds: float
-    verifier: dict = field(default_factory=dict)
     reask_message: str | None = None
     token_ids: list = field(default_factory=list)
-    row: dict = field(default_factory=dict, repr=False)  # the verifier's full per-row output (not in to_dict)
     first_token_seconds: float | None = None
     cached_prompt_tokens: int = 0
     logprobs: list | None = None  # with sampling.logprobs: one record per generated token
+
+    verified = property(lambda self: self.verdict.verified)
+    p_lower = property(lambda self: self.verdict.p_lower)
+    reason = property(lambda self: self.verdict.reason)
+    parsed = property(lambda self: self.verdict.parsed)
+    exemplars = property(lambda self: self.verdict.exemplars)
+    verifier = property(lambda self: self.verdict.verifier)
+    row = property(lambda self: self.verdict.row)  # the verifier's full per-row output (not in to_dict)
+    verification_seconds = property(lambda self: self.verdict.seconds)
 
     def to_dict(self) -> dict:
         return {
