@@ -129,6 +129,9 @@ def llm_runs(tmp_path_factory):
     built = make_tiny_model.build(str(root / "tiny"), rows=300, tune_steps=150, quiet=True)
     cfg = NetworkConfig(model=built["model"], data=built["task"], output_dir=str(root / "runs" / "sentiment"),
                         answers="preset",
+                        # the pages show the commands, not admission: this tiny random model's verifier admits no
+                        # calibration row, so run Alg. 4's epoch anyway (as --no-require-admission does)
+                        require_admission=False,
                         preset="sentiment", epochs=1, learning_rate=1e-2, batch_size=50, max_new_tokens=12,
                         generation_batch_size=64, embed_batch_size=32, alpha=0.8, verifier_iterations=1,
                         verifier_epochs=20, verifier_exemplar_dim=32, verifier_learning_rate=3e-3,

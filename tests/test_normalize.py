@@ -91,12 +91,12 @@ def test_none_keeps_raw_inputs_and_the_artifact_is_checked(tmp_path):
 
     est.normalize = "per-dimension"  # the stored scalar statistics do not fit this mode
     with pytest.raises(ArtifactError, match="needs input statistics of shape"):
-        _check_normalization(est, {"input_mean": np.zeros(()), "input_std": np.ones(())}, 12)
+        _check_normalization(est.normalize, {"input_mean": np.zeros(()), "input_std": np.ones(())}, 12)
     est.normalize = "none"
     with pytest.raises(ArtifactError, match="normalize 'none' but"):
-        _check_normalization(est, {"input_mean": np.array(3.0), "input_std": np.array(1.0)}, 12)
+        _check_normalization(est.normalize, {"input_mean": np.array(3.0), "input_std": np.array(1.0)}, 12)
     with pytest.raises(ArtifactError, match="not finite"):
-        _check_normalization(est, {"input_mean": np.array(0.0), "input_std": np.array(0.0)}, 12)
+        _check_normalization(est.normalize, {"input_mean": np.array(0.0), "input_std": np.array(0.0)}, 12)
 
 
 def _write_rows(path, X, y, extra=None):
