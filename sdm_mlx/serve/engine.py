@@ -46,11 +46,8 @@ from typing import Callable
 
 from ..llm import embed as _embed
 from ..verified.runner import Cancelled
-from ..decoding.sampling import SamplingParams
 from ..verified.verification import VerifyItem
-from .schema import GenerationRequest, VerifyRequest
 from ..errors import InputError
-from ..estimator.feedback import feedback_class  # noqa: F401  (re-exported)
 from .schema import GenerationRequest, VerifyRequest
 from .verdicts import DEFAULT_MAX_BYTES, VerdictStore, verdict_record
 
@@ -203,7 +200,7 @@ class Engine:
             base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt),
             prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
             max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
-            sampling=request_sampling(req), cancel=gone,
+            sampling=req.sampling, cancel=gone,
         )
         last = result.attempts[-1]
         vid = self._store(req.kind, base_ids, last.token_ids, last.text, last, last.row)
@@ -264,16 +261,6 @@ class Engine:
         out["prompt_tokens"], out["completion_tokens"] = len(rec["prompt_ids"]), len(rec["answer_ids"])
         out["answer_token_ids"] = rec["answer_ids"].tolist()
         return out
-
-
-def request_sampling(req: GenerationRequest) -> SamplingParams:
-    """The request's sampling fields (validated by the schema) as :class:`~sdm_mlx.decoding.sampling.SamplingParams`."""
-    return SamplingParams(
-        temperature=req.temperature, top_p=getattr(req, "top_p", 1.0), top_k=getattr(req, "top_k", 0),
-        min_p=getattr(req, "min_p", 0.0), seed=getattr(req, "seed", None),
-        repetition_penalty=getattr(req, "repetition_penalty", None), logprobs=getattr(req, "logprobs", False),
-        top_logprobs=getattr(req, "top_logprobs", 0),
-    )
 
 
 def _exemplars(exemplars: list) -> list:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..decoding.sampling import SamplingParams
 from ..verified.config import ON_REJECT
 
 ROLES = ("system", "user", "assistant")
@@ -85,19 +86,16 @@ class GenerationRequest:
     prompt: str | None = None       # text
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 0.0
     stop: list = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     on_reject: str | None = None
     max_attempts: int | None = None
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)  #: temperature, top_p, …, seed, logprobs
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
 
 
 @dataclass
@@ -294,11 +292,6 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
     req.max_tokens = _int(body, "max_tokens", 1)
     alias = _int(body, "max_completion_tokens", 1)
     req.max_tokens = alias if req.max_tokens is None else req.max_tokens
-    t = body.get("temperature")
-    if t is not None:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
-            raise bad(f"'temperature' must be a number in [0, 2], got {shown(t)}", param="temperature")
-        req.temperature = float(t)
     req.stop = _stop(body.get("stop"))
     req.stream = _bool(body, "stream")
     opts = body.get("stream_options")
@@ -325,17 +318,23 @@ def _number(body: dict, key: str, low: float, high: float, low_open: bool = Fals
 
 
 def _sampling(body: dict, req: GenerationRequest) -> None:
-    """The sampling fields mlx_lm.server honours (see the table above)."""
-    req.top_p = _number(body, "top_p", 0.0, 1.0, low_open=True) or 1.0
-    req.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
-    req.repetition_penalty = _number(body, "repetition_penalty", 0.0, 1e6, low_open=True)
-    req.top_k = _int(body, "top_k", 0) or 0
-    req.seed = _int(body, "seed", 0)
+    """The sampling fields mlx_lm.server honours (see the table above), as the request's :class:`SamplingParams`."""
+    t = body.get("temperature")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2):
+        raise bad(f"'temperature' must be a number in [0, 2], got {shown(t)}", param="temperature")
     top = _int(body, "top_logprobs", 0)
     if top is not None and top > 20:
         raise bad(f"'top_logprobs' must be an integer in [0, 20], got {top}", param="top_logprobs")
-    req.logprobs = _bool(body, "logprobs") or bool(top)
-    req.top_logprobs = top or 0
+    req.sampling = SamplingParams(
+        temperature=0.0 if t is None else float(t),
+        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True) or 1.0,
+        top_k=_int(body, "top_k", 0) or 0,
+        min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
+        seed=_int(body, "seed", 0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, low_open=True),
+        logprobs=_bool(body, "logprobs") or bool(top),
+        top_logprobs=top or 0,
+    )
 
 
 def parse_verify(body: dict) -> VerifyRequest:
