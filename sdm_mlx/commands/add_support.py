@@ -59,7 +59,7 @@ def run(args) -> int:
     def change(est):
         if args.undo is not None:
             return est.remove_support(_undo_ids(est, args.undo), source=args.source)
-        trained_on = getattr(est, "feature_field_", None)
+        trained_on = est.feature_field_
         data = read_jsonl(args.input, args.features, require_labels=True, prefer=trained_on)
         check_model_width(data, est.input_dim_, trained_on, args.input)
         return est.add_support(data.X, data.y, ids=data.ids, source=args.source)

@@ -82,7 +82,7 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
 
         callback.message(f"recomputing the calibration logits from {calibration_data} ...")
         return calibration_from_data(est, read_jsonl(calibration_data, features,
-                                                     prefer=getattr(est, "feature_field_", None)))
+                                                     prefer=est.feature_field_))
     z = getattr(est, "calibration_logits_", None)
     y = getattr(est, "calibration_labels_", None)
     if z is not None and y is not None:
@@ -113,8 +113,8 @@ def run(args) -> int:
         est.recalibrate(args.alpha)
     datasets = {}
     for name, path in zip(dataset_names(inputs), inputs):
-        ds = read_jsonl(path, args.features, require_labels=True, prefer=getattr(est, "feature_field_", None))
-        check_model_width(ds, est.input_dim_, getattr(est, "feature_field_", None), path)
+        ds = read_jsonl(path, args.features, require_labels=True, prefer=est.feature_field_)
+        check_model_width(ds, est.input_dim_, est.feature_field_, path)
         datasets[name] = ds
         callback.message(f"{name}: {len(ds)} rows from {path}")
     z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, callback)

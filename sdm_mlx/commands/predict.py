@@ -51,7 +51,7 @@ def run(args) -> int:
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
-    trained_on = getattr(est, "feature_field_", None)
+    trained_on = est.feature_field_
     # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.estimator.chunking)
     chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
     kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter(),
