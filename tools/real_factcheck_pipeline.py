@@ -6,6 +6,8 @@ RSS land in ``OUT/stages.json``):
 
 1. ``sample``   -- the demo's factcheck split (``tools/factcheck_sample.py``): pooled topic statements
    (training + calibration), the held-out 15 % of each topic, the shifted ``generated`` statements;
+   with ``task: arithmetic`` in the recipe, computed arithmetic statements instead
+   (``tools/arithmetic_sample.py``: two-digit pool and held-out, three-digit shift);
 2. ``answers``  -- the model's own greedy answer to every statement, with the verifier features of that
    decoding (``tools/real_answers.py``; label 1 = the parsed answer is right; resumable row by row);
 3. ``split``    -- the answer rows per split (``answers.<split>.jsonl``);
@@ -43,6 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("sample", "answers", "split", "train", "evaluate", "generate", "forced_rows", "forced_embed",
           "forced_split", "forced_train", "forced_evaluate", "table")
 OOD_PROMPT = "Write a haiku about the sea."
+#: the recipe's ``task``: the script that writes its statements (both write the splits pool | heldout_topics | generated)
+SAMPLERS = {"factcheck": "factcheck_sample.py", "arithmetic": "arithmetic_sample.py"}
 
 
 def load_recipe(path: str) -> dict:
@@ -51,6 +55,8 @@ def load_recipe(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         cfg = yaml.safe_load(f)
     cfg["model"] = os.path.expanduser(cfg["model"])
+    if cfg.get("task", "factcheck") not in SAMPLERS:
+        raise SystemExit(f"{path}: task must be one of {sorted(SAMPLERS)}, got {cfg['task']!r}")
     return cfg
 
 
@@ -103,7 +109,7 @@ def stage_commands(cfg: dict, out: str) -> dict:
     template = PRESETS["factcheck"]["prompt_template"]
     a = cfg.get("alpha", 0.95)
     return {
-        "sample": (p("task.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"), "--pool",
+        "sample": (p("task.jsonl"), [sys.executable, os.path.join(tools, SAMPLERS[cfg.get("task", "factcheck")]), "--pool",
                                      cfg["pool"], "--heldout", cfg["heldout"], "--generated", cfg["generated"],
                                      "--seed", cfg.get("seed", 0), "-o", p("task.jsonl")], False),
         "answers": (p("answers.jsonl"), [sys.executable, os.path.join(tools, "real_answers.py"), "--model",
