@@ -104,7 +104,22 @@ class SplitState:
     sdm: np.ndarray  #: SDM activation output [N, C]
 
 
-@dataclass
+@dataclass(frozen=True)
+class KeptEpoch:
+    """The best epoch of a round so far (≥: later epochs win ties), as :func:`train_round` keeps it."""
+
+    metric: float  #: the balanced median calibration q
+    epoch: int
+    params: dict  #: the adaptor's parameters after this epoch (flattened)
+    train: SplitState
+    calibration: SplitState
+    train_distance_ecdfs: list
+    calibration_distance_ecdfs: list
+    movement: dict  #: relative Frobenius movement of W_g and W' from their initialisation
+    basis: np.ndarray | None  #: the exemplar basis the coordinates were computed in
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """The best epoch of one round: the model, its support set and calibration state."""
 
@@ -268,21 +283,21 @@ def train_round(
         moved = adaptor_movement(model, initial)
         history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
         callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
-        stale = 0 if best is None or metric > best[0] else stale + 1
-        if best is None or metric >= best[0]:
-            best = (metric, epoch, dict(tree_flatten(model.parameters())), tr_state, ca_state, tr_ecdfs, ca_ecdfs,
-                    moved, basis)
+        stale = 0 if best is None or metric > best.metric else stale + 1
+        if best is None or metric >= best.metric:
+            best = KeptEpoch(metric=metric, epoch=epoch, params=dict(tree_flatten(model.parameters())),
+                             train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs,
+                             calibration_distance_ecdfs=ca_ecdfs, movement=moved, basis=basis)
         if config.patience is not None and stale >= config.patience:
             break
-    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, moved, basis = best
-    model.load_weights(list(params.items()))
+    model.load_weights(list(best.params.items()))
     return RoundResult(
-        model=model, metric=metric, best_epoch=epoch, k=k,
+        model=model, metric=best.metric, best_epoch=best.epoch, k=k,
         train_idx=np.arange(n_tr) if train_idx is None else train_idx,
         cal_idx=np.arange(X_ca.shape[0]) if cal_idx is None else cal_idx,
-        train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs, calibration_distance_ecdfs=ca_ecdfs,
-        history=history, movement=moved, epochs_run=len(history), stopped_early=len(history) < config.epochs,
-        basis=basis,
+        train=best.train, calibration=best.calibration, train_distance_ecdfs=best.train_distance_ecdfs,
+        calibration_distance_ecdfs=best.calibration_distance_ecdfs, history=history, movement=best.movement,
+        epochs_run=len(history), stopped_early=len(history) < config.epochs, basis=best.basis,
     )
 
 
