@@ -48,9 +48,10 @@ from ..storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from ..core.distance import distance_quantile
 from ..index import good_neighbours_by_class, make_index
-from ..runtime.callbacks import CallbackList, as_callback
+from ..runtime.callbacks import as_callback
 from ..results import Predictions
-from .training import RoundCalibrator, TrainConfig, train_rounds
+from .rounds import RoundCalibrator, train_rounds
+from .training import TrainConfig
 from ..core.activation import sdm_numpy
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/estimator/config.py)
@@ -331,8 +332,8 @@ class SDMEstimator:
             saver = Checkpointer(checkpoint, fp, calibrator.rounds, callback)
             progress = saver.resume(config.iterations)
         self.resumed_rounds_ = 0 if progress is None else progress.next_round
-        best, best_j, summaries = train_rounds(X, y, C, config, CallbackList([calibrator, callback, saver]),
-                                               progress=progress)
+        best, best_j, summaries = train_rounds(X, y, C, config, callback, progress, calibrate=calibrator,
+                                               save=None if saver is None else saver.save)
         rounds = calibrator.rounds
         for summary, cal in zip(summaries, rounds):
             summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
