@@ -4,7 +4,8 @@ from mlx.utils import tree_flatten
 
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.runtime.callbacks import Callback
-from sdm_mlx.estimator.training import TrainConfig, balanced_median, flip_rule, split_pool, train_rounds
+from sdm_mlx.estimator.rounds import split_pool, train_rounds
+from sdm_mlx.estimator.training import TrainConfig, balanced_median, flip_rule
 
 
 @pytest.fixture(scope="module")

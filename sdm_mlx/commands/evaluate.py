@@ -97,7 +97,8 @@ def run(args) -> int:
     from ..estimator import SDMEstimator
     from ..storage.files import refuse_same_files
     from ..runtime.callbacks import cli_callback
-    from ..evaluation.evaluate import baseline_options, evaluate, predict_datasets
+    from ..estimator.chunking import estimate_read
+    from ..evaluation.evaluate import baseline_options, evaluate
 
     inputs = [args.input] if isinstance(args.input, str) else list(args.input)
     in_flags = [("--input", inputs), ("--calibration-data", args.calibration_data), ("--model", args.model)]
@@ -118,7 +119,8 @@ def run(args) -> int:
         datasets[name] = ds
         callback.message(f"{name}: {len(ds)} rows from {path}")
     z_cal, y_cal = calibration_logits(est, args.calibration_data, args.features, callback)
-    predictions = predict_datasets(est, datasets, n_exemplars=est.n_exemplars if args.html else 0)
+    n_exemplars = est.n_exemplars if args.html else 0  # the reader validated the features: not again
+    predictions = {name: estimate_read(est, ds, n_exemplars) for name, ds in datasets.items()}
     report = evaluate(est, datasets, z_cal, y_cal, alphas=args.alphas, baselines=args.baselines,
                       predictions=predictions, callback=callback, options=baseline_options(args.conformal))
     report["model_path"] = os.fspath(args.model)

@@ -51,9 +51,8 @@ def run(args) -> int:
     if args.chunk_rows < 1:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
-    trained_on = est.feature_field_
     # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.estimator.chunking)
-    chunks = read_jsonl_chunks(args.input, args.features, trained_on, args.chunk_rows)
+    chunks = read_jsonl_chunks(args.input, args.features, est.feature_field_, args.chunk_rows)
     kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter(),
             "decisions": Counter()}
 
@@ -63,7 +62,7 @@ def run(args) -> int:
         from ..evaluation.verdict_html import PageWriter, context_of
 
         pages = PageWriter(args.html, context_of(est))
-    rows = _scored_rows(args, est, chunks, trained_on, kept, show=writer and not args.quiet, pages=pages)
+    rows = _scored_rows(args, est, chunks, kept, show=writer and not args.quiet, pages=pages)
     if not writer:  # every rank scores every chunk: the sharded index's collectives run in step
         for _ in rows:
             pass
@@ -81,20 +80,15 @@ def run(args) -> int:
     return 0
 
 
-def _scored_rows(args, est, chunks, trained_on, kept: dict, *, show: bool, pages=None):
+def _scored_rows(args, est, chunks, kept: dict, *, show: bool, pages=None):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs;
     ``pages`` (a :class:`~sdm_mlx.evaluation.verdict_html.PageWriter`) gets each row's verdict page."""
     from ..runtime.callbacks import progress_bar
-    from ..estimator.chunking import count_lines
-    from ..storage.datasets import check_labels, check_model_width
+    from ..estimator.chunking import count_lines, estimate_read_chunks
 
     total = count_lines(args.input) if show else None
     with progress_bar(total, "predict", unit="rows", enabled=show) as bar:
-        for data in chunks:
-            check_model_width(data, est.input_dim_, trained_on, args.input)
-            if data.y is not None:
-                check_labels(data.y, est.num_classes_, args.input)
-            pred = est.estimate(data.X, ids=data.ids, n_exemplars=args.n_exemplars)
+        for data, pred in estimate_read_chunks(est, chunks, args.input, args.n_exemplars):
             _count(kept, pred, data.y)
             labels = data.y.tolist() if data.y is not None else None
             for i, row in enumerate(pred.to_dicts()):

@@ -1,9 +1,9 @@
 """The SDM estimator (layer 4): :class:`SDMEstimator` (:mod:`.sdm_estimator`) fits the adaptor, the support
 index and the J calibration rounds, and predicts with p̂_lower; its parameters and their one set of defaults
-(:mod:`.config`), Alg. 1 training rounds (:mod:`.training`), per-round checkpoints (:mod:`.checkpoint`),
-prediction in bounded chunks (:mod:`.chunking`), the artifact on disk (:mod:`.persistence`), the feedback log
-and support edits (:mod:`.feedback`) and the load-edit-save helpers the CLI and the server use
-(:mod:`.updates`).
+(:mod:`.config`), one Alg. 1 training round (:mod:`.training`), the J rounds with their calibration
+(:mod:`.rounds`), per-round checkpoints (:mod:`.checkpoint`), prediction in bounded chunks (:mod:`.chunking`),
+the artifact on disk (:mod:`.persistence`), the feedback log and support edits (:mod:`.feedback`) and the
+load-edit-save helpers the CLI and the server use (:mod:`.updates`).
 
 May import: layers 0-3 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm_mlx.runtime`,
 :mod:`sdm_mlx.storage`, :mod:`sdm_mlx.core`, :mod:`sdm_mlx.index`, :mod:`sdm_mlx.calibration`).  Inside the

@@ -5,7 +5,7 @@ A checkpoint is an artifact directory (kind ``sdm_train_checkpoint``, written at
 
 * the fingerprint of the run: SHA-256 over the estimator settings that shape training and
   calibration and over the pooled data (features, labels, ids, C);
-* the round bookkeeping of :class:`sdm_mlx.estimator.training.RoundsProgress` (rounds done, the re-split
+* the round bookkeeping of :class:`sdm_mlx.estimator.rounds.RoundsProgress` (rounds done, the re-split
   generator state, the per-round summaries, the best round so far with its model, support and
   calibration state);
 * every finished round's :class:`sdm_mlx.calibration.RoundCalibration` (W'', Alg. 3 inputs, ...).
@@ -30,7 +30,8 @@ from ..storage.artifact import ArtifactError, load_artifact, pack_ragged, read_m
 from ..calibration import RoundCalibration
 from ..runtime.callbacks import Callback
 from ..calibration.rescaler import RescalerFit
-from .training import RoundResult, RoundsProgress, SplitState
+from .rounds import RoundsProgress
+from .training import RoundResult, SplitState
 from ..errors import InputError
 
 KIND = "sdm_train_checkpoint"
@@ -155,11 +156,11 @@ def load_checkpoint(path, fp: str) -> tuple[tuple[RoundsProgress, list] | None, 
     return (progress, rounds), ""
 
 
-class Checkpointer(Callback):
-    """The callback that saves the finished rounds after each round (``on_rounds_state``), and the state
-    to resume from: ``Checkpointer(path, fp, rounds, callback).resume()`` → the saved
-    :class:`RoundsProgress` (its calibrations are appended to ``rounds``) or None to start over
-    (``callback.message`` says why)."""
+class Checkpointer:
+    """The checkpoint step of :func:`~sdm_mlx.estimator.rounds.train_rounds` (:meth:`save` after each round:
+    the finished rounds and their calibrations in ``rounds``), and the state to resume from:
+    ``Checkpointer(path, fp, rounds, callback).resume()`` → the saved :class:`RoundsProgress` (its
+    calibrations are appended to ``rounds``) or None to start over (``callback.message`` says why)."""
 
     def __init__(self, path, fp: str, rounds: list, callback: Callback):
         self.path, self.fp, self.rounds, self.callback = path, fp, rounds, callback
@@ -176,8 +177,8 @@ class Checkpointer(Callback):
             self.callback.message(f"not resuming from {self.path}: {why}; starting over")
         return None
 
-    def on_rounds_state(self, state: RoundsProgress) -> None:
-        save_checkpoint(self.path, self.fp, state, self.rounds)
+    def save(self, progress: RoundsProgress) -> None:
+        save_checkpoint(self.path, self.fp, progress, self.rounds)
 
 
 def remove_checkpoint(path) -> None:

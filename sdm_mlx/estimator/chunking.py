@@ -15,7 +15,12 @@ What a chunk costs is bounded independently of N:
 
 So a prediction of N rows needs the inputs, the support set, O(chunk_rows · (D + 3 budgets)) of
 working memory, and the outputs, O(N · (C + n_exemplars)) — about (12 C + 12 n + 100) bytes a row in
-arrays — which :func:`iter_estimates` lets a caller stream to disk instead (``sdm-mlx predict``).
+arrays — which :func:`iter_estimates` lets a caller stream to disk instead.
+
+Each path chunks once: ``SDMEstimator.estimate`` / ``iter_estimate`` split an array with :func:`chunk_bounds`
+and validate each chunk; ``sdm-mlx predict`` reads the file in chunks (:func:`read_jsonl_chunks`, which
+validates the rows) and scores each one as it was read (:func:`estimate_read_chunks`); ``sdm-mlx evaluate``
+reads whole files and scores them with :func:`estimate_read`.
 """
 
 from __future__ import annotations
@@ -133,6 +138,35 @@ def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
         yield ds
     if first is None:
         raise InputError(f"{source}: no rows")
+
+
+def estimate_read(est, data, n_exemplars: int | None = None) -> Predictions:
+    """The :class:`Predictions` of a whole :class:`~sdm_mlx.storage.datasets.Dataset` that the JSONL reader
+    validated and :func:`~sdm_mlx.storage.datasets.check_model_width` checked against ``est`` (``sdm-mlx
+    evaluate``): scored in chunks of :data:`PREDICT_CHUNK_ROWS` rows, the features not validated again."""
+
+    def score(rows, row_ids):
+        return est._estimate_checked(rows, row_ids, n_exemplars=n_exemplars)
+
+    return concat_predictions(list(iter_estimates(score, data.X, data.ids)))
+
+
+def estimate_read_chunks(est, chunks, path, n_exemplars: int | None = None):
+    """Yield ``(Dataset, Predictions)`` for each chunk :func:`read_jsonl_chunks` read for the fitted ``est``.
+
+    The reader validated every row's features (finite numbers, one width: the file's boundary); here each
+    chunk's feature field and width are checked against the model
+    (:func:`~sdm_mlx.storage.datasets.check_model_width`) and its labels, when it has them, against the
+    classes, then the chunk is scored as one batch: the features are not validated again and the chunk is
+    not split again (``chunk_rows`` of the reader is the one chunk size; errors name ``path``).
+    """
+    from ..storage.datasets import check_labels, check_model_width
+
+    for data in chunks:
+        check_model_width(data, est.input_dim_, est.feature_field_, path)
+        if data.y is not None:
+            check_labels(data.y, est.num_classes_, path)
+        yield data, est._estimate_checked(data.X, data.ids, n_exemplars=n_exemplars)
 
 
 def count_lines(path) -> int | None:

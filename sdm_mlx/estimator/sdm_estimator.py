@@ -48,9 +48,10 @@ from ..storage.datasets import id_key
 from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
 from ..core.distance import distance_quantile
 from ..index import good_neighbours_by_class, make_index
-from ..runtime.callbacks import CallbackList, as_callback
+from ..runtime.callbacks import as_callback
 from ..results import Predictions
-from .training import RoundCalibrator, TrainConfig, train_rounds
+from .rounds import RoundCalibrator, train_rounds
+from .training import TrainConfig
 from ..core.activation import sdm_numpy
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/estimator/config.py)
@@ -331,8 +332,8 @@ class SDMEstimator:
             saver = Checkpointer(checkpoint, fp, calibrator.rounds, callback)
             progress = saver.resume(config.iterations)
         self.resumed_rounds_ = 0 if progress is None else progress.next_round
-        best, best_j, summaries = train_rounds(X, y, C, config, CallbackList([calibrator, callback, saver]),
-                                               progress=progress)
+        best, best_j, summaries = train_rounds(X, y, C, config, callback, progress, calibrate=calibrator,
+                                               save=None if saver is None else saver.save)
         rounds = calibrator.rounds
         for summary, cal in zip(summaries, rounds):
             summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
@@ -429,11 +430,16 @@ class SDMEstimator:
     def _good(self) -> np.ndarray:
         return good_neighbours_by_class(self.support_labels_, self.support_predictions_, self.num_classes_)
 
-    def _forward(self, X):
-        """(z', exemplar coordinates) per row, batch-invariant (:class:`~sdm_mlx.core.adaptor.InvariantForward`)."""
+    def _features(self, X) -> np.ndarray:
+        """User features validated against the model: finite float32 [N, input_dim_] (the one check of X on
+        the way in; everything after it takes the checked array)."""
         self._check_fitted()
-        X = validation.features(X, "features", dim=self.input_dim_, model=type(self).__name__)
-        return self._forward_map(X)
+        return validation.features(X, "features", dim=self.input_dim_, model=type(self).__name__)
+
+    def _forward(self, X):
+        """(z', exemplar coordinates) per row of user features, batch-invariant
+        (:class:`~sdm_mlx.core.adaptor.InvariantForward`)."""
+        return self._forward_map(self._features(X))
 
     def logits(self, X) -> np.ndarray:
         """The adaptor's logits z' [N, C] (float32) for rows of X (what the baselines are fit on)."""
@@ -449,9 +455,9 @@ class SDMEstimator:
         ecdfs = self.calibration_distance_ecdfs_ if distance_ecdfs == "calibration" else self.training_distance_ecdfs_
         return q, distance_quantile(d0, ecdfs), y_hat
 
-    def _scores(self, X, n_exemplars: int):
-        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row."""
-        z, h = self._forward(X)
+    def _scores(self, X: np.ndarray, n_exemplars: int):
+        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row of checked features."""
+        z, h = self._forward_map(X)
         y_hat = z.argmax(axis=1)
         q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars)
         d = distance_quantile(d0, self.calibration_distance_ecdfs_)
@@ -471,7 +477,7 @@ class SDMEstimator:
 
     def predict_proba(self, X) -> np.ndarray:
         """The SDM activation output sdm(z', q, d) [N, C] (rows sum to 1), columns in ``classes_`` order."""
-        return self._scores(X, 0)[4]
+        return self._scores(self._features(X), 0)[4]
 
     def score(self, X, y, sample_weight=None) -> float:
         """Mean accuracy of ``predict(X)`` against ``y`` (scikit-learn's ClassifierMixin.score)."""
@@ -493,7 +499,7 @@ class SDMEstimator:
         self._check_fitted()
         n = X.shape[0] if hasattr(X, "shape") and len(X.shape) else None
         if n is None or n <= PREDICT_CHUNK_ROWS:
-            return self._estimate_rows(X, ids, n_exemplars, alpha)
+            return self._estimate_checked(self._features(X), ids, n_exemplars=n_exemplars, alpha=alpha)
         return concat_predictions(list(self.iter_estimate(X, ids, n_exemplars, alpha, progress)))
 
     def iter_estimate(self, X, ids=None, n_exemplars: int | None = None, alpha: float | None = None,
@@ -509,12 +515,21 @@ class SDMEstimator:
         cal = self.nested_ if alpha is None else self.nested_at(alpha)
 
         def score(rows, row_ids):
-            return self._estimate_rows(rows, row_ids, n_exemplars, cal)
+            return self._estimate_checked(self._features(rows), row_ids, n_exemplars=n_exemplars, alpha=cal)
 
         return iter_estimates(score, X, ids, chunk_rows, progress)
 
-    def _estimate_rows(self, X, ids, n_exemplars, alpha) -> Predictions:
-        """:meth:`estimate` of one batch (``alpha``: None, an α' or a :class:`NestedCalibration`)."""
+    def _estimate_checked(self, X: np.ndarray, ids=None, *, n_exemplars: int | None = None,
+                         alpha=None) -> Predictions:
+        """:meth:`estimate` of one batch of features that were validated already, neither checked nor chunked
+        again: the entry of callers that validated at their own boundary.
+
+        ``X``: finite float32 [N, ``input_dim_``], as :func:`sdm_mlx.validation.features` returns it or the
+        JSONL reader (:func:`~sdm_mlx.storage.datasets.parse_rows`, then
+        :func:`~sdm_mlx.storage.datasets.check_model_width`) reads it; the caller owns the chunk loop
+        (:func:`sdm_mlx.estimator.chunking.estimate_read_chunks`).  ``alpha``: None, an α' or a
+        :class:`~sdm_mlx.calibration.NestedCalibration`.  User input goes through :meth:`estimate`."""
+        self._check_fitted()
         n_ex = self.n_exemplars if n_exemplars is None else int(n_exemplars)
         z, q, d0, d, s, ex_d, ex_i = self._scores(X, n_ex)
         n = z.shape[0]
@@ -589,7 +604,7 @@ class SDMEstimator:
             raise InputError("source must be a non-empty string")
         taken = self._taken_ids()
         ids = new_ids(ids, X.shape[0], taken, "added support ids")
-        z, h = self._forward(X)
+        z, h = self._forward_map(X)
         pred = z.argmax(axis=1).astype(np.int64)
         if self._index is not None:
             self._index.append(h)

@@ -18,9 +18,8 @@ One *round* (one of the J iterations):
 Every epoch records the loss, the balanced median q, the calibration accuracy and how
 far the adaptor has moved from its initialisation (‖W − W₀‖_F / ‖W₀‖_F for W_g and W').
 
-:func:`train_rounds` runs J rounds over stratified re-splits of the pooled
-train+calibration data with fresh initialisation and keeps the best round by
-the same metric (≥, later wins).
+:func:`sdm_mlx.estimator.rounds.train_rounds` runs J such rounds over stratified re-splits of the pooled
+train+calibration data with fresh initialisation and keeps the best round by the same metric (≥, later wins).
 """
 
 from __future__ import annotations
@@ -104,7 +103,22 @@ class SplitState:
     sdm: np.ndarray  #: SDM activation output [N, C]
 
 
-@dataclass
+@dataclass(frozen=True)
+class KeptEpoch:
+    """The best epoch of a round so far (≥: later epochs win ties), as :func:`train_round` keeps it."""
+
+    metric: float  #: the balanced median calibration q
+    epoch: int
+    params: dict  #: the adaptor's parameters after this epoch (flattened)
+    train: SplitState
+    calibration: SplitState
+    train_distance_ecdfs: list
+    calibration_distance_ecdfs: list
+    movement: dict  #: relative Frobenius movement of W_g and W' from their initialisation
+    basis: np.ndarray | None  #: the exemplar basis the coordinates were computed in
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """The best epoch of one round: the model, its support set and calibration state."""
 
@@ -268,134 +282,19 @@ def train_round(
         moved = adaptor_movement(model, initial)
         history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
         callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
-        stale = 0 if best is None or metric > best[0] else stale + 1
-        if best is None or metric >= best[0]:
-            best = (metric, epoch, dict(tree_flatten(model.parameters())), tr_state, ca_state, tr_ecdfs, ca_ecdfs,
-                    moved, basis)
+        stale = 0 if best is None or metric > best.metric else stale + 1
+        if best is None or metric >= best.metric:
+            best = KeptEpoch(metric=metric, epoch=epoch, params=dict(tree_flatten(model.parameters())),
+                             train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs,
+                             calibration_distance_ecdfs=ca_ecdfs, movement=moved, basis=basis)
         if config.patience is not None and stale >= config.patience:
             break
-    metric, epoch, params, tr_state, ca_state, tr_ecdfs, ca_ecdfs, moved, basis = best
-    model.load_weights(list(params.items()))
+    model.load_weights(list(best.params.items()))
     return RoundResult(
-        model=model, metric=metric, best_epoch=epoch, k=k,
+        model=model, metric=best.metric, best_epoch=best.epoch, k=k,
         train_idx=np.arange(n_tr) if train_idx is None else train_idx,
         cal_idx=np.arange(X_ca.shape[0]) if cal_idx is None else cal_idx,
-        train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs, calibration_distance_ecdfs=ca_ecdfs,
-        history=history, movement=moved, epochs_run=len(history), stopped_early=len(history) < config.epochs,
-        basis=basis,
+        train=best.train, calibration=best.calibration, train_distance_ecdfs=best.train_distance_ecdfs,
+        calibration_distance_ecdfs=best.calibration_distance_ecdfs, history=history, movement=best.movement,
+        epochs_run=len(history), stopped_early=len(history) < config.epochs, basis=best.basis,
     )
-
-
-def split_pool(y: np.ndarray, num_classes: int, rng: np.random.Generator, stratified: bool = True):
-    """Shuffle the pooled rows and split them in half (per class when ``stratified``; DESIGN #9).
-
-    Raises ValueError if either half lacks a class.
-    """
-    n = y.shape[0]
-    if stratified:
-        tr, ca = [], []
-        for c in range(num_classes):
-            idx = rng.permutation(np.flatnonzero(y == c))
-            half = idx.size // 2
-            tr.append(idx[:half])
-            ca.append(idx[half:])
-        train_idx, cal_idx = rng.permutation(np.concatenate(tr)), rng.permutation(np.concatenate(ca))
-    else:
-        perm = rng.permutation(n)
-        train_idx, cal_idx = perm[: n // 2], perm[n // 2 :]
-    for name, idx in (("training", train_idx), ("calibration", cal_idx)):
-        counts = np.bincount(y[idx], minlength=num_classes)
-        if (counts == 0).any():
-            missing = np.flatnonzero(counts == 0).tolist()
-            raise InputError(
-                f"the {name} split has no rows of class(es) {missing}: each class needs at least 2 rows in the "
-                "pooled data (one per split)"
-            )
-    return train_idx, cal_idx
-
-
-@dataclass
-class RoundsProgress:
-    """Where :func:`train_rounds` stands after some rounds: enough to continue bit-identically."""
-
-    next_round: int  #: rounds finished so far (the next round's index j)
-    rng_state: dict  #: state of the re-split generator before round ``next_round``
-    best: RoundResult | None
-    best_j: int
-    summaries: list
-
-
-def round_summary(j: int, result: RoundResult) -> dict:
-    """What one round learned: its selected epoch, per-epoch trajectories and the adaptor's movement."""
-    chosen = result.history[result.best_epoch - 1]
-    return {
-        "round": j, "metric": result.metric, "best_epoch": result.best_epoch, "k": result.k,
-        "epochs_run": result.epochs_run, "stopped_early": result.stopped_early,
-        "cal_accuracy": chosen["cal_accuracy"],
-        "projection_movement": result.movement.get("projection"),
-        "classifier_movement": result.movement.get("classifier"),
-        "loss": [h["loss"] for h in result.history],
-        "balanced_median_q": [h["balanced_median_q"] for h in result.history],
-        "cal_accuracy_per_epoch": [h["cal_accuracy"] for h in result.history],
-    }
-
-
-class RoundCalibrator(Callback):
-    """Alg. 1's per-round calibration as a callback: after round j, Alg. 2 + Alg. 3 on the round's
-    calibration split with ``calibrate`` (:func:`sdm_mlx.calibration.calibrate_round`, passed in so that
-    training does not depend on the calibration math); the results collect in ``rounds``."""
-
-    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
-                 rescaler: dict, *, callback: Callback = SILENT, rounds: list | None = None):
-        self.calibrate = calibrate
-        self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
-        self.rescaler, self.callback = rescaler, callback
-        self.rounds = [] if rounds is None else rounds
-
-    def on_round_end(self, j: int, result: RoundResult) -> None:
-        cal = self.calibrate(
-            result.calibration.sdm, result.calibration.q, self.y[result.cal_idx], result.calibration.y_hat,
-            alpha=self.alpha, seed=self.seed * 1000 + j, num_classes=self.num_classes, **self.rescaler,
-        )
-        self.rounds.append(cal)
-        fit = cal.rescaler
-        extra = f" (rescaler {fit.epochs_run} epochs, {fit.seconds:.1f}s)" if fit is not None else ""
-        self.callback.message(f"round {j + 1}: min valid q~ {cal.min_valid:.3f}, psi "
-                              f"{np.round(cal.psi, 3).tolist()}{extra}")
-
-
-def train_rounds(
-    X: np.ndarray,
-    y: np.ndarray,
-    num_classes: int,
-    config: TrainConfig,
-    callback: Callback = SILENT,
-    progress: RoundsProgress | None = None,
-) -> tuple[RoundResult, int, list]:
-    """J rounds of Alg. 1 (``alg:sdm-estimator-training``) over stratified re-splits of the pooled data.
-
-    ``callback.on_round_end(j, result)`` follows every round (the per-round calibration,
-    :class:`RoundCalibrator`, is such a callback), then ``callback.on_rounds_state(progress)``
-    (checkpointing).  Pass a saved ``progress`` to continue
-    after its finished rounds: the result equals an uninterrupted run.  Returns (best round, its
-    index j, per-round summaries).  Only the best round's arrays are kept in memory.
-    """
-    config.validate()
-    rng = np.random.default_rng(config.seed)
-    if progress is None:
-        progress = RoundsProgress(0, rng.bit_generator.state, None, -1, [])
-    else:
-        rng.bit_generator.state = progress.rng_state
-    for j in range(progress.next_round, config.iterations):
-        train_idx, cal_idx = split_pool(y, num_classes, rng, config.stratified)
-        result = train_round(
-            X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], num_classes, config,
-            seed=config.seed * 1000 + j, train_idx=train_idx, cal_idx=cal_idx, callback=callback, round_index=j,
-        )
-        callback.on_round_end(j, result)
-        progress.summaries.append(round_summary(j, result))
-        if progress.best is None or result.metric >= progress.best.metric:
-            progress.best, progress.best_j = result, j
-        progress.next_round, progress.rng_state = j + 1, rng.bit_generator.state
-        callback.on_rounds_state(progress)
-    return progress.best, progress.best_j, progress.summaries

@@ -1,4 +1,4 @@
-"""One callback protocol for progress, logging and per-round work during training and evaluation.
+"""One callback protocol for progress and logging during training and evaluation: callbacks observe.
 
 A :class:`Callback` receives events; every hook is a no-op by default, so a subclass overrides only
 what it needs.  The library is silent unless given a callback (``SDMEstimator(verbose=True)`` or
@@ -8,10 +8,10 @@ elapsed time and ETA (tqdm) and writes log lines, both on stderr.
 Events (``j``: round index 0..J−1 of Alg. 1; ``epoch``: 1-based)::
 
     on_epoch_end(j, epoch, metrics)    after an epoch of a round (metrics: loss, balanced_median_q, ...)
-    on_round_end(j, result)            after round j (a :class:`sdm_mlx.estimator.training.RoundResult`); the
-                                       per-round calibration of Alg. 1 is such a callback
-    on_rounds_state(state)             after the bookkeeping of a round (a resumable
-                                       :class:`sdm_mlx.estimator.training.RoundsProgress`: checkpointing)
+    on_round_end(j, result)            after round j and its calibration (a
+                                       :class:`sdm_mlx.estimator.training.RoundResult`)
+    on_rounds_state(state)             after the bookkeeping and the checkpoint of a round (a resumable
+                                       :class:`sdm_mlx.estimator.rounds.RoundsProgress`)
     message(text)                      one log line
     progress(total, desc, unit)        a bar: ``with cb.progress(n, "embed", "doc") as bar: bar.update(k)``
 
