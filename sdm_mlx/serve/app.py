@@ -138,10 +138,15 @@ def _live(engine: Engine, req: GenerationRequest) -> bool:
 
 
 async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
-    """SSE events of one streamed completion (see :mod:`.responses`)."""
+    """SSE events of one streamed completion (see :mod:`.responses`).
+
+    Live (policy ``return``): each text chunk carries the text released at token boundaries and, when asked
+    for, the logprobs of exactly its tokens.  Otherwise the shown text comes after verification in one chunk
+    with the logprobs of the shown answer (none for an abstention: the withheld answer never reaches the client).
+    """
     loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     kind, model = req.kind, engine.model_id
-    live = _live(engine, req)
+    live, asked = _live(engine, req), req.sampling.logprobs
 
     def put(item) -> None:
         try:
@@ -149,13 +154,14 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
 
-    fut = engine.submit(engine.complete, req, put if live else None, cancel)
+    fut = engine.submit(engine.complete, req, (lambda text, lps: put((text, lps))) if live else None, cancel)
     fut.add_done_callback(lambda _: put(None))
     try:
         if kind == "chat":
             yield R.sse(R.chunk(kind, cid, model, role=True))
-        while (seg := await queue.get()) is not None:
-            yield R.sse(R.chunk(kind, cid, model, seg))
+        while (item := await queue.get()) is not None:
+            text, lps = item
+            yield R.sse(R.chunk(kind, cid, model, text, logprobs=R.logprobs_body(kind, lps) if asked else None))
         try:
             result, verification, n_prompt = fut.result()
         except BaseException as e:  # every failure ends the stream with an error event and [DONE]
@@ -163,7 +169,7 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
             yield R.DONE
             return
         if not live:
-            yield R.sse(R.chunk(kind, cid, model, result.text))
+            yield R.sse(R.chunk(kind, cid, model, result.text, logprobs=R.shown_logprobs(kind, result)))
         yield R.sse(R.chunk(kind, cid, model, finish=R.finish_reason(result), verification=verification))
         if req.include_usage:
             yield R.sse(R.usage_chunk(kind, cid, model, R.usage(n_prompt, result.tokens)))

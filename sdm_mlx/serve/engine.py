@@ -184,10 +184,12 @@ class Engine:
         return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt))
 
     # -- model work (call through submit; the generators are BatchRunner tasks) ---------------------------
-    def complete(self, req: GenerationRequest, on_text: Callable[[str], None] | None = None,
+    def complete(self, req: GenerationRequest, on_tokens: Callable[[str, list], None] | None = None,
                  cancel: threading.Event | None = None):
         """Generate, verify and apply the policy (a task): ``(VerificationResult, verification dict, prompt
-        token count)``.  ``cancel`` (and the server closing) stops the generation at its next token."""
+        token count)``.  ``on_tokens(text, logprobs)`` streams the text as it is generated, at token
+        boundaries, with the logprobs records of exactly the tokens it completes (empty unless the request
+        asked for them).  ``cancel`` (and the server closing) stops the generation at its next token."""
         cancel = cancel or threading.Event()
 
         def gone() -> bool:
@@ -198,7 +200,7 @@ class Engine:
         base_ids = self.prompt_ids(req.messages, req.prompt)
         result = yield from self.gen.attempts(
             base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt),
-            prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
+            prompt=req.prompt or req.messages[-1]["content"], on_tokens=on_tokens, on_reject=req.on_reject,
             max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
             sampling=req.sampling, cancel=gone,
         )
