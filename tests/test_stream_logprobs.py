@@ -187,3 +187,35 @@ def test_chunks_say_logprobs_null_when_not_asked(setup, server, route, field, po
                                          "sdm": {"on_reject": policy}})
     choices = [c for e in events for c in e["choices"]]
     assert len(choices) >= 2 and all("logprobs" in c and c["logprobs"] is None for c in choices)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen2", "llama"])
+def test_engine_token_stream_equals_the_decoded_answer(arch, request):
+    """In the decoding engine, on the three tokenizer kinds (SentencePiece with byte fallback, byte-level BPE
+    with and without BOS), random models emitting partial characters and byte-token runs: the streamed text
+    is the decoded answer, each release carries exactly its tokens, and the records equal unstreamed ones."""
+    from mlx_lm import load
+
+    from sdm_mlx.decoding import DecodeEngine, DecodeRequest, SamplingParams
+    from sdm_mlx.llm import embed as E
+
+    model, tok = load(str(request.getfixturevalue(f"tiny_{arch}_path")))
+    prompt = E.encode(tok, E.chat_text(tok, "A warm film, é ü 日本.", system="Be brief.", prompt_template="{document}"))
+    for stop in ((), ("e", "xx")):
+        for sampling in (SamplingParams(logprobs=True, top_logprobs=2),
+                         SamplingParams(temperature=1.5, seed=3, logprobs=True)):
+            released = []
+            engine = DecodeEngine(model, tok, max_batch=2, prefix_cache=False)
+            streamed, whole = engine.run([
+                DecodeRequest(prompt, 40, sampling, stop, stop_at_delimiter=False,
+                              on_tokens=lambda text, lps: released.append((text, lps))),
+                DecodeRequest(prompt, 40, sampling, stop, stop_at_delimiter=False)])
+            assert "".join(t for t, _ in released) == streamed.text == whole.text
+            assert [r for _, lps in released for r in lps] == streamed.logprobs
+            pairs = [[(r["id"], r["token"]) for r in d.logprobs] for d in (streamed, whole)]
+            assert pairs[0] == pairs[1]
+            assert [r["id"] for r in whole.logprobs] == whole.token_ids
+            for text, lps in (released if not stop else released[:-1]):
+                assert "".join(r["token"] for r in lps) == text
+            if streamed.stop_reason != "stop":
+                assert "".join(r["token"] for r in whole.logprobs) == whole.text

@@ -24,6 +24,11 @@ rows that stopped.  Every verb decodes through it: ``serve``, ``generate``,
   brace that balances the first ``{``, :func:`~sdm_mlx.network.generation.is_closed`),
   an end-of-sequence token (not kept), ``max_tokens``, a ``stop`` string (the
   text is cut before it), or the request's ``cancel()`` returns True.
+* **Streaming.**  ``on_text`` gets mlx-lm's detokenized segments; ``on_tokens``
+  gets text released at token boundaries with the logprobs records of exactly
+  the tokens it completes (:class:`~.streaming.AnswerStream`).  A logprobs
+  record's ``token`` is the text the token adds to the answer
+  (:class:`~.streaming.TokenPieces`), so the records join to it.
 * **Verifier states.**  With ``features=True`` a request keeps the final-norm
   states of its prompt and of each fed token, and its :class:`Decoded`
   carries the verifier input pooled from its own rows by
