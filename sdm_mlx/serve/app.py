@@ -140,13 +140,13 @@ def _live(engine: Engine, req: GenerationRequest) -> bool:
 async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
     """SSE events of one streamed completion (see :mod:`.responses`).
 
-    Live (policy ``return``): each text chunk carries the text released at token boundaries and, when asked
-    for, the logprobs of exactly its tokens.  Otherwise the shown text comes after verification in one chunk
+    Live (policy ``return``): text chunks as generated; when logprobs are asked for, released at token
+    boundaries, each with the logprobs of exactly its tokens.  Otherwise the shown text comes after verification in one chunk
     with the logprobs of the shown answer (none for an abstention: the withheld answer never reaches the client).
     """
     loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     kind, model = req.kind, engine.model_id
-    live, asked = _live(engine, req), req.sampling.logprobs
+    live = _live(engine, req)
 
     def put(item) -> None:
         try:
@@ -161,7 +161,7 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
             yield R.sse(R.chunk(kind, cid, model, role=True))
         while (item := await queue.get()) is not None:
             text, lps = item
-            yield R.sse(R.chunk(kind, cid, model, text, logprobs=R.logprobs_body(kind, lps) if asked else None))
+            yield R.sse(R.chunk(kind, cid, model, text, logprobs=R.logprobs_body(kind, lps)))
         try:
             result, verification, n_prompt = fut.result()
         except BaseException as e:  # every failure ends the stream with an error event and [DONE]
