@@ -141,8 +141,9 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
     """SSE events of one streamed completion (see :mod:`.responses`).
 
     Live (policy ``return``): text chunks as generated; when logprobs are asked for, released at token
-    boundaries, each with the logprobs of exactly its tokens.  Otherwise the shown text comes after verification in one chunk
-    with the logprobs of the shown answer (none for an abstention: the withheld answer never reaches the client).
+    boundaries, each with the logprobs of exactly its tokens.  Otherwise the shown text comes after
+    verification in one chunk with the logprobs of the shown answer (none for an abstention: the withheld
+    answer never reaches the client).
     """
     loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     kind, model = req.kind, engine.model_id
