@@ -24,6 +24,11 @@ rows that stopped.  Every verb decodes through it: ``serve``, ``generate``,
   brace that balances the first ``{``, :func:`~sdm_mlx.network.generation.is_closed`),
   an end-of-sequence token (not kept), ``max_tokens``, a ``stop`` string (the
   text is cut before it), or the request's ``cancel()`` returns True.
+* **Streaming.**  ``on_text`` gets mlx-lm's detokenized segments; ``on_tokens``
+  gets text released at token boundaries with the logprobs records of exactly
+  the tokens it completes (:class:`~.streaming.AnswerStream`).  A logprobs
+  record's ``token`` is the text the token adds to the answer
+  (:class:`~.streaming.TokenPieces`), so the records join to it.
 * **Verifier states.**  With ``features=True`` a request keeps the final-norm
   states of its prompt and of each fed token, and its :class:`Decoded`
   carries the verifier input pooled from its own rows by
@@ -45,7 +50,7 @@ from ..llm.answers import is_closed
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
-from .streaming import TextEmitter, first_stop
+from .streaming import AnswerStream, first_stop
 
 __all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
 
@@ -60,9 +65,7 @@ class _Row:
     states: list = field(default_factory=list)
     logprobs: list | None = None
     first: float | None = None
-    detok: object = None
-    out: TextEmitter | None = None
-    error: BaseException | None = None
+    stream: AnswerStream | None = None
 
 
 class DecodeEngine:
@@ -216,8 +219,9 @@ class DecodeEngine:
             row.states.append(states)
         if req.sampling.logprobs:
             row.logprobs = []
-        if req.on_text is not None:
-            row.detok, row.out = self.tokenizer.detokenizer, TextEmitter(req.on_text, req.stop)
+        if req.sampling.logprobs or req.on_text is not None or req.on_tokens is not None:
+            row.stream = AnswerStream(self.tokenizer, stop=req.stop, on_text=req.on_text, on_tokens=req.on_tokens,
+                                      pieces=req.sampling.logprobs)
         return row
 
     def _warm_prefix(self, reqs: list) -> None:
@@ -318,22 +322,16 @@ class DecodeEngine:
         """Take token ``t`` into ``row``; the stop reason, or None to continue."""
         if row.first is None:
             row.first = time.perf_counter() - row.t0
-        req = row.req
-        if row.detok is not None and t not in self.eos:
-            row.detok.add_token(t)
-            try:
-                seg = row.detok.last_segment
-                if seg:
-                    row.out.push(seg)
-            except Exception as e:  # a consumer that went away must not stop the other rows
-                row.error = e
-                return "cancelled"
         if t in self.eos:
             return "eos"
+        req = row.req
         row.tokens.append(t)
+        record = None
         if row.logprobs is not None:
-            row.logprobs.append(token_logprobs(logprobs[0], t, self.vocab, req.sampling.top_logprobs,
-                                               self.tokenizer))
+            record = token_logprobs(logprobs[0], t, self.vocab, req.sampling.top_logprobs, self.tokenizer)
+            row.logprobs.append(record)
+        if row.stream is not None and not row.stream.add(t, record):
+            return "cancelled"
         if req.stop_at_delimiter and self._closes(row.tokens, t):
             return "delimiter"
         if req.stop and first_stop(self.tokenizer.decode(row.tokens), req.stop) is not None:
@@ -366,21 +364,15 @@ class DecodeEngine:
         import mlx.core as mx
 
         tokens = row.tokens
-        if row.detok is not None and row.error is None:
-            row.detok.finalize()
-            try:
-                seg = row.detok.last_segment
-                if seg:
-                    row.out.push(seg)
-                row.out.close()
-            except Exception as e:
-                row.error = e
         text = self.tokenizer.decode(tokens)
         if reason == "stop":
             text, tokens = self._cut_at_stop(text, tokens, row.req.stop)
+        if row.stream is not None:
+            row.stream.end(len(tokens), row.logprobs[-1] if row.logprobs else None)
         dec = Decoded(row.req.prompt_ids, tokens, text, reason, time.perf_counter() - row.t0,
                       logprobs=None if row.logprobs is None else row.logprobs[: len(tokens)],
-                      first_token_seconds=row.first, cached_prompt_tokens=row.cached, error=row.error)
+                      first_token_seconds=row.first, cached_prompt_tokens=row.cached,
+                      error=None if row.stream is None else row.stream.error)
         if row.req.features:
             n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
                                               delimiter=self.delimiter, max_length=self.max_length,

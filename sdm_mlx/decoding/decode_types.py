@@ -13,7 +13,13 @@ STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
 
 @dataclass
 class DecodeRequest:
-    """One decoding: prompt token ids and how to pick and stop (``cancel``: polled at every token)."""
+    """One decoding: prompt token ids and how to pick and stop (``cancel``: polled at every token).
+
+    Streaming: ``on_text(segment)`` gets readable text as it is decoded (mlx-lm's streaming detokenizer);
+    ``on_tokens(text, logprobs)`` (used instead when given) gets text released at token boundaries with the
+    ``logprobs`` records of exactly the tokens it completes (empty unless ``sampling.logprobs``; see
+    :class:`~.streaming.TokenTextEmitter`).
+    """
 
     prompt_ids: list
     max_tokens: int
@@ -23,6 +29,7 @@ class DecodeRequest:
     features: bool = False
     on_text: Callable[[str], None] | None = None
     cancel: Callable[[], bool] | None = None
+    on_tokens: Callable[[str, list], None] | None = None
 
 
 @dataclass
@@ -31,7 +38,8 @@ class Decoded:
 
     ``features``: with ``features=True``, the verifier input ``[1, 2D]`` float32 of prompt + answer and
     ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
-    ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token.
+    ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token;
+    ``token`` is the text the token adds to ``text`` (:class:`~.streaming.TokenPieces`: the tokens join to it).
     """
 
     prompt_ids: list
@@ -44,7 +52,7 @@ class Decoded:
     logprobs: list | None = None
     first_token_seconds: float | None = None
     cached_prompt_tokens: int = 0
-    error: BaseException | None = None  # raised by the request's on_text (the row was stopped)
+    error: BaseException | None = None  # raised by the request's on_text / on_tokens (the row was stopped)
 
 
 def check_request(req: DecodeRequest) -> None:

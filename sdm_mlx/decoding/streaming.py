@@ -1,7 +1,9 @@
-"""Streamed answer text: stop strings cut the text, and a possible stop-string prefix is held back until decided."""
+"""Streamed answer text: stop strings cut the text, a possible stop-string prefix is held back until decided,
+and (:class:`TokenTextEmitter`) text released at token boundaries with the records of the tokens it completes."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 
@@ -37,3 +39,163 @@ class TextEmitter:
         if upto > self.sent:
             self.on_text(self.text[self.sent:upto])
             self.sent = upto
+
+
+class TokenPieces:
+    """The text each generated token adds to the decoded answer (``Decoded.logprobs``' ``token``).
+
+    A token's piece is the growth of ``tokenizer.decode(tokens)`` when it is appended, so the pieces join to
+    the decoded text (a SentencePiece ``▁word`` adds ``" word"``, not the ``"word"`` it decodes to alone).
+    Text is attributed once it is final: a token that ends inside a multi-byte character adds nothing and
+    the token that completes the character carries all of its bytes; a run of SentencePiece byte-fallback
+    tokens (``<0xE2>``) adds nothing until a token that is not one follows, since the tokenizer decodes the
+    run as a whole (an invalid run becomes one U+FFFD per byte, rewriting what its valid start decoded to).
+    :meth:`finalize` returns what the pieces left out at the end.  A decoder that rewrites earlier text
+    (``clean_up_tokenization_spaces``: ``"a ,"`` becomes ``"a,"``) gets the new text from where the two
+    decodings differ: the pieces then join to the text as streamed, not to the final decoding.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.text = tokenizer, [], ""
+
+    def add(self, token: int) -> str:
+        self.tokens.append(int(token))
+        if _is_byte_token(self.tokenizer, token):
+            return ""
+        return self._grow(self.tokenizer.decode(self.tokens).rstrip("\ufffd"))
+
+    def finalize(self) -> str:
+        return self._grow(self.tokenizer.decode(self.tokens)) if self.tokens else ""
+
+    def _grow(self, decoded: str) -> str:
+        same = len(self.text) if decoded.startswith(self.text) else len(os.path.commonprefix([self.text, decoded]))
+        piece, self.text = decoded[same:], decoded
+        return piece
+
+
+def _is_byte_token(tokenizer, token: int) -> bool:
+    """True for a SentencePiece byte-fallback token (``<0x0A>``)."""
+    try:
+        name = tokenizer.convert_ids_to_tokens(int(token))
+    except Exception:  # a tokenizer without token names: no byte-fallback tokens to tell apart
+        return False
+    return isinstance(name, str) and len(name) == 6 and name.startswith("<0x") and name.endswith(">")
+
+
+class TokenTextEmitter:
+    """Streams text at token boundaries: ``on_tokens(text, records)`` gets the text and the records (e.g. the
+    logprobs) of exactly the tokens that text completes.
+
+    As :class:`TextEmitter`, the last ``len(stop) - 1`` characters are held back until they cannot start a
+    stop string, and nothing from a stop string on is sent; a release is moved back to the end of the last
+    token that lies wholly before it.  A token whose piece is empty (it ends inside a character) goes with
+    the token that completes its text.  Only :meth:`close` may cut a token (before a stop string that
+    starts inside it): it sends the text up to the stop and the records of the first ``n_kept`` tokens.
+    """
+
+    def __init__(self, on_tokens: Callable[[str, list], None], stop: Sequence[str]):
+        self.on_tokens, self.stop = on_tokens, list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.sent, self.released = "", 0, 0
+        self.ends: list = []      # per token: offset in text where its piece ends
+        self.records: list = []   # per token: its record (None: nothing to report)
+        self.filled: list = []    # per token: its piece is not empty
+
+    def push(self, piece: str, record=None) -> None:
+        """One more token: its piece of text and its record."""
+        self.text += piece
+        self.ends.append(len(self.text))
+        self.records.append(record)
+        self.filled.append(bool(piece))
+        self._send(len(self.text) - self.hold)
+
+    def extend(self, text: str) -> None:
+        """Text that belongs to the last token (:meth:`TokenPieces.finalize`)."""
+        self.text += text
+        if self.ends:
+            self.ends[-1] = len(self.text)
+            self.filled[-1] = self.filled[-1] or bool(text)
+
+    def close(self, n_kept: int) -> None:
+        """Send the rest: the text up to the first stop string (or all of it), the records of tokens < ``n_kept``."""
+        cut = first_stop(self.text, self.stop)
+        self._release(len(self.text) if cut is None else cut, n_kept)
+
+    def _send(self, upto: int) -> None:
+        cut = first_stop(self.text, self.stop)
+        if cut is not None:
+            upto = min(upto, cut)
+        n = self.released
+        for i in range(self.released, len(self.ends)):
+            if self.ends[i] > upto:
+                break
+            if self.filled[i]:
+                n = i + 1
+        if n > self.released:
+            self._release(self.ends[n - 1], n)
+
+    def _release(self, upto: int, n: int) -> None:
+        text = self.text[self.sent:upto] if upto > self.sent else ""
+        records = [r for r in self.records[self.released:n] if r is not None]
+        self.sent, self.released = max(self.sent, upto), max(self.released, n)
+        if text or records:
+            self.on_tokens(text, records)
+
+
+class AnswerStream:
+    """One decoding row's streamed text and token pieces (:class:`~.decode_types.DecodeRequest`'s ``on_text`` /
+    ``on_tokens``; pieces with ``pieces=True`` or ``on_tokens``).
+
+    :meth:`add` takes each generated token (with its logprobs record, which gets the token's piece as its
+    ``token``), :meth:`end` sends the rest.  A consumer that raises (a client that went away) stops the
+    stream: ``error`` holds the exception and nothing more is sent.
+    """
+
+    def __init__(self, tokenizer, *, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
+                 on_tokens: Callable[[str, list], None] | None = None, pieces: bool = False):
+        self.error: BaseException | None = None
+        self.pieces = TokenPieces(tokenizer) if (pieces or on_tokens is not None) else None
+        self.detok, self.out = None, None
+        if on_tokens is not None:
+            self.out = TokenTextEmitter(on_tokens, stop)
+        elif on_text is not None:
+            self.detok, self.out = tokenizer.detokenizer, TextEmitter(on_text, stop)
+
+    def add(self, token: int, record: dict | None = None) -> bool:
+        """Take one generated token; False when the consumer raised (the row should stop)."""
+        piece = None if self.pieces is None else self.pieces.add(token)
+        if record is not None and piece is not None:
+            record["token"] = piece
+        if self.out is None:
+            return True
+        try:
+            if self.detok is None:
+                self.out.push(piece, record)
+            else:
+                self.detok.add_token(token)
+                if seg := self.detok.last_segment:
+                    self.out.push(seg)
+        except Exception as e:  # a consumer that went away must not stop the other rows
+            self.error = e
+            return False
+        return True
+
+    def end(self, n_kept: int, last_record: dict | None = None) -> None:
+        """Send the rest (``n_kept``: the tokens left after a stop-string cut; ``last_record``: the last token's
+        record, which gets an incomplete final character's text)."""
+        rest = "" if self.pieces is None else self.pieces.finalize()
+        if rest and last_record is not None:
+            last_record["token"] += rest
+        if self.out is None or self.error is not None:
+            return
+        try:
+            if self.detok is None:
+                self.out.extend(rest)
+                self.out.close(n_kept)
+                return
+            self.detok.finalize()
+            if seg := self.detok.last_segment:
+                self.out.push(seg)
+            self.out.close()
+        except Exception as e:
+            self.error = e

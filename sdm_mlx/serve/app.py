@@ -138,7 +138,13 @@ def _live(engine: Engine, req: GenerationRequest) -> bool:
 
 
 async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
-    """SSE events of one streamed completion (see :mod:`.responses`)."""
+    """SSE events of one streamed completion (see :mod:`.responses`).
+
+    Live (policy ``return``): text chunks as generated; when logprobs are asked for, released at token
+    boundaries, each with the logprobs of exactly its tokens.  Otherwise the shown text comes after
+    verification in one chunk with the logprobs of the shown answer (none for an abstention: the withheld
+    answer never reaches the client).
+    """
     loop, queue, cancel = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
     kind, model = req.kind, engine.model_id
     live = _live(engine, req)
@@ -149,13 +155,14 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
 
-    fut = engine.submit(engine.complete, req, put if live else None, cancel)
+    fut = engine.submit(engine.complete, req, (lambda text, lps: put((text, lps))) if live else None, cancel)
     fut.add_done_callback(lambda _: put(None))
     try:
         if kind == "chat":
             yield R.sse(R.chunk(kind, cid, model, role=True))
-        while (seg := await queue.get()) is not None:
-            yield R.sse(R.chunk(kind, cid, model, seg))
+        while (item := await queue.get()) is not None:
+            text, lps = item
+            yield R.sse(R.chunk(kind, cid, model, text, logprobs=R.logprobs_body(kind, lps)))
         try:
             result, verification, n_prompt = fut.result()
         except BaseException as e:  # every failure ends the stream with an error event and [DONE]
@@ -163,7 +170,7 @@ async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
             yield R.DONE
             return
         if not live:
-            yield R.sse(R.chunk(kind, cid, model, result.text))
+            yield R.sse(R.chunk(kind, cid, model, result.text, logprobs=R.shown_logprobs(kind, result)))
         yield R.sse(R.chunk(kind, cid, model, finish=R.finish_reason(result), verification=verification))
         if req.include_usage:
             yield R.sse(R.usage_chunk(kind, cid, model, R.usage(n_prompt, result.tokens)))

@@ -184,10 +184,13 @@ class Engine:
         return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt))
 
     # -- model work (call through submit; the generators are BatchRunner tasks) ---------------------------
-    def complete(self, req: GenerationRequest, on_text: Callable[[str], None] | None = None,
+    def complete(self, req: GenerationRequest, on_stream: Callable[[str, list | None], None] | None = None,
                  cancel: threading.Event | None = None):
         """Generate, verify and apply the policy (a task): ``(VerificationResult, verification dict, prompt
-        token count)``.  ``cancel`` (and the server closing) stops the generation at its next token."""
+        token count)``.  ``on_stream(text, logprobs)`` gets the text as it is generated: when the request asks
+        for logprobs, released at token boundaries with the records of exactly the tokens it completes
+        (``on_tokens``); otherwise mlx-lm's detokenized segments, with ``None`` (``on_text``: no per-token
+        decoding cost).  ``cancel`` (and the server closing) stops the generation at its next token."""
         cancel = cancel or threading.Event()
 
         def gone() -> bool:
@@ -196,11 +199,13 @@ class Engine:
         if gone():  # a request that waited in the queue may already be gone
             raise Cancelled("the request was cancelled")
         base_ids = self.prompt_ids(req.messages, req.prompt)
+        on_tokens = on_stream if (on_stream is not None and req.sampling.logprobs) else None
+        on_text = (lambda seg: on_stream(seg, None)) if (on_stream is not None and on_tokens is None) else None
         result = yield from self.gen.attempts(
             base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt),
             prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
             max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
-            sampling=req.sampling, cancel=gone,
+            sampling=req.sampling, cancel=gone, on_tokens=on_tokens,
         )
         last = result.attempts[-1]
         vid = self._store(req.kind, base_ids, last.token_ids, last.text, last, last.row)

@@ -7,6 +7,13 @@ clients ignore unknown fields).  Streams are ``chat.completion.chunk`` /
 ``data: [DONE]`` holds ``finish_reason`` and ``verification`` (and, with
 ``stream_options.include_usage``, one more chunk with empty ``choices`` holds
 ``usage``).
+
+``logprobs`` (when the request asks for them) describe exactly the generated
+text the client is shown: a response's (or a text chunk's) logprobs list the
+tokens whose text it carries, so their ``bytes`` join to its content.  An
+abstention shows the server's text, not a generated answer: its logprobs are
+empty, and the withheld answer's tokens appear in no logprobs (see
+docs/serving.md).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ def completion_body(kind: str, cid: str, model: str, result, verification: dict,
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
         choice["text"] = result.text
-    choice["logprobs"] = logprobs_body(kind, result.attempts[-1].logprobs)
+    choice["logprobs"] = shown_logprobs(kind, result)
     return {"id": cid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "system_fingerprint": None, "choices": [choice],
             "usage": usage(prompt_tokens, result.tokens)}
@@ -49,11 +56,20 @@ def _entry(r: dict) -> dict:
     return {"token": r["token"], "logprob": r["logprob"], "bytes": list(r["token"].encode("utf-8"))}
 
 
+def shown_logprobs(kind: str, result):
+    """``choices[0].logprobs`` of a completion's shown text: the final attempt's tokens (None unless the request
+    asked for them); none for an abstention, whose text is the server's and whose answer is withheld."""
+    records = result.attempts[-1].logprobs
+    if records is None:
+        return None
+    return logprobs_body(kind, [] if result.status == "abstained" else records)
+
+
 def logprobs_body(kind: str, records: list | None):
-    """``choices[0].logprobs`` of the final attempt's generated tokens (None unless the request asked for them).
+    """``choices[0].logprobs`` of generated tokens' records (None: the request did not ask for them).
 
     Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``; text: ``{tokens, token_logprobs,
-    top_logprobs}``.  With an abstention they describe the withheld answer, not the abstention text.
+    top_logprobs}``.  A record's ``token`` is the text the token adds to the answer, so the tokens join to it.
     """
     if records is None:
         return None
@@ -65,8 +81,9 @@ def logprobs_body(kind: str, records: list | None):
 
 
 def chunk(kind: str, cid: str, model: str, text: str | None = None, *, role: bool = False,
-          finish: str | None = None, verification: dict | None = None) -> dict:
-    """One stream chunk: a text delta, the opening role delta (chat), or the final chunk with the verdict."""
+          finish: str | None = None, verification: dict | None = None, logprobs: dict | None = None) -> dict:
+    """One stream chunk: a text delta (with the ``logprobs`` of its tokens), the opening role delta (chat), or
+    the final chunk with the verdict."""
     choice: dict = {"index": 0, "finish_reason": finish}
     if kind == "chat":
         delta = {"role": "assistant"} if role else {}
@@ -75,7 +92,7 @@ def chunk(kind: str, cid: str, model: str, text: str | None = None, *, role: boo
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     if verification is not None:
         choice["verification"] = verification
     return {"id": cid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",

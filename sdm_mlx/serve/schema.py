@@ -19,8 +19,9 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
 ``min_p``
 ``seed``               int >= 0: the request's own random stream (same seed, same text)
 ``repetition_penalty`` number > 0 (over the last 20 tokens, as mlx_lm.server)
-``logprobs``,          bool; 0..20 alternatives per token (``choices[0].logprobs``)
-``top_logprobs``
+``logprobs``,          bool; 0..20 alternatives per token (``choices[0].logprobs``, and each
+``top_logprobs``       streamed chunk's for its tokens); completions also take the legacy
+                       integer ``logprobs`` (that many alternatives)
 ``stop``               a string or a list of up to 4 non-empty strings
 ``stream``             bool; ``stream_options.include_usage`` adds usage to the last chunk
 ``n``                  1 only; ``user`` is accepted and not used
@@ -325,6 +326,12 @@ def _sampling(body: dict, req: GenerationRequest) -> None:
     top = _int(body, "top_logprobs", 0)
     if top is not None and top > 20:
         raise bad(f"'top_logprobs' must be an integer in [0, 20], got {top}", param="top_logprobs")
+    legacy = body.get("logprobs")
+    if req.kind == "text" and isinstance(legacy, int) and not isinstance(legacy, bool):
+        if not 0 <= legacy <= 20:  # the completions API's form: logprobs = how many alternatives
+            raise bad(f"'logprobs' must be a boolean or an integer in [0, 20], got {legacy}", param="logprobs")
+        body = {**body, "logprobs": True, "top_logprobs": legacy if top is None else top}
+        top = body["top_logprobs"]
     req.sampling = SamplingParams(
         temperature=0.0 if t is None else float(t),
         top_p=_number(body, "top_p", 0.0, 1.0, low_open=True) or 1.0,

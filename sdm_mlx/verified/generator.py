@@ -247,15 +247,17 @@ class VerifiedGenerator:
                  on_attempt_start: Callable[[int], None] | None = None,
                  on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
                  max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
-                 sampling: SamplingParams = GREEDY, cancel: Callable[[], bool] | None = None):
+                 sampling: SamplingParams = GREEDY, cancel: Callable[[], bool] | None = None,
+                 on_tokens: Callable[[str, list], None] | None = None):
         """The generate-verify-branch loop of one prompt as a :class:`~.runner.BatchRunner` task.
 
         ``reask(previous, reason, attempt) -> (prompt ids, re-ask message)`` builds the prompt of a re-ask
         attempt (required with ``on_reject="reask"``); every attempt is verified against ``base_ids``.
         ``on_reject``, ``max_attempts``, ``max_tokens`` override the generator's settings for this call;
         ``stop`` (strings), ``sampling`` (:class:`~.sampling.SamplingParams`; attempt ``k`` draws with
-        seed + k − 1) and ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) go to the
-        decoding.  ``prompt`` is only recorded in the result.
+        seed + k − 1), ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) and the streams
+        ``on_text`` / ``on_tokens`` (:class:`~sdm_mlx.decoding.batching.DecodeRequest`) go to the decoding.
+        ``prompt`` is only recorded in the result.
         """
         on_reject, max_attempts, max_tokens = self._options(on_reject, max_attempts, max_tokens, reask, sampling)
         base_ids = [int(t) for t in base_ids]
@@ -269,7 +271,8 @@ class VerifiedGenerator:
                 on_attempt_start(k)
             seed = None if sampling.seed is None else sampling.seed + k - 1
             req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed), tuple(stop or ()),
-                                features=gen_ids is base_ids, on_text=on_text, cancel=cancel)
+                                features=gen_ids is base_ids, on_text=on_text, cancel=cancel,
+                                on_tokens=on_tokens)
             t0 = time.perf_counter()
             dec = yield req
             if dec.stop_reason == "cancelled":
