@@ -2,6 +2,6 @@
 plus optional ``REQUIRED`` and ``SETTINGS``; pieces two verbs share live in :mod:`._common`.
 
 The top layer: a verb may import any package below it, but never the dispatcher (:mod:`sdm_mlx.cli`) nor
-another verb (``tests/test_import_graph.py`` checks both).  Heavy imports happen inside ``run`` so that
+another verb (``tests/house/test_import_graph.py`` checks both).  Heavy imports happen inside ``run`` so that
 building the parser for ``--help`` stays instant.
 """

@@ -2,7 +2,7 @@
 factcheck data.
 
 ``python tests/helpers/behaviour_fixture.py`` (re)writes ``tests/data/fixtures/factcheck_estimates.json``;
-``tests/test_behaviour_fixture.py`` retrains with the same settings and compares with :func:`compare_sets`.
+``tests/estimator/test_behaviour_fixture.py`` retrains with the same settings and compares with :func:`compare_sets`.
 Regenerate ONLY for an intended change of behaviour.
 
 The fixture was written on another machine, so floats are compared to a tolerance, never bit for bit:

@@ -1,5 +1,5 @@
 """Run by every rank under ``mlx.launch`` (or started by hand with MLX_RANK / MLX_HOSTFILE) for
-``tests/test_distributed.py``.  ``python distributed_script.py <mode> <out_dir> [args]``:
+``tests/index/test_sharded.py``.  ``python distributed_script.py <mode> <out_dir> [args]``:
 
 * ``index``   — the sharded index on random data with ties, duplicates and self-exclusion; writes
   ``rank<r>.npz`` with every result (compared to a single-process ExactIndex by the test).

@@ -1,7 +1,7 @@
 """``sdm-mlx`` with a rank that dies: rank ``DP_DIE_RANK`` (default 1) exits with code 3 when epoch 1 starts.
 
 Run like ``python -m sdm_mlx`` (arguments are the CLI's) on every rank; used by
-tests/test_network_distributed.py to check that the surviving rank stops with a clear error.
+tests/network/test_data_parallel.py to check that the surviving rank stops with a clear error.
 """
 
 import os

@@ -62,7 +62,7 @@ def _fit_head(model, tok, docs, steps: int = 150):
 
 def build_verified_lab(tiny_phi3_path, root):
     """A positive head, a verification layer and their SDM-network directory on a tiny model (the module
-    docstring of tests/test_generate.py says how the verified answer is made deterministic)."""
+    docstring of tests/verified/test_generate.py says how the verified answer is made deterministic)."""
     from sdm_mlx.estimator import SDMEstimator
     from sdm_mlx.network.artifact import save_network
     from sdm_mlx.network.generation import greedy_generate

@@ -1,6 +1,6 @@
 """``sdm-mlx serve`` and ``sdm-mlx mcp`` against hostile and careless clients, through real clients.
 
-One server subprocess (tiny model and head of ``tests/test_generate.py``, copied so that
+One server subprocess (tiny model and head of ``tests/verified/test_generate.py``, copied so that
 ``--persist-feedback`` can write) is attacked with raw sockets (``http.client`` / ``socket``), the
 official ``openai`` client and concurrent CLI writers: every bad request is a 4xx naming the problem
 (never a 500, a hang or a dropped connection), no answer names a file, a prompt over the limit is

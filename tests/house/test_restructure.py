@@ -8,7 +8,7 @@ import pytest
 
 import restructure  # tools/ is on pytest's pythonpath
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KNOWN = restructure.existing_modules()
 
 CASES = [

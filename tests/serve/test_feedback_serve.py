@@ -1,6 +1,6 @@
 """Feedback through the servers: ``POST /v1/feedback`` of ``sdm-mlx serve`` and the MCP tool ``add_feedback``.
 
-Uses the tiny model, head and verifier of ``tests/test_generate.py`` (module fixture ``setup``), copied
+Uses the tiny model, head and verifier of ``tests/verified/test_generate.py`` (module fixture ``setup``), copied
 to a temporary directory so ``--persist-feedback`` can rewrite the verifier in place.  A verdict
 labelled ``true`` (right) or ``false`` (wrong) joins the support set at once: re-verifying the same
 answer finds that row as its nearest exemplar at distance 0.

@@ -10,7 +10,7 @@ import pytest
 from sdm_mlx.llm.api_features import APIFeatureError, attribute_vector, feature_row, parse_letter, value_spans
 from sdm_mlx.cli import main
 
-EXAMPLE = Path(__file__).parent / "data" / "api_answers_example.jsonl"
+EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "api_answers_example.jsonl"
 e = math.exp
 
 

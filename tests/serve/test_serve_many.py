@@ -1,6 +1,6 @@
 """``sdm-mlx serve`` under concurrent clients, through the official ``openai`` client.
 
-One server (the tiny model, positive head and verifier of ``tests/test_generate.py``) serves many
+One server (the tiny model, positive head and verifier of ``tests/verified/test_generate.py``) serves many
 requests at once from one continuous decoding batch.  Checked: every concurrent answer and verdict
 equals the same request sent alone (streaming and not, policies ``return`` / ``abstain`` /
 ``reask`` mixed); clients that disconnect mid-stream do not disturb the others; seeded sampling

@@ -44,7 +44,7 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 MARKER = re.compile(r"<!--\s*doc-test:\s*([\w-]+)\s*:?\s*(.*?)\s*-->", re.S)
 EXECUTED = {"bash", "sh", "python"}

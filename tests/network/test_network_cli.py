@@ -132,7 +132,7 @@ def test_network_train_on_the_models_own_answers(tiny_phi3_path, tmp_path, capsy
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "make_tiny_model.py"))
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "make_tiny_model.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     built = tool.build(str(tmp_path / "tiny"), rows=80, quiet=True)  # answers in the task's JSON, right ~half the time
@@ -203,7 +203,7 @@ def test_recipes_have_only_known_keys(name):
 
     _, subparsers = build_parser()
     parser, _ = subparsers["network-train"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     values = load_yaml_config(os.path.join(root, "recipes", f"{name}.yaml"), parser, SETTINGS)
     assert values["model"] and values["output_dir"]
     if name == "phi35_universal":

@@ -6,7 +6,7 @@ match exactly; floats to ``ATOL + RTOL·|stored|``, a tolerance set from the mea
 (documented in ``tests/helpers/behaviour_fixture.py``: ≤ 3.81e-4 relative, ≤ 9.0e-7 absolute over AVX-512 Intel and AMD,
 with OpenBLAS and with MLX's bundled BLAS).  A decision may flip only on a row that lies within that tolerance
 of its decision boundary.  Bit-for-bit properties of one machine are tested against same-run references
-(``test_batch_invariance.py``, ``test_defaults.py``, ``test_distributed.py``).
+(``test_batch_invariance.py``, ``test_defaults.py``, ``index/test_sharded.py``).
 """
 
 import copy

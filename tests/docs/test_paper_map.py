@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAPER_MAP = ROOT / "docs" / "paper-map.md"
 DESIGN = ROOT / "docs" / "design.md"
 ROW = re.compile(r"^\| `(?P<label>[A-Za-z:-]+)` \| [^|]+ \| `(?P<target>[\w.]+:[\w.]+)` \|$")

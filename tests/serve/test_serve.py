@@ -1,6 +1,6 @@
 """``sdm-mlx serve`` end to end: the real server as a subprocess, the official ``openai`` client, raw sockets.
 
-The model, positive head and verifier are the tiny ones of ``tests/test_generate.py``
+The model, positive head and verifier are the tiny ones of ``tests/verified/test_generate.py``
 (its module fixture ``setup``): with the head, joint decoding answers review prompts
 in JSON and the verifier admits ``setup.verified_doc``'s answer, while the
 far-away ``OOD_PROMPT`` is rejected.  One server is shared by the module

@@ -1,5 +1,5 @@
 """Verdict pages of ``sdm-mlx serve`` (``GET /v1/verdicts/{id}`` as HTML) and of MCP ``explain(html=...)``, end to end:
-the real server as a subprocess (tiny model, head and verifier of ``tests/test_generate.py``) and the MCP SDK client."""
+the real server as a subprocess (tiny model, head and verifier of ``tests/verified/test_generate.py``) and the MCP SDK client."""
 
 from __future__ import annotations
 

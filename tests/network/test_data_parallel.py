@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 LAUNCH = os.path.join(os.path.dirname(PY), "mlx.launch")
 #: Two ranks share this machine's cores: one BLAS thread each (the users' page says the same).

@@ -1,4 +1,4 @@
-"""The server's access middleware and verdict store, in process (the end-to-end battery is test_hostile_server.py).
+"""The server's access middleware and verdict store, in process (end to end: serve/test_hostile_server.py).
 
 :class:`~sdm_mlx.serve.guard.AccessGuard` around a minimal ASGI app: Host allow-list, Origin / CORS
 (refused by default, answered when configured), API key per route, JSON content type.

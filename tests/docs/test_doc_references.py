@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REFERENCE = re.compile(r"(?<![\w./-])(sdm_mlx(?:\.[A-Za-z_]\w*)*)(?::([A-Za-z_][\w.]*))?")
 
 

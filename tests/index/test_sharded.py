@@ -24,11 +24,11 @@ import pytest
 from sdm_mlx.runtime import distributed as dist
 from sdm_mlx.index import ExactIndex, make_index
 
-HERE = Path(__file__).parent
-SCRIPT = HERE / "helpers" / "distributed_script.py"
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = TESTS / "helpers" / "distributed_script.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
-sys.path.insert(0, str(HERE / "helpers"))
+sys.path.insert(0, str(TESTS / "helpers"))
 from distributed_script import POOL_EVERY, index_results, random_case, tiny_case  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")
@@ -49,14 +49,14 @@ def free_port_pair() -> int:
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
 
 
 def launch(command: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     """``mlx.launch -n 2 --backend ring`` on localhost (the launcher itself always exits 0)."""
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
            "--python", sys.executable, "--", *command]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=HERE.parent)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=TESTS.parent)
 
 
 def start_by_hand(mode: str, out: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:

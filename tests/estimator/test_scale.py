@@ -26,7 +26,7 @@ from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.core.exact_product import ExactRowProduct
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARRAY_FIELDS = ("logits", "q", "d0", "d", "sdm", "exemplar_index", "exemplar_distance", "admitted", "p_lower",
                 "rejection_reason", "n_hat")
 

@@ -1,6 +1,6 @@
 """``sdm-mlx mcp`` through the MCP SDK's own stdio client (the server is ``python -m sdm_mlx mcp`` as a subprocess).
 
-Uses the tiny model, head and verifier of ``tests/test_generate.py`` (module fixture ``setup``).
+Uses the tiny model, head and verifier of ``tests/verified/test_generate.py`` (module fixture ``setup``).
 """
 
 from __future__ import annotations
