@@ -45,7 +45,7 @@ Pooling (DESIGN #21): ``pooling="all"`` (default, the paper's) takes the mean
 over all ``n`` kept positions; ``pooling="non-shared"`` starts the mean after
 the document's common prefix with ``shared_prefix`` (the prompt part every row
 shares), i.e. over the document and completion positions.  Every caller pools
-with :func:`pool_states`.
+with :func:`pool_states`; it and the position arithmetic live in :mod:`sdm_mlx.llm.pooling` (re-exported here).
 
 Reuse by the SDM-network / verified-generation code
 ---------------------------------------------------
@@ -76,6 +76,18 @@ from .model import (  # re-exported: callers find the model access in sdm_mlx.ll
     SharedPrefix,
     tiled_cache,
     trunk,
+)
+from .pooling import (  # re-exported: callers find the positions and the pooling in sdm_mlx.llm.embed
+    DEFAULT_MAX_LENGTH,
+    ON_MISSING,
+    POOLINGS,
+    POSITIONS,
+    common_prefix_length,
+    generated_n_kept,
+    kept_positions,
+    pool_hidden,
+    pool_states,
+    pooled_from,
 )
 from .tokens import (  # re-exported: callers find the text/token helpers in sdm_mlx.llm.embed
     DEFAULT_DELIMITER,
@@ -116,117 +128,6 @@ __all__ = [
     "eos_token_ids",
     "prompt_tail",
 ]
-
-#: Default number of kept positions (the research code's 500-position cut).
-DEFAULT_MAX_LENGTH = 500
-POSITIONS = ("delimiter", "last")
-#: Mean half of the feature: over all kept positions (the paper's) or without the shared prompt prefix (DESIGN #21).
-POOLINGS = ("all", "non-shared")
-ON_MISSING = ("error", "last", "prompt")
-
-
-# --------------------------------------------------------------------------- positions and pooling
-
-
-def kept_positions(n_tokens: int, target: int, max_length: int) -> tuple[int, bool]:
-    """``(n_kept, truncated)`` for a wanted count ``target`` of positions: ``min(target, max_length)``, at least 1."""
-    if max_length < 1:
-        raise InputError("max_length must be >= 1")
-    target = max(1, min(int(target), int(n_tokens)))
-    return min(target, max_length), target > max_length
-
-
-def generated_n_kept(
-    tokenizer,
-    prompt_length: int,
-    generated_ids: Sequence[int],
-    delimiter: str = DEFAULT_DELIMITER,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    on_missing: str = "prompt",
-) -> tuple[int, dict]:
-    """How many hidden states of *prompt + generated tokens* to pool (use (b)).
-
-    Hidden state ``t`` is that of position ``t`` of ``prompt_ids + generated_ids``
-    (the prompt's ``prompt_length`` states, then one per fed generated token).
-    If generated token ``g_i`` (global index ``j = prompt_length + i``) holds
-    the last delimiter of the generated text, ``n = j`` (the last pooled state
-    predicts the delimiter).  If there is none (a parse failure),
-    ``on_missing="prompt"`` pools the prompt states only (the research code's
-    choice), ``"last"`` all states, ``"error"`` raises.  Returns ``(n_kept,
-    info)`` with ``info = {"delimiter_index", "truncated", "missing_delimiter"}``.
-    """
-    if on_missing not in ON_MISSING:
-        raise InputError(f"on_missing must be one of {ON_MISSING}")
-    gen = list(generated_ids)
-    i = delimiter_token_index(tokenizer, gen, delimiter=delimiter)
-    total = prompt_length + len(gen)
-    missing = i is None
-    if missing:
-        if on_missing == "error":
-            raise InputError(f"generated text has no closing delimiter {delimiter!r}")
-        target = prompt_length if on_missing == "prompt" else total
-        j = -1
-    else:
-        j = prompt_length + i
-        target = j
-    n, truncated = kept_positions(total, target, max_length)
-    return n, {"delimiter_index": j, "truncated": truncated, "missing_delimiter": missing}
-
-
-def pool_states(states, n_kept, first=None):
-    """The one pooling of the features (DESIGN #21): per row ``concat(mean(h[first:n]), h[n-1])``, float32 ``mx.array``.
-
-    ``states``: ``[B, T, D]`` hidden states (``mx.array`` or NumPy; positions
-    past a row's ``n`` are ignored, so right padding is harmless); ``n_kept``:
-    ``[B]`` kept positions ``n``; ``first``: ``[B]`` first pooled position of
-    the mean (default 0: the paper's pooling over all kept positions; see
-    :func:`pooled_from` for ``pooling="non-shared"``).  The second half is always
-    the state at ``n - 1``.
-    """
-    import mlx.core as mx
-
-    h = states if isinstance(states, mx.array) else mx.array(np.asarray(states, dtype=np.float32))
-    h = h.astype(mx.float32)
-    n = mx.array(np.asarray(n_kept, dtype=np.int32).reshape(-1))
-    f = mx.zeros_like(n) if first is None else mx.array(np.asarray(first, dtype=np.int32).reshape(-1))
-    t = mx.arange(h.shape[1])[None, :]
-    mask = ((t >= f[:, None]) & (t < n[:, None]))[..., None]
-    mean = mx.where(mask, h, 0.0).sum(axis=1) / (n - f).astype(mx.float32)[:, None]
-    last = mx.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0, :]
-    return mx.concatenate([mean, last], axis=1)
-
-
-def pool_hidden(hidden, n_kept: int, first: int = 0) -> np.ndarray:
-    """:func:`pool_states` of one document's ``[T, D]`` states, as float32 NumPy ``[2D]``."""
-    h = np.asarray(hidden, dtype=np.float32)
-    if h.ndim != 2 or not 1 <= n_kept <= h.shape[0] or not 0 <= first < n_kept:
-        raise InputError(f"need 0 <= first < n_kept <= T for hidden states of shape {h.shape}, "
-                         f"got first={first}, n_kept={n_kept}")
-    return np.array(pool_states(h[None], [n_kept], [first])[0], dtype=np.float32)
-
-
-def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix of token-id sequences (0 for none; a lone sequence's own length)."""
-    seqs = [list(s) for s in sequences]
-    if not seqs:
-        return 0
-    width = min(len(s) for s in seqs)
-    if width == 0:
-        return 0
-    grid = np.array([s[:width] for s in seqs], dtype=np.int64)
-    differs = (grid != grid[0]).any(axis=0)
-    return int(np.argmax(differs)) if differs.any() else width
-
-
-def pooled_from(ids: Sequence[int], n_kept: int, pooling: str, shared_prefix: Sequence[int] | None) -> int:
-    """First position of the mean: 0 for ``"all"``; for ``"non-shared"`` the length of the common prefix of
-    ``ids`` and ``shared_prefix`` (the prompt part every row shares), at most ``n_kept - 1``."""
-    if pooling not in POOLINGS:
-        raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    if pooling == "all" or not shared_prefix:
-        return 0
-    return min(common_prefix_length([list(ids[:n_kept]), list(shared_prefix)]), n_kept - 1)
-
 
 # --------------------------------------------------------------------------- batched features
 
