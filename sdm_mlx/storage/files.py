@@ -1,4 +1,4 @@
-"""The one place where sdm_mlx writes outputs and reads/writes JSON.
+"""The one place where sdm_mlx writes outputs and reads JSONL (the JSON text: :mod:`.strict_json`).
 
 * :func:`atomic_write` — every output file.  A regular file (or a path that does not exist
   yet) is written to a hidden temporary file in the same directory, fsynced and renamed over
@@ -9,7 +9,7 @@
 * :func:`strict` / :func:`dumps` — strict RFC 8259 JSON: no ``NaN``/``Infinity`` (non-finite
   floats become ``null``; producers whose ``null`` carries meaning add a ``<key>_reason`` field
   with :func:`put_float`, and readers map it back with :func:`get_float`); NumPy scalars and
-  arrays are converted.
+  arrays are converted.  They live in :mod:`sdm_mlx.storage.strict_json` and are re-exported here.
 * :func:`iter_jsonl` — the JSONL reader: ``-`` is standard input, a UTF-8 byte-order mark is
   accepted, errors name the file and line.
 * :func:`refuse_same_files` / :func:`refuse_inputs_inside` — an output that is an input is
@@ -19,18 +19,22 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import stat
 import sys
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict, is_dataclass
-
-import numpy as np
 
 from ..errors import InputError, InputNotFoundError, OutputError
+from .strict_json import (  # noqa: F401  (re-exported: callers find the strict JSON in sdm_mlx.storage.files)
+    dumps,
+    finite_or_none,
+    get_float,
+    loads_strict,
+    put_float,
+    strict,
+)
 
 STDIO = "-"
 FILE_MODE = 0o644
@@ -235,85 +239,6 @@ def open_append(path):
         raise OutputError(f"cannot write {path}: the reader of this pipe or FIFO went away") from None
     except OSError as e:
         raise OutputError(f"cannot write {describe_os_error(e, path)}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# strict JSON
-# --------------------------------------------------------------------------------------------
-def finite_or_none(x):
-    """``float(x)``, or None for None / NaN / ±inf (JSON has no non-finite numbers)."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def strict(obj):
-    """``obj`` as plain JSON values: NumPy scalars/arrays and dataclasses converted, non-finite floats → None."""
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, (int, np.integer)) and not isinstance(obj, np.bool_):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        v = float(obj)
-        return v if math.isfinite(v) else None
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, dict):
-        return {str(k): strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return strict(obj.tolist())
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return strict(asdict(obj))
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    raise TypeError(f"cannot write a {type(obj).__name__} as JSON")
-
-
-def dumps(obj, indent: int | None = None, sort_keys: bool = False) -> str:
-    """Strict RFC 8259 JSON text of ``obj`` (never NaN/Infinity; see :func:`strict`)."""
-    return json.dumps(strict(obj), indent=indent, sort_keys=sort_keys, allow_nan=False, ensure_ascii=False)
-
-
-def put_float(d: dict, key: str, value, reason_if_inf: str, reason_if_nan: str | None = None) -> dict:
-    """``d[key] = value``; a non-finite value is stored as ``null`` with ``d[key + "_reason"]`` saying why
-    (``+inf: ...`` / ``-inf: ...`` / ``nan: ...``) so that :func:`get_float` can restore it."""
-    value = None if value is None else float(value)
-    if value is None or math.isfinite(value):
-        d[key] = value
-        return d
-    d[key] = None
-    if math.isnan(value):
-        d[key + "_reason"] = f"nan: {reason_if_nan or 'undefined'}"
-    else:
-        d[key + "_reason"] = f"{'+' if value > 0 else '-'}inf: {reason_if_inf}"
-    return d
-
-
-def get_float(d: dict, key: str):
-    """Inverse of :func:`put_float` (also reads older files that hold a bare number or ``Infinity``)."""
-    value = d[key]
-    if value is not None:
-        return float(value)
-    reason = str(d.get(key + "_reason", ""))
-    if reason.startswith("+inf"):
-        return math.inf
-    if reason.startswith("-inf"):
-        return -math.inf
-    if reason.startswith("nan"):
-        return math.nan
-    return None
-
-
-def _reject_constant(name):
-    raise InputError(f"non-standard JSON constant {name}")
-
-
-def loads_strict(text: str):
-    """Parse JSON text rejecting NaN/Infinity (used by the tests and by readers of our own outputs)."""
-    return json.loads(text, parse_constant=_reject_constant)
 
 
 # --------------------------------------------------------------------------------------------
