@@ -99,10 +99,12 @@ PUBLIC: dict[str, set[str]] = {
 NAMES: dict[tuple[str, str], str] = {
     **{("sdm_mlx.index", n): "sdm_mlx.index._arrays"
        for n in ("_as_float32_matrix", "_kept", "_exclusion", "check_predictions")},
-    **{("sdm_mlx.index", n): "sdm_mlx.index.exact"
-       for n in ("DISTANCE_BLOCK_BYTES", "HOST_SCREEN_ELEMENTS", "HOST_MATMUL_MULTIPLY_ADDS", "screening_tolerance",
-                 "_squared_distances", "_screen_top", "_count_before_first_bad", "_host_view", "_Grouping",
-                 "_hard_positions", "_excluded_inf", "_xp", "_evaluate")},
+    **{("sdm_mlx.index", n): "sdm_mlx.index.exact" for n in ("DISTANCE_BLOCK_BYTES", "_Grouping")},
+    **{(m, n): "sdm_mlx.index.screening"
+       for m in ("sdm_mlx.index", "sdm_mlx.index.exact")
+       for n in ("HOST_SCREEN_ELEMENTS", "HOST_MATMUL_MULTIPLY_ADDS", "screening_tolerance", "_squared_distances",
+                 "_screen_top", "_count_before_first_bad", "_host_view", "_hard_positions", "_excluded_inf", "_xp",
+                 "_evaluate")},
     **{(m, "sdm_numpy"): "sdm_mlx.core.activation" for m in ("sdm_mlx.train", "sdm_mlx.estimator.training")},
     **{(m, n): "sdm_mlx.estimator.updates"
        for m in ("sdm_mlx.feedback", "sdm_mlx.estimator.feedback")

@@ -22,7 +22,8 @@ It is capped at k.  Training queries exclude their own support index *before*
 the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
 
 Modules: :mod:`._arrays` (array checks, q from neighbour lists; the leaf every backend imports),
-:mod:`.exact`, :mod:`.hnsw`, :mod:`.sharded` (the exact index split over the ranks of ``mlx.launch``).
+:mod:`.screening` (the exact index's float32 screening and its error bands), :mod:`.exact`, :mod:`.hnsw`,
+:mod:`.sharded` (the exact index split over the ranks of ``mlx.launch``).
 Only this ``__init__`` (:func:`make_index`) imports the backends.
 
 May import: layers 0-1 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.runtime`, :mod:`sdm_mlx.storage`).  The backends

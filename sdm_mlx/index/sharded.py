@@ -23,7 +23,8 @@ import numpy as np
 
 from ..runtime import distributed as dist
 from ..errors import SDMError
-from .exact import DISTANCE_BLOCK_BYTES, ExactIndex, _squared_distances
+from .exact import DISTANCE_BLOCK_BYTES, ExactIndex
+from .screening import _squared_distances
 from ._arrays import _as_float32_matrix, _exclusion, check_predictions
 
 

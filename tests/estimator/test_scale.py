@@ -21,7 +21,7 @@ import pytest
 
 from sdm_mlx.estimator import chunking as chunked
 from sdm_mlx.core import exact_product
-from sdm_mlx.index import exact as index_mod
+from sdm_mlx.index import screening as screening_mod
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.core.exact_product import ExactRowProduct
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
@@ -55,7 +55,7 @@ def test_host_screening_equals_mlx_screening(tie_heavy, monkeypatch, matmul_on_h
     support, good, queries, y_hat = tie_heavy
     exclude = np.where(np.arange(queries.shape[0]) >= 90, np.arange(queries.shape[0]) - 90, -1)
     index = ExactIndex(support, block_bytes=4 * support.shape[0] * 16)  # 16-row blocks: many blocks
-    monkeypatch.setattr(index_mod, "HOST_MATMUL_MULTIPLY_ADDS", 1 << 40 if matmul_on_host else 0)
+    monkeypatch.setattr(screening_mod, "HOST_MATMUL_MULTIPLY_ADDS", 1 << 40 if matmul_on_host else 0)
     monkeypatch.setattr(ExactIndex, "_on_host", lambda self, rows: False)
     mlx_batch = _index_answers(index, queries, y_hat, good, exclude)
     monkeypatch.setattr(ExactIndex, "_on_host", lambda self, rows: True)
