@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     groups = {
         "model and data": ("model", "output_dir", "data", "verification_data", "completions", "preset", "system",
                            "prompt_template", "use_chat_template", "delimiter", "max_length", "negatives_seed",
-                           "answers", "overwrite"),
+                           "answers", "overwrite", "restart"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
                                          "compile_step", "reference_head", "seed", "distributed_timeout"),

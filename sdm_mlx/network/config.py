@@ -87,7 +87,11 @@ class NetworkConfig:
                                                              "rank; docs/distributed.md)")
     verbose: bool = option(False, "progress on stderr (the CLI turns it on; --quiet off)", cli=False)
     overwrite: bool = option(False, "replace the outputs of an earlier network-train run in --output (a directory "
-                                    "that sdm-mlx did not create is never written into)")
+                                    "that sdm-mlx did not create is never written into); a run with the "
+                                    "same settings is continued, one with other settings started over")
+    restart: bool = option(False, "discard the state a run saved in --output after its last finished epoch and "
+                                  "start over (without it, the same command continues an interrupted run after "
+                                  "its last finished epoch, and says when there is nothing left to do)")
 
     def validate(self) -> None:
         if not self.model:
