@@ -230,3 +230,57 @@ def test_restart_and_overwrite_start_over(tiny, tmp_path):
     m = metrics(out)
     assert m["config"]["batch_size"] == 40 and len(m["epochs"]) == 1 and "resumed_after_epochs" not in m
     assert state(out).fingerprint["batch_size"] == 40
+
+
+LAUNCH = os.path.join(os.path.dirname(PY), "mlx.launch")
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on localhost (the ring backend listens on one port per rank)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        p, socks = random.randint(20000, 60000), []
+        try:
+            for port in (p, p + 1):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port pair")
+
+
+def launch_two(args) -> subprocess.CompletedProcess:
+    """``sdm-mlx args`` on two local ranks (ring backend, one BLAS thread each)."""
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", PY, "--",
+           "-m", "sdm_mlx", *args]
+    env = {**ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow  # ~30 s: two mlx.launch runs of two ranks
+@pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed next to python")
+def test_data_parallel_runs_resume_on_the_same_number_of_ranks(tiny, tmp_path):
+    """Rank 0 writes the state, every rank reads it: a finished 2-rank 2-epoch run raised to --epochs 3 continues
+    on 2 ranks to the one-process 3-epoch result (within the data-parallel tolerance of
+    test_network_distributed.py); one process may not continue a 2-rank state."""
+    out = tmp_path / "two"
+    first = launch_two(train_args(tiny["built"], out, "--epochs", "2"))
+    assert first.returncode == 0, first.stderr
+    again = launch_two(train_args(tiny["built"], out))
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("resuming after epoch 2 of 3") == 1, again.stderr  # rank 0 alone says it
+    m, r = metrics(out), metrics(tiny["reference"])
+    assert m["data_parallel"]["ranks"] == 2 and m["finished"] is True and m["resumed_after_epochs"] == [2]
+    assert [e["count"] for e in m["epochs"]] == [e["count"] for e in r["epochs"]]
+    assert m["selected_epoch"] == r["selected_epoch"]
+    np.testing.assert_allclose([e["loss"] for e in m["epochs"]], [e["loss"] for e in r["epochs"]], rtol=1e-5)
+    w, w_ref = state(out).head, state(tiny["reference"]).head
+    assert np.abs(w - w_ref).max() <= 1e-5 * max(1.0, float(np.abs(w_ref).max()))
+    one = sdm(train_args(tiny["built"], out))
+    assert one.returncode == 2 and "the number of mlx.launch ranks 2 -> 1" in one.stderr, one.stderr
