@@ -33,8 +33,9 @@ Steps (DESIGN #17-21 fix what the paper leaves open):
 
 Outputs under ``output_dir``: ``verifier/`` (the verification layer),
 ``network/`` (the selected network, :mod:`.artifact`), ``metrics.json``
-(updated after every epoch) and ``verification_rows.jsonl`` (the rows with
-their split).  Progress goes to stderr.
+(updated after every epoch), ``verification_rows.jsonl`` (the rows with
+their split) and ``resume/`` (what continuing after the last finished epoch
+needs, :mod:`.resume`).  Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class SDMNetworkTrainer:
         self.config = config
         self.out = os.path.abspath(config.output_dir)
         self.resumption = Resumption(config, self.dp.size, self.dp.writer, self.out)  # (resume.py)
-        self.dp.check_same(self.resumption.stage, "the network-train state in --output")
+        self.dp.check_same(self.resumption.stage, "the network-train state in --output (rank 0 writes it, every rank "
+                           "reads it: one shared file system)")
         if self.dp.writer:
             prepare_run_directory(config.output_dir, "network-train", self._may_replace(), _input_paths(config),
                                   "--output", check_only=True)
