@@ -22,19 +22,21 @@ PY = sys.executable
 SDM = os.path.join(os.path.dirname(PY), "sdm-mlx")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 TIMEOUT = 300
-#: ``python -c KILLER <sdm-mlx args>``: the CLI, killed with SIGKILL right after the training pass of epoch
-#: $KILL_IN_EPOCH (W_pos and Adam moved on, the count, metrics and state of that epoch not yet written)
+#: ``python -c KILLER <sdm-mlx args>``: the CLI, killed with SIGKILL right after the $KILL_CALL-th call of the
+#: trainer's $KILL_AFTER (``train_epoch``: W_pos and Adam moved on, the count, metrics and state of that
+#: epoch not yet written; ``count_verified``: the calibration count of the base head or of an epoch)
 KILLER = """
 import os, signal, sys
 import sdm_mlx.network.trainer as trainer
-real, calls = trainer.train_epoch, []
-def train_epoch(*args, **kwargs):
+name, calls = os.environ["KILL_AFTER"], []
+real = getattr(trainer, name)
+def killed_after(*args, **kwargs):
     out = real(*args, **kwargs)
     calls.append(1)
-    if len(calls) == int(os.environ["KILL_IN_EPOCH"]):
+    if len(calls) == int(os.environ["KILL_CALL"]):
         os.kill(os.getpid(), signal.SIGKILL)
     return out
-trainer.train_epoch = train_epoch
+setattr(trainer, name, killed_after)
 from sdm_mlx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -61,10 +63,10 @@ def train_args(built, out, *extra) -> list:
             "--epochs", "3", "--quiet", *extra]
 
 
-def sdm(args, *, killer: int | None = None) -> subprocess.CompletedProcess:
-    """``sdm-mlx args`` in a subprocess (``killer``: killed in that epoch, see :data:`KILLER`)."""
+def sdm(args, *, killer: tuple | None = None) -> subprocess.CompletedProcess:
+    """``sdm-mlx args`` in a subprocess (``killer``: (function, call) to kill the process after, :data:`KILLER`)."""
     cmd = [PY, "-c", KILLER, *args] if killer else [SDM, *args]
-    env = {**ENV, "KILL_IN_EPOCH": str(killer)} if killer else ENV
+    env = {**ENV, "KILL_AFTER": killer[0], "KILL_CALL": str(killer[1])} if killer else ENV
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
 
 
@@ -115,7 +117,7 @@ def test_the_reference_run_keeps_an_earlier_epoch_than_its_last(tiny):
 def test_a_killed_run_continues_with_the_same_command_to_the_uninterrupted_result(tiny, tmp_path):
     out = tmp_path / "out"
     args = train_args(tiny["built"], out)
-    killed = sdm(args, killer=2)
+    killed = sdm(args, killer=("train_epoch", 2))
     assert killed.returncode == -9, killed.stderr
     assert state(out).epochs_completed == 1 and len(metrics(out)["epochs"]) == 1
     again = sdm(args)
@@ -135,6 +137,24 @@ def test_a_killed_run_continues_with_the_same_command_to_the_uninterrupted_resul
     assert "nothing to do" in done.stderr and "raise --epochs" in done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["selected_epoch"] == 2
     assert {p: os.stat(p).st_mtime_ns for p in stamps} == stamps
+
+
+def test_a_run_killed_before_its_first_count_skips_the_verifier_fit(tiny, tmp_path):
+    """Killed while counting the base head (after the verifier fit): the same command loads the saved verifier
+    and split (the verifier's features are not computed again) and ends where the uninterrupted run did."""
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    killed = sdm(args, killer=("count_verified", 1))
+    assert killed.returncode == -9, killed.stderr
+    s = state(out)
+    assert s.epochs_completed is None and s.head is None and len(s.rows["calibration"]) == 200
+    fitted = {p: os.stat(p).st_mtime_ns for p in (out / "verifier" / "manifest.json", out / "verification_rows.jsonl")}
+    again = sdm(args)
+    assert again.returncode == 0, again.stderr
+    assert "resuming after the verification layer's fit (not fitted again)" in again.stderr, again.stderr
+    assert "resuming after epoch" not in again.stderr
+    assert {p: os.stat(p).st_mtime_ns for p in fitted} == fitted  # neither written again
+    assert_same_run(out, tiny["reference"])
 
 
 def test_ctrl_c_then_the_same_command(tiny, tmp_path, monkeypatch, capsys):
