@@ -7,8 +7,10 @@ See :mod:`sdm_mlx.network.trainer`.  Typical use with a recipe::
 Writes ``<output>/network/`` (positive head + config + verification layer;
 load with ``sdm_mlx.network.load_network``), ``<output>/verifier/``,
 ``<output>/metrics.json`` (per-epoch loss, β range, calibration count,
-times, tokens/s) and ``<output>/verification_rows.jsonl``.  Progress goes to
-stderr; a one-line JSON summary goes to stdout.
+times, tokens/s), ``<output>/verification_rows.jsonl`` and ``<output>/resume/``
+(the state after the last finished epoch: the same command continues an
+interrupted run, ``--restart`` starts over; :mod:`sdm_mlx.network.resume`).
+Progress goes to stderr; a one-line JSON summary goes to stdout.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def add_arguments(p) -> None:
     groups = {
         "model and data": ("model", "output_dir", "data", "verification_data", "completions", "preset", "system",
                            "prompt_template", "use_chat_template", "delimiter", "max_length", "negatives_seed",
-                           "answers", "overwrite"),
+                           "answers", "overwrite", "restart"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
                                          "compile_step", "reference_head", "seed", "distributed_timeout"),
@@ -98,7 +100,8 @@ def run(args) -> int:
     try:
         result = train_network(config, dp=dp)
     except DistributedError as e:  # a collective failed: another rank died or was stopped
-        raise CLIError(f"{e}. The run directory keeps what rank 0 wrote last (not marked finished)") from None
+        raise CLIError(f"{e}. The run directory keeps what rank 0 wrote last (not marked finished); the same "
+                       "command continues after its last finished epoch") from None
     if not dp.writer:
         return 0  # rank 0 alone reports
     summary = {

@@ -26,7 +26,8 @@ class NetworkConfig:
     model: str = option("", "base model: mlx-lm directory or hub id (e.g. mlx-community/Phi-3.5-mini-instruct-4bit)",
                         short="-m", required=True)
     output_dir: str = option("", "output directory (new or empty; an earlier network-train run's directory only "
-                                 "with --overwrite)", flag="--output", required=True)
+                                 "with --overwrite; a run interrupted there continues after its last finished "
+                                 "epoch with the same command)", flag="--output", required=True)
     data: str | None = option(None, "task JSONL with id, label (task label 0..C-1), document")
     verification_data: str | None = option(
         None, "instead of --data: verification rows JSONL (id, prompt, completion, label, [task_label]), e.g. from "
@@ -50,7 +51,8 @@ class NetworkConfig:
                   "answers, corrected in the model's layout, become W_pos positives), 'preset' = the completions "
                   "force-decoded with constructed negatives (the paper's encoding)", choices=("model", "preset"))
     # next-token training of W_pos
-    epochs: int = option(5, "epochs of W_pos training")
+    epochs: int = option(5, "epochs of W_pos training (raised for a finished run in --output: it trains on from "
+                            "its last epoch)")
     beta_min: float = option(0.0, "β at the first mini-batch of every epoch")
     beta_max: float = option(0.1, "β approached at the end of every epoch")
     learning_rate: float = option(1e-5, "Adam learning rate for W_pos")
@@ -87,7 +89,11 @@ class NetworkConfig:
                                                              "rank; docs/distributed.md)")
     verbose: bool = option(False, "progress on stderr (the CLI turns it on; --quiet off)", cli=False)
     overwrite: bool = option(False, "replace the outputs of an earlier network-train run in --output (a directory "
-                                    "that sdm-mlx did not create is never written into)")
+                                    "that sdm-mlx did not create is never written into); a run with the "
+                                    "same settings is continued, one with other settings started over")
+    restart: bool = option(False, "discard the state a run saved in --output after its last finished epoch and "
+                                  "start over (without it, the same command continues an interrupted run after "
+                                  "its last finished epoch, and says when there is nothing left to do)")
 
     def validate(self) -> None:
         if not self.model:

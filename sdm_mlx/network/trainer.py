@@ -33,8 +33,9 @@ Steps (DESIGN #17-21 fix what the paper leaves open):
 
 Outputs under ``output_dir``: ``verifier/`` (the verification layer),
 ``network/`` (the selected network, :mod:`.artifact`), ``metrics.json``
-(updated after every epoch) and ``verification_rows.jsonl`` (the rows with
-their split).  Progress goes to stderr.
+(updated after every epoch), ``verification_rows.jsonl`` (the rows with
+their split) and ``resume/`` (what continuing after the last finished epoch
+needs, :mod:`.resume`).  Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from ..storage.datasets import id_key
 from ..storage.files import strict, write_json, write_jsonl
 from ..runtime.callbacks import log, progress_bar as Progress
 from .config import NetworkConfig
-from .artifact import base_model_reference, mark_network_finished, save_network
+from .artifact import base_model_reference, mark_network_finished, read_network_config, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
+from .resume import Resumption, discard_state
 from .step import make_optimizer, make_train_step, train_epoch
 from .training_data import (TokenCache, build_token_cache, build_verification_rows, completion_token_positions,
                             corrected_rows, model_answer_rows)
@@ -172,8 +174,12 @@ class SDMNetworkTrainer:
         if not self.dp.writer:
             config = dataclasses.replace(config, verbose=False)  # rank 0 alone shows progress
         self.config = config
+        self.out = os.path.abspath(config.output_dir)
+        self.resumption = Resumption(config, self.dp.size, self.dp.writer, self.out)  # (resume.py)
+        self.dp.check_same(self.resumption.stage, "the network-train state in --output (rank 0 writes it, every rank "
+                           "reads it: one shared file system)")
         if self.dp.writer:
-            prepare_run_directory(config.output_dir, "network-train", config.overwrite, _input_paths(config),
+            prepare_run_directory(config.output_dir, "network-train", self._may_replace(), _input_paths(config),
                                   "--output", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
@@ -187,7 +193,6 @@ class SDMNetworkTrainer:
             estimator_factory = SDMEstimator
         self.estimator_factory = estimator_factory
         self.completions = config.resolved_completions()
-        self.out = os.path.abspath(config.output_dir)
         self.network_path = os.path.join(self.out, "network")
         self.verifier_path = os.path.join(self.out, "verifier")
         self.metrics_path = os.path.join(self.out, "metrics.json")
@@ -196,6 +201,11 @@ class SDMNetworkTrainer:
     # -- helpers --------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
         log(f"network-train: {msg}", enabled=self.config.verbose)
+
+    def _may_replace(self) -> bool:
+        """The run directory's outputs may be replaced: --overwrite, --restart, or continuing its own state."""
+        c = self.config
+        return bool(c.overwrite or c.restart or self.resumption.state is not None)
 
     def settings(self) -> dict:
         c = self.config
@@ -361,7 +371,8 @@ class SDMNetworkTrainer:
         write_json(self.metrics_path, metrics)
         log(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
             f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
-            "finished=false in its network_config.json; re-run network-train to train it fully", True)
+            "finished=false in its network_config.json; run the same command again to resume after epoch "
+            f"{epoch - 1} (--restart starts over)", True)
 
     def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, *, targets, step, optimizer, metrics, best,
                   selected) -> tuple[int, int]:
@@ -387,6 +398,8 @@ class SDMNetworkTrainer:
         metrics["epochs"].append(row)
         metrics["selected_epoch"], metrics["best_count"] = selected, best
         self.write_metrics(metrics)
+        self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=epoch, best=best, selected=selected,
+                             metrics=metrics)
         self.log(
             f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
             f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
@@ -396,11 +409,50 @@ class SDMNetworkTrainer:
         return best, selected
 
     def run(self) -> NetworkTrainResult:
-        """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20."""
-        c = self.config
+        """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20; continues
+        from the run directory's saved state when there is one (:mod:`.resume`)."""
+        c, state = self.config, self.resumption.state
+        if state is not None and state.epochs_completed == c.epochs:
+            return self._already_finished(state)
         if self.dp.writer:
-            prepare_run_directory(self.out, "network-train", c.overwrite, _input_paths(c), "--output")
+            prepare_run_directory(self.out, "network-train", self._may_replace(), _input_paths(c), "--output")
+            if state is None:
+                discard_state(self.resumption.path)  # --restart, or --overwrite of a run with other settings
         t_start = time.perf_counter()
+        est, train_rows, cal_rows, pos_rows = self._split(state)
+        cache, hidden, targets = self._device_cache(pos_rows)
+        optimizer = make_optimizer(c.learning_rate)
+        if state is None or state.epochs_completed is None:
+            metrics = self._start_metrics(train_rows, cal_rows, pos_rows, len(cache))
+            best, selected, done = self._initial_count(est, cal_rows, metrics)["count"], 0, 0
+            self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=0, best=best, metrics=metrics)
+        else:
+            metrics, best, selected, done = self.resumption.restore(self.heads, self.rng, optimizer, self.network_path)
+            log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {_head_label(selected)}, "
+                f"count {best}); the verification layer and the finished epochs are not run again", self.dp.writer)
+        if self.dp.active:
+            step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
+        else:
+            step = make_train_step(self.heads, optimizer, compile=c.compile_step)
+        epoch = done
+        try:
+            for epoch in range(done + 1, c.epochs + 1):
+                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
+                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
+                                                selected=selected)
+        except KeyboardInterrupt:
+            self.interrupted(metrics, epoch, selected, best)
+            raise
+        return self._finish(metrics, t_start, metrics["initial"]["count"], best, selected)
+
+    def _split(self, state):
+        """(a) once: the verification layer and Alg. 4's fixed split (est, train, calibration and y = 1 training
+        rows); from a saved state, the saved ones (the verifier is loaded, not fitted again)."""
+        c = self.config
+        if state is not None:
+            if state.epochs_completed is None:
+                log("network-train: resuming after the verification layer's fit (not fitted again)", self.dp.writer)
+            return self.resumption.load_split(self.verifier_path)
         rows, X = build_verification_rows(c, self.tokenizer), None
         if c.answers == "model" and not c.verification_data:
             rows, X = self.model_answers(rows)
@@ -414,25 +466,26 @@ class SDMNetworkTrainer:
             pos_rows += fixed
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "
                  f"{len(cal_rows)} calibration rows")
-        cache, hidden, targets = self._device_cache(pos_rows)
-        metrics = self._start_metrics(train_rows, cal_rows, pos_rows, len(cache))
-        initial = self._initial_count(est, cal_rows, metrics)
-        best, selected = initial["count"], 0
-        optimizer = make_optimizer(c.learning_rate)
-        if self.dp.active:
-            step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
-        else:
-            step = make_train_step(self.heads, optimizer, compile=c.compile_step)
-        epoch = 0
-        try:
-            for epoch in range(1, c.epochs + 1):
-                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
-                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
-                                                selected=selected)
-        except KeyboardInterrupt:
-            self.interrupted(metrics, epoch, selected, best)
-            raise
-        return self._finish(metrics, t_start, initial["count"], best, selected)
+        self.resumption.record_split(train_rows, cal_rows, pos_rows, self.verifier_path,
+                                     getattr(self, "answer_stats", None))
+        self.resumption.save(self.heads, self.rng, None, epochs_completed=None)
+        return est, train_rows, cal_rows, pos_rows
+
+    def _already_finished(self, state) -> NetworkTrainResult:
+        """The run directory holds a run that finished ``--epochs`` epochs: nothing to train (the network and
+        metrics are marked finished if a kill came between the last epoch and that mark)."""
+        c, metrics = self.config, state.metrics
+        if self.dp.writer:
+            if not read_network_config(self.network_path).get("training", {}).get("finished", False):
+                mark_network_finished(self.network_path, c.epochs)
+                self.write_metrics(dict(metrics, finished=True, epochs_completed=c.epochs))
+            log(f"network-train: --output {c.output_dir} holds a finished run ({c.epochs} of {c.epochs} epochs; "
+                f"kept: {_head_label(state.selected)}, count {state.best}): nothing to do (raise --epochs to train "
+                "on from the last epoch, --restart to start over)", True)
+        return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
+                                  metrics_path=self.metrics_path, selected_epoch=state.selected,
+                                  best_count=state.best, initial_count=metrics["initial"]["count"],
+                                  history=metrics["epochs"])
 
     def _write_verifier(self, est, rows, train_rows, cal_rows) -> None:
         """(a)'s outputs (rank 0): ``verifier/`` and ``verification_rows.jsonl`` with every row's split."""

@@ -49,7 +49,9 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["selected_epoch"] in (0, 1) and len(summary["epochs"]) == 1
     out = tmp_path / "out"
-    assert sorted(os.listdir(out)) == [".sdm_mlx_run.json", "metrics.json", "network", "verification_rows.jsonl", "verifier"]
+    assert (out / ".sdm_mlx_run.json").is_file()  # (and the hidden lock of the replaced resume/ state)
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == [
+        "metrics.json", "network", "resume", "verification_rows.jsonl", "verifier"]
     assert sorted(os.listdir(out / "network")) == ["network_config.json", "positive_head.safetensors", "verifier"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["learning_rate"] == 0.01 and metrics["epochs"][0]["tokens"] > 0
@@ -62,13 +64,16 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     for p in (out / "network" / "network_config.json", out / "metrics.json"):
         json.loads(p.read_text(), parse_constant=lambda c: pytest.fail(f"{p} holds {c}"))
 
-    # a second run into the same directory needs --overwrite; files of the user's in it are kept
+    # the same command again: the run is finished, nothing to do; another setting needs --restart (or
+    # --overwrite); files of the user's in the directory are kept
     (out / "notes.txt").write_text("mine")
-    assert main(["network-train", "--config", recipe]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    assert main(["network-train", "--config", recipe]) == 0
+    assert "holds a finished run (1 of 1 epochs" in capsys.readouterr().err
+    assert main(["network-train", "--config", recipe, "--batch-size", "8"]) == 2
+    assert "--restart" in capsys.readouterr().err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main(["network-train", "--config", recipe, "--overwrite"]) == 0
+        assert main(["network-train", "--config", recipe, "--restart"]) == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert load_network(out / "network", load_verifier=False).config["base_model"] == str(tiny_phi3_path)
 

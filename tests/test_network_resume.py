@@ -1,0 +1,306 @@
+"""``sdm-mlx network-train`` continues after its last finished epoch (sdm_mlx/network/resume.py), through the CLI.
+
+The tiny instruction-tuned Phi-3 (tools/make_tiny_model.py, 400 task rows) with the tiny recipe at a learning
+rate where epochs 1 and 2 raise the calibration count and epoch 3 does not: the kept network (epoch 2) and the
+current W_pos (epoch 3) differ, so both the selection and the training state must carry over.  A run that is
+killed (``kill -9`` in the middle of an epoch) or interrupted (Ctrl-C) and then started again with the same
+command must end with the uninterrupted run's W_pos, Adam state, per-epoch losses and counts.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+SDM = os.path.join(os.path.dirname(PY), "sdm-mlx")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+TIMEOUT = 300
+#: ``python -c KILLER <sdm-mlx args>``: the CLI, killed with SIGKILL right after the $KILL_CALL-th call of the
+#: trainer's $KILL_AFTER (``train_epoch``: W_pos and Adam moved on, the count, metrics and state of that
+#: epoch not yet written; ``count_verified``: the calibration count of the base head or of an epoch)
+KILLER = """
+import os, signal, sys
+import sdm_mlx.network.trainer as trainer
+name, calls = os.environ["KILL_AFTER"], []
+real = getattr(trainer, name)
+def killed_after(*args, **kwargs):
+    out = real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == int(os.environ["KILL_CALL"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+setattr(trainer, name, killed_after)
+from sdm_mlx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model and task, and the uninterrupted 3-epoch reference run."""
+    import importlib.util
+
+    tmp = tmp_path_factory.mktemp("network_resume")
+    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(ROOT, "tools", "make_tiny_model.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    built = tool.build(str(tmp / "tiny"), rows=400, quiet=True)
+    ref = sdm(train_args(built, tmp / "reference"))
+    assert ref.returncode == 0, ref.stderr
+    return {"tmp": tmp, "built": built, "reference": tmp / "reference"}
+
+
+def train_args(built, out, *extra) -> list:
+    return ["network-train", "-c", os.path.join(ROOT, "recipes", "tiny_sentiment.yaml"), "--model", built["model"],
+            "--data", built["task"], "--output", str(out), "--alpha", "0.6", "--learning-rate", "0.05",
+            "--epochs", "3", "--quiet", *extra]
+
+
+def sdm(args, *, killer: tuple | None = None) -> subprocess.CompletedProcess:
+    """``sdm-mlx args`` in a subprocess (``killer``: (function, call) to kill the process after, :data:`KILLER`)."""
+    cmd = [PY, "-c", KILLER, *args] if killer else [SDM, *args]
+    env = {**ENV, "KILL_AFTER": killer[0], "KILL_CALL": str(killer[1])} if killer else ENV
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+
+
+def state(out):
+    from sdm_mlx.network.resume import load_state
+
+    return load_state(os.path.join(out, "resume"))
+
+
+def metrics(out) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def assert_same_run(out, ref) -> None:
+    """``out`` ended where the uninterrupted ``ref`` did: counts, selection, losses, W_pos (current and kept),
+    Adam state and the finished marks."""
+    from sdm_mlx.network.artifact import load_head_weight, read_network_config
+
+    m, r = metrics(out), metrics(ref)
+    assert m["finished"] is True and m["epochs_completed"] == r["epochs_completed"]
+    assert (m["initial"]["count"], m["selected_epoch"], m["best_count"]) == \
+        (r["initial"]["count"], r["selected_epoch"], r["best_count"])
+    for key in ("epoch", "count", "selected", "tokens", "batches", "beta_first", "beta_last", "q_mean", "d_mean"):
+        assert [e[key] for e in m["epochs"]] == [e[key] for e in r["epochs"]], key
+    for key in ("loss", "nll", "reg", "reg_rescaled"):
+        np.testing.assert_allclose([e[key] for e in m["epochs"]], [e[key] for e in r["epochs"]], rtol=1e-6,
+                                   err_msg=key)
+    s, t = state(out), state(ref)
+    assert (s.epochs_completed, s.best, s.selected) == (t.epochs_completed, t.best, t.selected)
+    np.testing.assert_allclose(s.head, t.head, rtol=1e-6, atol=0)  # the current W_pos, after the last epoch
+    assert sorted(s.optimizer) == sorted(t.optimizer)
+    for key in s.optimizer:
+        np.testing.assert_allclose(s.optimizer[key], t.optimizer[key], rtol=1e-6, atol=0, err_msg=key)
+    np.testing.assert_allclose(load_head_weight(out / "network"), load_head_weight(ref / "network"), rtol=1e-6,
+                               atol=0)  # the kept W_pos
+    training = read_network_config(out / "network")["training"]
+    assert (training["finished"], training["epoch"], training["epochs_completed"]) == (True, r["selected_epoch"], 3)
+
+
+def test_the_reference_run_keeps_an_earlier_epoch_than_its_last(tiny):
+    """The premise of the tests below: the kept network is not the current W_pos."""
+    m = metrics(tiny["reference"])
+    assert [e["selected"] for e in m["epochs"]] == [True, True, False], m["epochs"]
+    assert m["selected_epoch"] == 2 and "resumed_after_epochs" not in m
+    assert state(tiny["reference"]).epochs_completed == 3
+
+
+def test_a_killed_run_continues_with_the_same_command_to_the_uninterrupted_result(tiny, tmp_path):
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    killed = sdm(args, killer=("train_epoch", 2))
+    assert killed.returncode == -9, killed.stderr
+    assert state(out).epochs_completed == 1 and len(metrics(out)["epochs"]) == 1
+    again = sdm(args)
+    assert again.returncode == 0, again.stderr
+    assert "resuming after epoch 1 of 3 (kept: the head of epoch 1" in again.stderr, again.stderr
+    assert_same_run(out, tiny["reference"])
+    assert metrics(out)["resumed_after_epochs"] == [1]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert [e["epoch"] for e in summary["epochs"]] == [1, 2, 3] and summary["selected_epoch"] == 2
+
+    # the same command once more: finished, nothing to do (no file is written)
+    stamps = {p: os.stat(p).st_mtime_ns for p in (out / "resume" / "manifest.json", out / "metrics.json",
+                                                  out / "network" / "network_config.json")}
+    done = sdm(args)
+    assert done.returncode == 0, done.stderr
+    assert "holds a finished run (3 of 3 epochs; kept: the head of epoch 2" in done.stderr
+    assert "nothing to do" in done.stderr and "raise --epochs" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["selected_epoch"] == 2
+    assert {p: os.stat(p).st_mtime_ns for p in stamps} == stamps
+
+
+def test_a_run_killed_before_its_first_count_skips_the_verifier_fit(tiny, tmp_path):
+    """Killed while counting the base head (after the verifier fit): the same command loads the saved verifier
+    and split (the verifier's features are not computed again) and ends where the uninterrupted run did."""
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    killed = sdm(args, killer=("count_verified", 1))
+    assert killed.returncode == -9, killed.stderr
+    s = state(out)
+    assert s.epochs_completed is None and s.head is None and len(s.rows["calibration"]) == 200
+    fitted = {p: os.stat(p).st_mtime_ns for p in (out / "verifier" / "manifest.json", out / "verification_rows.jsonl")}
+    again = sdm(args)
+    assert again.returncode == 0, again.stderr
+    assert "resuming after the verification layer's fit (not fitted again)" in again.stderr, again.stderr
+    assert "resuming after epoch" not in again.stderr
+    assert {p: os.stat(p).st_mtime_ns for p in fitted} == fitted  # neither written again
+    assert_same_run(out, tiny["reference"])
+
+
+def test_ctrl_c_then_the_same_command(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during epoch 3 (in the CLI's process): the message says how to continue, and continuing ends
+    where the uninterrupted run did."""
+    from sdm_mlx.cli import main
+    from sdm_mlx.network.trainer import SDMNetworkTrainer
+
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    real = SDMNetworkTrainer.run_epoch
+
+    def interrupt_epoch_3(self, epoch, *a, **k):
+        if epoch == 3:
+            raise KeyboardInterrupt
+        return real(self, epoch, *a, **k)
+
+    monkeypatch.setattr(SDMNetworkTrainer, "run_epoch", interrupt_epoch_3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(args) == 130  # the CLI's exit status after Ctrl-C
+        err = capsys.readouterr().err
+        assert "interrupted during epoch 3/3" in err and "the head of epoch 2" in err
+        assert "run the same command again to resume after epoch 2 (--restart starts over)" in err
+        monkeypatch.setattr(SDMNetworkTrainer, "run_epoch", real)
+        assert main(args) == 0
+    assert "resuming after epoch 2 of 3" in capsys.readouterr().err
+    assert_same_run(out, tiny["reference"])
+
+
+def test_raising_epochs_trains_on_and_fewer_epochs_are_refused(tiny, tmp_path):
+    """A finished 2-epoch run with --epochs 3 continues from epoch 2's state to the 3-epoch result."""
+    from sdm_mlx.network.artifact import read_network_config
+
+    out = tmp_path / "out"
+    two = sdm(train_args(tiny["built"], out, "--epochs", "2"))
+    assert two.returncode == 0, two.stderr
+    assert read_network_config(out / "network")["training"]["finished"] is True
+    three = sdm(train_args(tiny["built"], out))
+    assert three.returncode == 0, three.stderr
+    assert "resuming after epoch 2 of 3" in three.stderr
+    assert_same_run(out, tiny["reference"])
+    fewer = sdm(train_args(tiny["built"], out, "--epochs", "1"))
+    assert fewer.returncode == 2
+    assert "already finished 3 epochs, more than --epochs 1: pass --epochs 3 or more" in fewer.stderr
+    assert "--restart" in fewer.stderr and "Traceback" not in fewer.stderr
+
+
+def test_other_settings_or_data_exit_2_naming_restart(tiny, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(tiny["reference"], out)
+    built = tiny["built"]
+    r = sdm(train_args(built, out, "--learning-rate", "0.01"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "holds a network-train run with different settings (learning_rate 0.05 -> 0.01)" in r.stderr
+    assert "pass --restart to start over, or use another --output" in r.stderr
+
+    rows = open(built["task"]).read().splitlines(keepends=True)
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(rows[:-1]))
+    r = sdm(train_args(dict(built, task=str(changed)), out))
+    assert r.returncode == 2 and "different settings (the contents of --data)" in r.stderr, r.stderr
+
+    same = tmp_path / "same.jsonl"  # the same rows at another path: the same run (finished)
+    shutil.copy(built["task"], same)
+    r = sdm(train_args(dict(built, task=str(same)), out))
+    assert r.returncode == 0 and "holds a finished run" in r.stderr, r.stderr
+
+    # an unreadable state names the fix too
+    head = out / "resume" / "head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0xFF
+    head.write_bytes(bytes(data))
+    r = sdm(train_args(built, out))
+    assert r.returncode == 2 and "checksum mismatch" in r.stderr and "pass --restart" in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # ~10 s; test_network_cli's smoke test runs --restart in the default tier
+def test_restart_and_overwrite_start_over(tiny, tmp_path):
+    """--restart discards the state (same settings: the same result again); --overwrite with other settings
+    starts over and says why."""
+    out = tmp_path / "out"
+    shutil.copytree(tiny["reference"], out)
+    r = sdm(train_args(tiny["built"], out, "--restart"))
+    assert r.returncode == 0, r.stderr
+    assert "resuming" not in r.stderr and "finished run" not in r.stderr
+    assert "resumed_after_epochs" not in metrics(out)
+    assert_same_run(out, tiny["reference"])
+
+    r = sdm(train_args(tiny["built"], out, "--overwrite", "--epochs", "1", "--batch-size", "40"))
+    assert r.returncode == 0, r.stderr
+    assert "holds a run with different settings (batch_size 50 -> 40); --overwrite: starting over" in r.stderr
+    m = metrics(out)
+    assert m["config"]["batch_size"] == 40 and len(m["epochs"]) == 1 and "resumed_after_epochs" not in m
+    assert state(out).fingerprint["batch_size"] == 40
+
+
+LAUNCH = os.path.join(os.path.dirname(PY), "mlx.launch")
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on localhost (the ring backend listens on one port per rank)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        p, socks = random.randint(20000, 60000), []
+        try:
+            for port in (p, p + 1):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port pair")
+
+
+def launch_two(args) -> subprocess.CompletedProcess:
+    """``sdm-mlx args`` on two local ranks (ring backend, one BLAS thread each)."""
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", PY, "--",
+           "-m", "sdm_mlx", *args]
+    env = {**ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+
+
+@pytest.mark.slow  # ~30 s: two mlx.launch runs of two ranks
+@pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed next to python")
+def test_data_parallel_runs_resume_on_the_same_number_of_ranks(tiny, tmp_path):
+    """Rank 0 writes the state, every rank reads it: a finished 2-rank 2-epoch run raised to --epochs 3 continues
+    on 2 ranks to the one-process 3-epoch result (within the data-parallel tolerance of
+    test_network_distributed.py); one process may not continue a 2-rank state."""
+    out = tmp_path / "two"
+    first = launch_two(train_args(tiny["built"], out, "--epochs", "2"))
+    assert first.returncode == 0, first.stderr
+    again = launch_two(train_args(tiny["built"], out))
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("resuming after epoch 2 of 3") == 1, again.stderr  # rank 0 alone says it
+    m, r = metrics(out), metrics(tiny["reference"])
+    assert m["data_parallel"]["ranks"] == 2 and m["finished"] is True and m["resumed_after_epochs"] == [2]
+    assert [e["count"] for e in m["epochs"]] == [e["count"] for e in r["epochs"]]
+    assert m["selected_epoch"] == r["selected_epoch"]
+    np.testing.assert_allclose([e["loss"] for e in m["epochs"]], [e["loss"] for e in r["epochs"]], rtol=1e-5)
+    w, w_ref = state(out).head, state(tiny["reference"]).head
+    assert np.abs(w - w_ref).max() <= 1e-5 * max(1.0, float(np.abs(w_ref).max()))
+    one = sdm(train_args(tiny["built"], out))
+    assert one.returncode == 2 and "the number of mlx.launch ranks 2 -> 1" in one.stderr, one.stderr
