@@ -36,6 +36,11 @@ Outputs under ``output_dir``: ``verifier/`` (the verification layer),
 (updated after every epoch), ``verification_rows.jsonl`` (the rows with
 their split) and ``resume/`` (what continuing after the last finished epoch
 needs, :mod:`.resume`).  Progress goes to stderr.
+
+Why this module is over 400 lines: it is Alg. 4's one loop, and steps (a)-(e) are methods of the one
+trainer that owns the run's state (heads, split, verifier, metrics, the resumable state); each step's
+work lives elsewhere (:mod:`.step` and :mod:`.loss` the W_pos step, :mod:`.generation` the decoding,
+:mod:`.resume` the saved state, :mod:`.data_parallel` the ranks), so what is left here is the sequence.
 """
 
 from __future__ import annotations

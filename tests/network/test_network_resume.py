@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 SDM = os.path.join(os.path.dirname(PY), "sdm-mlx")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
