@@ -380,10 +380,13 @@ def test_shared_prefix_features_equal_a_full_forward_of_each_row(verification, m
 
 
 # ------------------------------------------------------------------ verified generation that verifies ("continue")
-#: The factcheck pipeline's output directory (``tools/real_factcheck_pipeline.py``): its ``verifier/`` was trained
-#: on the model's own answers to pooled topic statements, ``generate_check.jsonl`` is ``sdm-mlx generate`` over
-#: held-out statements.  Default: the recipe's output directory.
+#: A verified-generation pipeline's output directory (``tools/real_factcheck_pipeline.py``): its ``verifier/`` was
+#: trained on the model's own answers to pooled statements, ``generate_check.jsonl`` is ``sdm-mlx generate`` over
+#: held-out statements.  Default: the arithmetic recipe's output (``recipes/qwen15_arithmetic_verified_cpu.yaml``,
+#: the task whose verifier admits on this model; the factcheck recipe's verifier admits nothing,
+#: docs/verified-generation-real.md).
 VERIFIED_RUN_ENV = "SDM_MLX_TEST_VERIFIED_RUN"
+VERIFIED_RUN_DEFAULT = "runs/qwen15_arithmetic_verified"
 
 
 @pytest.fixture(scope="module")
@@ -391,10 +394,10 @@ def verified_run(model_path):
     """The pipeline's run directory, or a skip naming the command that makes it."""
     import types
 
-    path = Path(os.environ.get(VERIFIED_RUN_ENV, ROOT / "runs" / "qwen15_factcheck_verified")).expanduser()
+    path = Path(os.environ.get(VERIFIED_RUN_ENV, ROOT / VERIFIED_RUN_DEFAULT)).expanduser()
     if not (path / "verifier").is_dir() or not (path / "task.jsonl").is_file():
         pytest.skip(f"no verified-generation run at {path}: run `python tools/real_factcheck_pipeline.py -c "
-                    f"recipes/qwen15_factcheck_verified_cpu.yaml` (or set {VERIFIED_RUN_ENV} to its output directory)")
+                    f"recipes/qwen15_arithmetic_verified_cpu.yaml` (or set {VERIFIED_RUN_ENV} to its output directory)")
     checked = read_jsonl(path / "generate_check.jsonl") if (path / "generate_check.jsonl").is_file() else []
     tasks = {r["id"]: r for r in read_jsonl(path / "task.jsonl")}
     return types.SimpleNamespace(dir=path, verifier=path / "verifier", checked=checked, tasks=tasks,
@@ -416,7 +419,7 @@ def test_generate_admits_a_verified_answer_and_abstains_out_of_distribution(mode
                                                                            tmp_path_factory):
     """Continue on the real model: a held-out factcheck answer is ADMITTED by p-hat_lower at the trained alpha'
     (0.95, never recalibrated down) from the verifier's own statistics, and its text is served; a haiku request
-    is abstained on.  The statements are ones the pipeline's own `generate` check admitted."""
+    is abstained on.  The statements are held-out ones the pipeline's own `generate` check admitted."""
     from sdm_mlx import SDMEstimator
 
     est = SDMEstimator.load(verified_run.verifier)
