@@ -18,13 +18,12 @@ is itself a stratified sample (what a resumable answers run finished before it w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
 
 import numpy as np
 
-from sdm_mlx.storage.files import make_dirs, write_jsonl
+from factcheck_sample import write_sample  # tools/ (this script's folder is on sys.path)
 
 OPERATIONS = ("plus", "minus", "times")
 #: how far a false statement's result is from the true one
@@ -81,11 +80,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if min(args.pool, args.heldout, args.generated) < 0:
         ap.error("--pool, --heldout and --generated must be >= 0")
-    rows = sample_rows(args.pool, args.heldout, args.generated, args.seed)
-    make_dirs(os.path.dirname(os.path.abspath(args.output)))
-    write_jsonl(args.output, rows)
-    counts = {s: sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")}
-    print(f"wrote {len(rows)} rows to {args.output}: {counts}", file=sys.stderr)
+    write_sample(args.output, sample_rows(args.pool, args.heldout, args.generated, args.seed))
     return 0
 
 

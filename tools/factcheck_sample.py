@@ -86,13 +86,16 @@ def main(argv=None) -> int:
         return 0
     if not args.output:
         ap.error("give -o/--output (or --split-file)")
-    rows = sample_rows(args.pool, args.heldout, args.generated, args.seed)
-    parent = os.path.dirname(os.path.abspath(args.output))
-    make_dirs(parent)  # runs/data/... on a fresh checkout
-    write_jsonl(args.output, rows)
-    counts = {s: sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")}
-    print(f"wrote {len(rows)} rows to {args.output}: {counts}", file=sys.stderr)
+    write_sample(args.output, sample_rows(args.pool, args.heldout, args.generated, args.seed))
     return 0
+
+
+def write_sample(path: str, rows: list[dict]) -> None:
+    """Write the task rows (making the parent directories: runs/... on a fresh checkout) and say how many per split."""
+    make_dirs(os.path.dirname(os.path.abspath(path)))
+    write_jsonl(path, rows)
+    counts = {s: sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")}
+    print(f"wrote {len(rows)} rows to {path}: {counts}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,22 +28,11 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 sys.path.insert(0, str(TESTS / "helpers"))
 from distributed_script import POOL_EVERY, index_results, random_case, tiny_case  # noqa: E402
+from ports import free_port_pair  # noqa: E402
 
 needs_launch = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed next to the Python")
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1."""
-    for _ in range(100):
-        p = random.randint(20000, 60000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def env() -> dict:

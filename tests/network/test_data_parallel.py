@@ -7,16 +7,16 @@
 * a rank that dies makes the other stop with a clear error within a bounded time, not a hang.
 """
 
-import importlib.util
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from ports import free_port_pair  # tests/helpers/
+from tiny_tool import make_tiny_model_tool  # tests/helpers/
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -28,23 +28,6 @@ TIMEOUT = 240  # seconds for any one launch; a hang fails the test instead of bl
 pytestmark = pytest.mark.skipif(not os.path.exists(LAUNCH), reason="mlx.launch is not installed next to python")
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on localhost (the ring backend listens on one port per rank)."""
-    for _ in range(200):
-        p = random.randint(20000, 60000)
-        socks = []
-        try:
-            for port in (p, p + 1):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port pair")
 
 
 def launch(args, n=2, timeout=TIMEOUT) -> subprocess.CompletedProcess:
@@ -63,9 +46,7 @@ def recipe_args(built, out, *extra):
 def runs(tmp_path_factory):
     """The tiny recipe (400 task rows, 2 epochs) in one process and at 2 ranks."""
     tmp = tmp_path_factory.mktemp("network_dp")
-    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(ROOT, "tools", "make_tiny_model.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = make_tiny_model_tool()
     built = tool.build(str(tmp / "tiny"), rows=400, quiet=True)
     one = subprocess.run([PY, *recipe_args(built, tmp / "one")], capture_output=True, text=True, timeout=TIMEOUT,
                          env=ENV, cwd=ROOT)

@@ -134,12 +134,9 @@ def test_network_train_on_the_models_own_answers(tiny_phi3_path, tmp_path, capsy
     the W_pos positives."""
     import warnings
 
-    import importlib.util
+    from tiny_tool import make_tiny_model_tool  # tests/helpers/
 
-    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "make_tiny_model.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = make_tiny_model_tool()
     built = tool.build(str(tmp_path / "tiny"), rows=80, quiet=True)  # answers in the task's JSON, right ~half the time
     recipe = _recipe(tmp_path, built["model"], answers="model", data=built["task"], **{"max-new-tokens": 12})
     with warnings.catch_warnings():

@@ -17,6 +17,9 @@ import warnings
 import numpy as np
 import pytest
 
+from ports import free_port_pair  # tests/helpers/
+from tiny_tool import make_tiny_model_tool  # tests/helpers/
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 SDM = os.path.join(os.path.dirname(PY), "sdm-mlx")
@@ -45,12 +48,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model and task, and the uninterrupted 3-epoch reference run."""
-    import importlib.util
-
     tmp = tmp_path_factory.mktemp("network_resume")
-    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(ROOT, "tools", "make_tiny_model.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = make_tiny_model_tool()
     built = tool.build(str(tmp / "tiny"), rows=400, quiet=True)
     ref = sdm(train_args(built, tmp / "reference"))
     assert ref.returncode == 0, ref.stderr
@@ -255,29 +254,11 @@ def test_restart_and_overwrite_start_over(tiny, tmp_path):
 LAUNCH = os.path.join(os.path.dirname(PY), "mlx.launch")
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free on localhost (the ring backend listens on one port per rank)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        p, socks = random.randint(20000, 60000), []
-        try:
-            for port in (p, p + 1):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port pair")
 
 
 def launch_two(args) -> subprocess.CompletedProcess:
     """``sdm-mlx args`` on two local ranks (ring backend, one BLAS thread each)."""
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port_pair()), "--python", PY, "--",
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()), "--python", PY, "--",
            "-m", "sdm_mlx", *args]
     env = {**ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)

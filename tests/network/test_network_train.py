@@ -1,21 +1,19 @@
 """SDM network end to end on a tiny local Phi-3: Alg. 4 raises the admitted calibration count, the
 selection rule holds, and the saved network reloads onto a fresh base model with identical outputs."""
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
 
+from tiny_tool import make_tiny_model_tool  # tests/helpers/
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("make_tiny_model_tool", os.path.join(ROOT, "tools", "make_tiny_model.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return make_tiny_model_tool()
 
 
 @pytest.fixture(scope="module")

@@ -12,33 +12,19 @@ from __future__ import annotations
 
 import http.client
 import json
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("mlx_lm")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
-from server_process import ServerProcess, sdm_mlx  # noqa: E402
 from verified_lab import OOD_PROMPT, reviews  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module")
-def server(setup):  # noqa: F811
-    srv = ServerProcess(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--quiet"))
-    try:
-        yield srv
-        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.lines)
-    finally:
-        srv.kill()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+# the server and client fixtures: tests/serve/conftest.py
 
 
 def _ask(client, doc: str, policy: str, stream: bool, **extra) -> tuple[str, dict]:

@@ -13,15 +13,13 @@ withheld answer's tokens never reach the client.  Without ``logprobs`` every chu
 from __future__ import annotations
 
 import json
-import signal
 import urllib.request
 
 import pytest
 
 pytest.importorskip("mlx_lm")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
-from server_process import ServerProcess, sdm_mlx  # noqa: E402
 from verified_lab import OOD_PROMPT  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 
 TIMEOUT = 120
@@ -29,19 +27,7 @@ TOL = 1e-5
 RAW_PROMPT = "Classify the sentiment of this review as JSON. REVIEW: A warm and funny film.\nANSWER: "
 
 
-@pytest.fixture(scope="module")
-def server(setup):  # noqa: F811
-    srv = ServerProcess(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--quiet"))
-    try:
-        yield srv
-        assert srv.stop(signal.SIGTERM) == 0, "".join(srv.lines)
-    finally:
-        srv.kill()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+# the server and client fixtures: tests/serve/conftest.py
 
 
 def _model(client) -> str:

@@ -1,0 +1,46 @@
+"""tools/arithmetic_sample.py: exact labels, balanced splits, held-out triples never in the pool, a seeded file."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import arithmetic_sample as A  # tools/ is on pytest's pythonpath (pyproject.toml)
+
+ROOT = Path(__file__).resolve().parents[2]
+STATEMENT = re.compile(r"^(-?\d+) (plus|minus|times) (-?\d+) equals (-?\d+)\.$")
+
+
+def _parse(doc: str):
+    a, op, b, c = STATEMENT.match(doc).groups()
+    a, b, c = int(a), int(b), int(c)
+    return a, op, b, c, {"plus": a + b, "minus": a - b, "times": a * b}[op]
+
+
+def test_labels_are_the_truth_and_splits_are_balanced_and_disjoint():
+    rows = A.sample_rows(60, 20, 20, seed=3)
+    assert [sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")] == [60, 20, 20]
+    triples = {}
+    for r in rows:
+        a, op, b, c, true = _parse(r["document"])
+        assert r["label"] == int(c == true)
+        if not r["label"]:
+            assert c - true in A.ERRORS
+        if op != "times":  # the shift: three-digit operands
+            assert (a >= 100 and b >= 100) == (r["split"] == "generated")
+        triples.setdefault(r["split"], set()).add((a, op, b))
+    for split, n in (("pool", 60), ("heldout_topics", 20), ("generated", 20)):
+        assert sum(r["label"] for r in rows if r["split"] == split) == n // 2
+    assert not triples["pool"] & triples["heldout_topics"]
+
+
+def test_the_cli_writes_the_same_file_for_the_same_seed(tmp_path):
+    def run(path):
+        subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--pool", "8", "--heldout", "4",
+                        "--generated", "4", "--seed", "1", "-o", str(path)], check=True, capture_output=True)
+        return [json.loads(x) for x in path.read_text().splitlines()]
+
+    first, second = run(tmp_path / "a" / "task.jsonl"), run(tmp_path / "b.jsonl")
+    assert first == second and len(first) == 16
+    assert len({r["id"] for r in first}) == 16
