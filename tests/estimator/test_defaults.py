@@ -209,10 +209,29 @@ def test_interrupted_fit_resumes_to_the_same_model(tmp_path, monkeypatch):
     assert est.robust_min_valid_ == ref.robust_min_valid_ and est.best_round_ == ref.best_round_
 
 
+#: ``python -c HOLD_ROUND_2 <sdm-mlx args>``: the CLI, whose second round says so and waits (up to 120 s) before it
+#: trains, so that a SIGINT sent once "round 2/" is printed always lands inside round 2 (on a fast CPU the whole fit could
+#: otherwise end before the signal arrives)
+HOLD_ROUND_2 = """
+import sys, time
+import sdm_mlx.estimator.training as T
+real, calls = T.train_round, []
+def held(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+        print("round 2/ held by the test", file=sys.stderr, flush=True)
+        time.sleep(120)
+    return real(*a, **k)
+T.train_round = held
+from sdm_mlx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _sigint_after_first_round(cmd, tmp_path):
     """Run the CLI, send SIGINT once the first round is checkpointed (round 2 started); returns (rc, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "sdm_mlx", *cmd], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_ROUND_2, *cmd], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stderr:
         lines.append(line)
