@@ -211,9 +211,11 @@ def test_interrupted_fit_resumes_to_the_same_model(tmp_path, monkeypatch):
 
 #: ``python -c HOLD_ROUND_2 <sdm-mlx args>``: the CLI, whose second round says so and waits (up to 120 s) before it
 #: trains, so that a SIGINT sent once "round 2/" is printed always lands inside round 2 (on a fast CPU the whole fit could
-#: otherwise end before the signal arrives)
+#: otherwise end before the signal arrives); Ctrl-C is re-enabled, since a CI runner that starts the suite as a
+#: background job hands its children SIGINT ignored
 HOLD_ROUND_2 = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
 import sdm_mlx.estimator.training as T
 real, calls = T.train_round, []
 def held(*a, **k):
