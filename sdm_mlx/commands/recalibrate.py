@@ -10,16 +10,29 @@ HELP = ("Re-threshold a trained SDM estimator at a new alpha and / or alpha grid
 REQUIRED = ("model",)
 
 
+def level_or_default(text: str):
+    """An α level, or ``default`` (return the setting to its default); anything else is a usage error."""
+    import argparse
+
+    if text == "default":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1) or 'default', got {text!r}") from None
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory written by `sdm-mlx train`")
     p.add_argument("--alpha", type=float, default=None, help="the new target conditional accuracy α' (default: keep)")
-    p.add_argument("--alpha-grid", type=float, nargs="+", default=None,
+    p.add_argument("--alpha-grid", type=level_or_default, nargs="+", default=None,
                    help="the new levels of the nested calibration, any resolution (α' is always added; default: "
-                        "keep the model's; DESIGN #25)")
-    p.add_argument("--alpha-allow", type=float, default=None,
-                   help="decision policy: allow a row whose α region is ≥ this (default: keep; unset: α')")
-    p.add_argument("--alpha-review", type=float, default=None,
-                   help="decision policy: review a row whose α region is ≥ this (default: keep; unset: lowest level)")
+                        "keep the model's; 'default': 0.99 0.98 ... 0.80; DESIGN #25)")
+    p.add_argument("--alpha-allow", type=level_or_default, default=None,
+                   help="decision policy: allow a row whose α region is ≥ this (default: keep; 'default': α')")
+    p.add_argument("--alpha-review", type=level_or_default, default=None,
+                   help="decision policy: review a row whose α region is ≥ this (default: keep; 'default': the "
+                        "grid's lowest level)")
     p.add_argument("--output", default=None,
                    help="where to write the recalibrated model (new or empty directory; default: the --model "
                         "directory itself, which needs --overwrite)")
@@ -42,8 +55,12 @@ def run(args) -> int:
     est = SDMEstimator.load(args.model)
     est.verbose = False
     old = est.alpha
-    est.recalibrate(args.alpha, alpha_grid=args.alpha_grid, alpha_allow=args.alpha_allow,
-                    alpha_review=args.alpha_review)
+    grid = args.alpha_grid
+    if grid is not None and "default" in grid:
+        if len(grid) > 1:
+            raise CLIError("--alpha-grid takes levels or the single word 'default', not both")
+        grid = "default"
+    est.recalibrate(args.alpha, alpha_grid=grid, alpha_allow=args.alpha_allow, alpha_review=args.alpha_review)
     est.save(out, overwrite=args.overwrite)
     policy = est.nested_.policy
     print(

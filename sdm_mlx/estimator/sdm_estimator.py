@@ -55,6 +55,8 @@ from .training import TrainConfig
 from ..core.activation import sdm_numpy
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/estimator/config.py)
+#: ``recalibrate``'s value that returns a grid or policy setting to its default (None keeps the model's)
+RESET = "default"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,13 +407,17 @@ class SDMEstimator:
 
     def recalibrate(self, alpha: float | None = None, alpha_grid=None, alpha_allow=None, alpha_review=None):
         """Store a new α' and / or α grid and decision policy in this model (Alg. 3 + Cauchy over the stored
-        rounds, no retraining; DESIGN #25); returns self.  None keeps the model's setting.
+        rounds, no retraining; DESIGN #25); returns self.  None keeps the model's setting; ``"default"``
+        returns ``alpha_grid``, ``alpha_allow`` or ``alpha_review`` to its default (the default grid, α',
+        the grid's lowest level).
 
         To estimate at another α' without changing the model, use ``estimate(X, alpha=...)``."""
         self._check_fitted()
         old = (self.alpha_grid, self.alpha_allow, self.alpha_review)
         for name, value in (("alpha_grid", alpha_grid), ("alpha_allow", alpha_allow), ("alpha_review", alpha_review)):
-            if value is not None:
+            if isinstance(value, str) and value == RESET:
+                setattr(self, name, None)
+            elif value is not None:
                 setattr(self, name, list(value) if name == "alpha_grid" else value)
         try:
             self._apply_alpha(self.alpha if alpha is None else alpha)

@@ -193,3 +193,18 @@ def test_cli_grid_through_train_recalibrate_predict_evaluate(tmp_path):
     assert res.returncode == 2 and "alpha_grid" in res.stderr
     res = _cli("recalibrate", "--model", "m", "--output", "m3", cwd=tmp_path)
     assert res.returncode == 2 and "nothing to change" in res.stderr
+    # a policy set once can be returned to its defaults ('default'), the grid too
+    res = _cli("recalibrate", "--model", "m2", "--alpha-allow", 0.96, "--alpha-review", 0.93, "--output", "m4",
+               cwd=tmp_path)
+    assert res.returncode == 0 and "allow >= 0.96, review >= 0.93" in res.stdout, res.stderr
+    res = _cli("recalibrate", "--model", "m4", "--alpha-allow", "default", "--alpha-review", "default",
+               "--alpha-grid", "default", "--output", "m5", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    grid = " ".join(f"{a:g}" for a in DEFAULT_ALPHA_GRID)
+    assert f"({len(DEFAULT_ALPHA_GRID)} levels): {grid}; allow >= 0.95, review >= 0.8" in res.stdout, res.stdout
+    reset = SDMEstimator.load(tmp_path / "m5")
+    assert reset.alpha_allow is None and reset.alpha_review is None and reset.alpha_grid is None
+    res = _cli("recalibrate", "--model", "m4", "--alpha-allow", "high", "--output", "m6", cwd=tmp_path)
+    assert res.returncode == 2 and "'default'" in res.stderr and not (tmp_path / "m6").exists()
+    res = _cli("recalibrate", "--model", "m4", "--alpha-grid", 0.9, "default", "--output", "m6", cwd=tmp_path)
+    assert res.returncode == 2 and "single word 'default'" in res.stderr
