@@ -77,20 +77,33 @@ def verify_summary(verification: dict) -> dict[str, Any]:
     }
 
 
-def _page_of(engine: Engine, verdict_id: str, how: str) -> dict:
+class VerdictPages:
+    """The private temporary directory that ``explain(html="path")`` writes a server's verdict pages to: made on
+    first use, removed with its pages when the process exits (a path is valid while the server runs)."""
+
+    def __init__(self):
+        self.path: str | None = None
+
+    def directory(self) -> str:
+        if self.path is None:
+            import atexit
+            import shutil
+            import tempfile
+
+            self.path = tempfile.mkdtemp(prefix="sdm-mlx-verdicts-")
+            atexit.register(shutil.rmtree, self.path, ignore_errors=True)
+        return self.path
+
+
+def _page_of(engine: Engine, verdict_id: str, how: str, pages: VerdictPages) -> dict:
     """``{"html_content": page}`` or ``{"html_path": file}`` of a verdict's page (sdm_mlx.evaluation.verdict_html); the
-    files go to one private temporary directory per engine."""
+    files go to the server's :class:`VerdictPages` directory."""
     from ..evaluation.verdict_html import verdict_page, verdict_page_path
 
     record, estimator = engine.verdicts.get(verdict_id), engine.gen.estimator
     if how == "content":
         return {"html_content": verdict_page(record, verdict_id, estimator)}
-    directory = engine.__dict__.get("_html_dir")
-    if directory is None:
-        import tempfile
-
-        directory = engine._html_dir = tempfile.mkdtemp(prefix="sdm-mlx-verdicts-")
-    return {"html_path": verdict_page_path(record, verdict_id, estimator, directory)}
+    return {"html_path": verdict_page_path(record, verdict_id, estimator, pages.directory())}
 
 
 def create_server(engine: Engine, max_prompt_tokens: int | None = None):
@@ -101,7 +114,7 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
 
     from .limits import PromptCounter, context_length
 
-    counter = PromptCounter(engine)
+    counter, pages = PromptCounter(engine), VerdictPages()
     max_prompt_tokens = max_prompt_tokens or context_length(engine.gen.model)
 
     server = MCPServer("sdm-mlx", instructions=(
@@ -146,7 +159,8 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
         """The full per-row quantities of a verdict returned by verify (q, d0, d, SDM output, bins, p_lower, ...).
 
         html: "none" (default), "content" (add the verdict's self-contained HTML page as html_content) or
-        "path" (write the page to a file and add its path as html_path) — a page a person can look at.
+        "path" (write the page to a file and add its path as html_path; the server's temporary files are removed
+        when it exits) — a page a person can look at.
         """
         if html not in ("none", "content", "path"):
             raise ToolError(f"html must be 'none', 'content' or 'path', got {html!r}")
@@ -155,7 +169,7 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
             raise ToolError(f"no verdict {verdict_id!r}: unknown, or evicted (the last "
                             f"{engine.verdicts.capacity} verdicts are kept)")
         if html != "none":
-            out.update(_page_of(engine, verdict_id, html))
+            out.update(_page_of(engine, verdict_id, html, pages))
         return out
 
     return server

@@ -80,17 +80,16 @@ def test_mcp_explain_returns_the_page(setup):  # noqa: F811
                 plain = (await client.call_tool("explain", {"verdict_id": vid})).structured_content
                 content = (await client.call_tool("explain", {"verdict_id": vid, "html": "content"})).structured_content
                 path = (await client.call_tool("explain", {"verdict_id": vid, "html": "path"})).structured_content
+                with open(path["html_path"], encoding="utf-8") as f:  # valid while the server runs
+                    page = f.read()
                 bad = await client.call_tool("explain", {"verdict_id": vid, "html": "pdf"})
-                return tools, plain, content, path, bad
+                return tools, plain, content, path, page, bad
 
-    tools, plain, content, path, bad = asyncio.run(run())
+    tools, plain, content, path, page, bad = asyncio.run(run())
     assert "html" in tools["explain"].input_schema["properties"]
     assert "html_content" not in plain and "html_path" not in plain
     assert content["html_content"].startswith("<!DOCTYPE html>") and "Verdict for" in content["html_content"]
     assert content["p_lower"] == plain["p_lower"]
-    with open(path["html_path"], encoding="utf-8") as f:
-        assert f.read() == content["html_content"]
-    import shutil
-
-    shutil.rmtree(os.path.dirname(path["html_path"]))
+    assert page == content["html_content"]
+    assert not os.path.exists(os.path.dirname(path["html_path"]))  # the server removed its pages when it exited
     assert bad.is_error and "html must be" in bad.content[0].text
