@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..core.adaptor import ExemplarAdaptor
 from ..storage.artifact import ArtifactError, load_artifact, pack_ragged, read_manifest, save_artifact, unpack_ragged
+from ..storage.artifact_load import has_kind
 from ..calibration import RoundCalibration
 from ..runtime.callbacks import Callback
 from ..calibration.rescaler import RescalerFit
@@ -55,11 +56,7 @@ def fingerprint(params: dict, X: np.ndarray, y: np.ndarray, ids: list, num_class
 
 def is_checkpoint(path) -> bool:
     """True when ``path`` holds an sdm_mlx training checkpoint (by its manifest kind)."""
-    try:
-        _, manifest = read_manifest(path, "manifest.json", "sdm_mlx", VERSION, "training checkpoint")
-    except (ArtifactError, OSError):
-        return False
-    return manifest.get("kind") == KIND
+    return has_kind(path, KIND, VERSION, "training checkpoint")
 
 
 def check_checkpoint_path(path) -> None:

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..errors import ArtifactError, OutputError
 from ..runtime.callbacks import log
 from ..storage.artifact import load_artifact, read_manifest, save_artifact
-from ..storage.artifact_load import manifest_digest, sha256_file
+from ..storage.artifact_load import has_kind, manifest_digest, sha256_file
 from ..storage.files import is_stream, strict, write_json
 from .artifact import CONFIG_FILE, NetworkArtifactError, base_model_reference
 from .artifact import FORMAT as NETWORK_FORMAT
@@ -180,11 +180,7 @@ def load_state(path) -> ResumeState | None:
 
 def is_state(path) -> bool:
     """True when ``path`` holds a network-train state (by its manifest kind)."""
-    try:
-        _, manifest = read_manifest(path, "manifest.json", "sdm_mlx", VERSION, "network-train state")
-    except (ArtifactError, OSError):
-        return False
-    return manifest.get("kind") == KIND
+    return has_kind(path, KIND, VERSION, "network-train state")
 
 
 def discard_state(path) -> None:

@@ -72,6 +72,16 @@ def artifact_kind(path) -> str | None:
     return None
 
 
+def has_kind(path, kind: str, version: int, what: str) -> bool:
+    """True when ``path`` holds a readable sdm_mlx artifact of ``kind`` (its manifest says so), e.g. a training
+    checkpoint or a network-train state; anything else (missing, foreign, unreadable) is False."""
+    try:
+        _, manifest = read_manifest(path, MANIFEST, "sdm_mlx", version, what)
+    except (ArtifactError, OSError):
+        return False
+    return manifest.get("kind") == kind
+
+
 def _backup_path(real: str) -> str:
     parent, base = os.path.split(real)
     return os.path.join(parent, f".{base}.sdm-previous")
