@@ -19,7 +19,11 @@ RSS land in ``OUT/stages.json``):
 7. ``forced_*`` -- the paper's force-decoded verification rows of the first ``forced_statements``
    statements (``sdm-mlx make-verification-data --model`` + ``sdm-mlx embed``: half constructed
    negatives, label = the shown answer is right), trained and evaluated like the answer rows;
-8. ``table``    -- the verified-generation table (``OUT/table.json``): task accuracy (unparsable =
+8. ``network_rows``, ``network``, ``network_answers`` -- Alg. 4 (``sdm-mlx network-train``) on the pool's own-answer
+   rows with the verifier of ``train`` (its split is Alg. 4's; wrong answers, corrected in the model's layout, are
+   W_pos positives), ``network_epochs`` epochs with ``network_args``; then ``sdm-mlx generate --head`` with the
+   kept network over the held-out and ``generated`` statements;
+9. ``table``    -- the verified-generation table (``OUT/table.json``): task accuracy (unparsable =
    wrong) and admitted fraction, no-reject vs p̂_lower, per split.
 
     python tools/real_factcheck_pipeline.py -c recipes/qwen15_factcheck_verified_cpu.yaml
@@ -43,7 +47,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("sample", "answers", "split", "train", "evaluate", "generate", "forced_rows", "forced_embed",
-          "forced_split", "forced_train", "forced_evaluate", "table")
+          "forced_split", "forced_train", "forced_evaluate", "network_rows", "network", "network_answers", "table")
 OOD_PROMPT = "Write a haiku about the sea."
 #: the recipe's ``task``: the script that writes its statements (both write the splits pool | heldout_topics | generated)
 SAMPLERS = {"factcheck": "factcheck_sample.py", "arithmetic": "arithmetic_sample.py"}
@@ -144,6 +148,17 @@ def stage_commands(cfg: dict, out: str) -> dict:
         "forced_train": (p("verifier_forced"), cli("train", "--train", p("forced_emb.pool.jsonl"), "--output",
                                                    p("verifier_forced"), "--alpha", a, "--class-names", "wrong",
                                                    "correct", *map(str, cfg.get("train_args", []))), False),
+        "network": (p("network_run/metrics.json"), cli(
+            "network-train", "--model", cfg["model"], "--verification-data", p("network_rows.jsonl"), "--verifier",
+            p("verifier"), "--preset", "factcheck", "--system", PAPER_SYSTEM, "--output", p("network_run"),
+            "--epochs", cfg.get("network_epochs", 1), "--max-new-tokens", cfg.get("max_tokens", 32),
+            "--generation-batch-size", cfg.get("generation_batch_size", 16), "--embed-batch-size",
+            cfg.get("embed_batch_size", 16), *map(str, cfg.get("network_args", []))), True),
+        "network_answers": (p("network_answers.jsonl"), cli(
+            "generate", "--head", p("network_run/network"), "--verifier", p("verifier"), "--system", PAPER_SYSTEM,
+            "--prompt-template", template, "--max-tokens", cfg.get("max_tokens", 32), "--input",
+            p("network_prompts.jsonl"), "--output", p("network_answers.jsonl"), "--on-reject", "return", "--quiet"),
+            True),
         "forced_evaluate": (p("evaluate_forced.json"), cli(
             "evaluate", "--model", p("verifier_forced"), "--input", p("forced_emb.heldout_topics.jsonl"), "--input",
             p("forced_emb.generated.jsonl"), "--report", p("evaluate_forced.json")), False),
@@ -156,6 +171,43 @@ def write_forced_tasks(cfg: dict, out: str) -> None:
         lines = [x for x in f if x.strip()][: cfg.get("forced_statements", 400)]
     with open(os.path.join(out, "task_forced.jsonl"), "w") as f:
         f.writelines(lines)
+
+
+def write_network_rows(cfg: dict, out: str) -> None:
+    """``network_rows.jsonl``: the pool's own-answer rows as network-train verification rows (the prompt the
+    ``answers`` stage decoded, the model's answer as completion, label, task_label and answer_label)."""
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load_tokenizer
+    from sdm_mlx.llm import embed as _embed
+    from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
+
+    tok = load_tokenizer(Path(cfg["model"]))
+    docs = {r["id"]: r["document"] for r in map(json.loads, open(os.path.join(out, "task.jsonl")))}
+    template = PRESETS["factcheck"]["prompt_template"]
+    tmp = os.path.join(out, "network_rows.jsonl.tmp")
+    with open(tmp, "w") as f:
+        for r in map(json.loads, open(os.path.join(out, "answers.pool.jsonl"))):
+            prompt = _embed.chat_text(tok, docs[r["id"]], system=PAPER_SYSTEM, prompt_template=template)
+            f.write(json.dumps({"id": r["id"], "prompt": prompt, "completion": r["text"], "label": r["label"],
+                                "task_label": r["task_label"], "answer_label": r["answer_label"]}) + "\n")
+    os.replace(tmp, os.path.join(out, "network_rows.jsonl"))
+
+
+def write_network_prompts(out: str) -> None:
+    """The held-out statements, then the ``generated`` ones, for ``generate --head`` (appended, resumable)."""
+    rows = [json.loads(x) for x in open(os.path.join(out, "task.jsonl"))]
+    with open(os.path.join(out, "network_prompts.jsonl"), "w") as f:
+        for split in ("heldout_topics", "generated"):
+            for r in rows:
+                if r["split"] == split:
+                    f.write(json.dumps({"id": r["id"], "document": r["document"]}) + "\n")
+
+
+def network_finished(out: str) -> bool:
+    """network-train finished its epochs (an interrupted run is continued by running the stage again)."""
+    path = os.path.join(out, "network_run", "metrics.json")
+    return os.path.exists(path) and bool(json.load(open(path)).get("finished"))
 
 
 def answers_done(out: str, name: str = "answers.jsonl", source: str = "task.jsonl") -> bool:
@@ -258,8 +310,14 @@ def main(argv=None) -> int:
                 json.dump(table, f, indent=1)
             print(json.dumps(table, indent=1))
             continue
+        if stage == "network_rows":
+            if not os.path.exists(os.path.join(out, "network_rows.jsonl")):
+                write_network_rows(cfg, out)
+            continue
         done_path, cmd, heavy = commands[stage]
         done = {"answers": lambda: answers_done(out),
+                "network_answers": lambda: answers_done(out, "network_answers.jsonl", "network_prompts.jsonl"),
+                "network": lambda: network_finished(out),
                 "forced_embed": lambda: answers_done(out, "forced_emb.jsonl", "forced.jsonl")}.get(
             stage, lambda: os.path.exists(done_path))()
         if done:
@@ -267,6 +325,8 @@ def main(argv=None) -> int:
             continue
         if stage == "generate":
             write_generate_prompts(cfg, out)
+        if stage == "network_answers":
+            write_network_prompts(out)
         if stage == "forced_rows":
             write_forced_tasks(cfg, out)
         runner.run(stage, cmd, heavy)

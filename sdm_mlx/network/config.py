@@ -31,7 +31,8 @@ class NetworkConfig:
     data: str | None = option(None, "task JSONL with id, label (task label 0..C-1), document")
     verification_data: str | None = option(
         None, "instead of --data: verification rows JSONL (id, prompt, completion, label, [task_label]), e.g. from "
-              "make-verification-data")
+              "make-verification-data; rows of the model's own answers also carry answer_label (its parsed "
+              "answer), and with --answers model its wrong ones, corrected, become W_pos positives")
     tasks: list | None = option(
         None, "instead of --data: several tasks trained together (universal verification), a YAML list of mappings "
               "{name, data, preset | completions + prompt_template}; row ids become '<name>/<id>'", cli=False)

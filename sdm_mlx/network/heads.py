@@ -163,28 +163,42 @@ def token_hidden_states(
     positions: Sequence[Sequence[int]],
     batch_size: int = 8,
     progress=None,
+    prefix_ids: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Final-norm hidden states at chosen positions, concatenated over sequences: float32 ``[sum len, D]``.
 
     ``positions[i]`` are indices into ``sequences[i]``; only ``sequences[i][:max(positions[i]) + 1]``
-    is run (the model is causal).  Sequences are processed ``batch_size`` at a
-    time, longest first, with right padding (exact for causal models).  Used to
-    cache the frozen states of the y = 1 completion tokens once (DESIGN #19).
+    is run (the model is causal).  The token prefix every cut sequence shares (up to the first chosen
+    position; with ``prefix_ids``, also shared with it: data-parallel ranks pass the whole set's) is
+    prefilled once into an mlx-lm prompt cache, tiled over each batch, and only each row's own tokens run
+    (exact for causal models, as in :func:`sdm_mlx.llm.embed.document_features`).  Sequences are processed
+    ``batch_size`` at a time, longest first, with right padding.  Used to cache the frozen states of the
+    y = 1 completion tokens once (DESIGN #19).
     """
     n = len(sequences)
     if len(positions) != n:
         raise InputError("positions must have one entry per sequence")
     need = [int(max(p)) + 1 if len(p) else 0 for p in positions]
+    cut = [list(sequences[i][: need[i]]) for i in range(n) if need[i] > 0]
+    shared = 0
+    if cut:
+        first = min(int(min(p)) for p in positions if len(p))
+        shared = min(_embed.common_prefix_length(cut + ([list(prefix_ids)] if prefix_ids is not None else [])),
+                     first)
+    prefix = _embed.run_shared_prefix(model, cut[0][:shared]) if shared else None
+    shared = prefix.length if prefix is not None else 0
     order = sorted(range(n), key=lambda i: -need[i])
     parts: list = [None] * n
     for b0 in range(0, n, batch_size):
         idx = [i for i in order[b0 : b0 + batch_size] if need[i] > 0]
         if not idx:
             continue
-        h = _embed.hidden_states(model, [list(sequences[i][: need[i]]) for i in idx])
+        cache = _embed.tiled_cache(prefix, len(idx)) if prefix is not None else None
+        h = _embed.hidden_states(model, [list(sequences[i][shared : need[i]]) for i in idx], cache=cache)
         mx.eval(h)
         for k, i in enumerate(idx):
-            parts[i] = np.array(h[k][mx.array(np.asarray(positions[i], dtype=np.int32))], dtype=np.float32)
+            at = np.asarray(positions[i], dtype=np.int32) - shared
+            parts[i] = np.array(h[k][mx.array(at)], dtype=np.float32)
         if progress is not None:
             progress(len(idx))
     width = None

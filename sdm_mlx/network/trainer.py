@@ -309,12 +309,14 @@ class SDMNetworkTrainer:
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
                                      c.embed_batch_size, verbose=c.verbose)
-        need = [max(pos) + 1 if pos else 0 for pos in (
-            completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter, c.max_length)[1]
-            for r in pos_rows)]  # token_hidden_states' sort key
+        planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
+                                              c.max_length) for r in pos_rows]
+        need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
         mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
+        seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
+        prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
         cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, verbose=c.verbose)
+                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
         hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
         doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token
@@ -465,8 +467,11 @@ class SDMNetworkTrainer:
         self._write_verifier(est, rows, train_rows, cal_rows)
         self._check_admission(est, train_rows, cal_rows)
         pos_rows = [r for r in train_rows if int(r["label"]) == 1]
-        if c.answers == "model" and not c.verification_data:  # wrong own answers, corrected in their own layout
+        if c.answers == "model":  # wrong own answers (rows with an answer_label), corrected in their own layout
             fixed = corrected_rows(train_rows, self.completions)
+            if c.verification_data:  # given own-answer rows (e.g. a verified-generation run's answers)
+                self.answer_stats = {"mode": "given", "rows": len(rows),
+                                     "own_answer_rows": sum("answer_label" in r for r in rows)}
             self.answer_stats["corrected_positives"] = len(fixed)
             pos_rows += fixed
         self.log(f"split: {len(train_rows)} training rows ({len(pos_rows)} with label 1), "

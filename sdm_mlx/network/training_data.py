@@ -117,6 +117,9 @@ def build_verification_rows(config: NetworkConfig, tokenizer) -> list[dict]:
                     raise InputError(f"{config.verification_data}: row {i + 1} lacks field {fld!r}")
             if r["label"] not in (0, 1) or isinstance(r["label"], bool):
                 raise InputError(f"{config.verification_data}: row {i + 1}: label must be 0 or 1")
+            if "answer_label" in r and "task_label" not in r:  # an own-answer row: corrected when wrong
+                raise InputError(f"{config.verification_data}: row {i + 1} has answer_label (the model's own "
+                                 "answer) but no task_label (the right one): add task_label")
         return rows
     if config.tasks:
         out = []
@@ -171,8 +174,9 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
 
 
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, *, verbose: bool = True) -> TokenCache:
-    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``)."""
+                      batch_size: int = 8, *, verbose: bool = True, prefix_ids=None) -> TokenCache:
+    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``); their shared token prefix runs once
+    (``prefix_ids``: see :func:`~sdm_mlx.network.heads.token_hidden_states`)."""
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):
         ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
@@ -183,7 +187,8 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
         tgts.extend(tg)
         docs.extend([i] * len(pos))
     with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
-        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update)
+        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,
+                                     prefix_ids=prefix_ids)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
     if skipped and verbose:
         log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "

@@ -483,3 +483,33 @@ def test_float32_reference_head_for_quantized_models(tiny_phi3_path):
     np.testing.assert_allclose(np.array(heads.ref_logits(h)), np.array(SDMHeads(model).ref_logits(h)), atol=1e-3)
     with pytest.raises(ValueError, match="reference_head"):
         SDMHeads(model, reference_head="bf16")
+
+
+@pytest.mark.parametrize("which", ["phi3", "qwen2"])
+def test_token_states_run_the_shared_prefix_once_and_equal_full_passes(which, request, monkeypatch):
+    """The token cache's states (DESIGN #19) with the rows' common prompt prefix prefilled once equal those of
+    whole-sequence passes (one row at a time, no prefix) within 1e-5, with and without a given prefix."""
+    from sdm_mlx.llm.embed import encode, hidden_states
+    from sdm_mlx.network.heads import token_hidden_states
+
+    model, tok = request.getfixturevalue(which)
+    comps = PRESETS["sentiment"]["completions"]
+    seqs, poss = [], []
+    for k, p in enumerate(_prompts(tok)):
+        ids, pos, _ = completion_token_positions(tok, p, comps[k % 2], "}", 500)
+        seqs.append(ids)
+        poss.append(pos)
+    want = np.concatenate([np.array(hidden_states(model, [s[: max(p) + 1]])[0][mx.array(np.array(p))])
+                           for s, p in zip(seqs, poss)])
+    import sdm_mlx.llm.embed as embed_module
+
+    prefilled = []
+    real = embed_module.run_shared_prefix
+    monkeypatch.setattr(embed_module, "run_shared_prefix", lambda m, ids: prefilled.append(len(ids)) or real(m, ids))
+    got = token_hidden_states(model, seqs, poss, batch_size=3)
+    assert prefilled and prefilled[0] >= 10  # the system message and template ran once
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    given = token_hidden_states(model, seqs, poss, batch_size=2, prefix_ids=seqs[0][:5])  # a shorter common prefix
+    np.testing.assert_allclose(given, want, atol=1e-5, rtol=1e-5)
+    assert len(encode(tok, _prompts(tok)[0])) > 5
