@@ -88,14 +88,20 @@ def _head_only_model(vocab: int, hidden: int, quantize: int | None, seed: int = 
 
 
 def bench_head_step(vocab: int, hidden: int, batch: int, steps: int, quantize: int | None,
-                    compile_step: bool = True, reference_head: str = "model") -> dict:
+                    compile_step: bool = True, reference_head: str = "model", host: bool = False) -> dict:
+    """One size's W_pos step: MLX's (compiled or eager) or, with ``host``, the host step (:mod:`sdm_mlx.network.host_step`)."""
     from sdm_mlx.network.heads import SDMHeads
+    from sdm_mlx.network.host_step import HostTrainStep
     from sdm_mlx.network.trainer import make_optimizer, make_train_step
 
     model = _head_only_model(vocab, hidden, quantize)
     heads = SDMHeads(model, reference_head=reference_head)
     opt = make_optimizer(1e-5)
-    step = make_train_step(heads, opt, compile=compile_step)
+    if host:
+        step = HostTrainStep(heads, opt)
+        step.begin()
+    else:
+        step = make_train_step(heads, opt, compile=compile_step)
     rng = np.random.default_rng(0)
     n_tok = batch * (steps + 2)
     H = mx.array(rng.normal(size=(n_tok, hidden)).astype(np.float32))
@@ -103,18 +109,25 @@ def bench_head_step(vocab: int, hidden: int, batch: int, steps: int, quantize: i
     q = mx.array(rng.uniform(1, 30, size=n_tok).astype(np.float32))
     d = mx.array(rng.uniform(0.3, 1, size=n_tok).astype(np.float32))
     mx.eval(H, T, q, d)
+    Hn, Tn, qn, dn = (np.array(a) for a in (H, T, q, d))
     mx.reset_peak_memory()
     times = []
     for b in range(steps + 2):
         sl = slice(b * batch, (b + 1) * batch)
         t0 = time.perf_counter()
-        out = step(H[sl], T[sl], q[sl], d[sl], mx.array(0.05, dtype=mx.float32))
-        mx.eval(out, heads.state, opt.state)
+        if host:
+            step(Hn[sl], Tn[sl], qn[sl], dn[sl], 0.05)
+        else:
+            out = step(H[sl], T[sl], q[sl], d[sl], mx.array(0.05, dtype=mx.float32))
+            mx.eval(out, heads.state, opt.state)
         times.append(time.perf_counter() - t0)
+    if host:
+        step.end()
     t = float(np.median(times[2:]))  # the first two include compilation and Adam-state allocation
     flops = 6.0 * batch * vocab * hidden
     return {
-        "vocab": vocab, "hidden": hidden, "w_pos_params": vocab * hidden, "batch": batch, "compiled": compile_step,
+        "vocab": vocab, "hidden": hidden, "w_pos_params": vocab * hidden, "batch": batch,
+        "compiled": compile_step and not host, "step": "host" if host else ("compiled" if compile_step else "eager"),
         "reference_head": reference_head,
         "quantized_ref_head_bits": quantize, "first_step_s": times[0], "step_ms": 1000 * t,
         "us_per_token": 1e6 * t / batch, "tokens_per_s": batch / t, "gflops": flops / t / 1e9,
@@ -245,7 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-head", nargs="+", default=["model"], choices=["model", "float32"],
                     help="how z_ref is computed in the timed step (see sdm_mlx.network.heads.REFERENCE_HEADS)")
     ap.add_argument("--no-tiny-run", action="store_true", help="skip the end-to-end tiny recipe")
-    ap.add_argument("--compile", choices=["both", "on", "off"], default="both", help="time the compiled and/or eager step")
+    ap.add_argument("--compile", choices=["both", "on", "off", "all", "host"], default="both",
+                    help="time the compiled and/or eager MLX step; 'host': the host step; 'all': the three")
     ap.add_argument("--mac-tflops", type=float, default=4.0,
                     help="assumed achieved fp32 matmul TFLOP/s of the target Mac GPU (M2 Max class: ~13.6 nominal)")
     ap.add_argument("--mac-gbs", type=float, default=200.0,
@@ -260,14 +274,15 @@ def main(argv=None) -> int:
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                           "mlx": mx.__version__, "device": str(mx.default_device()), "blas": describe_blas()}}
     heads = []
-    modes = {"both": [True, False], "on": [True], "off": [False]}[args.compile]
+    modes = {"both": [True, False], "on": [True], "off": [False], "host": ["host"],
+             "all": ["host", True, False]}[args.compile]
     for name in args.sizes:
         V, D = SIZES[name]
         for ref in args.reference_head:
             for comp in modes:
                 steps = args.steps if V * D < 10**8 else min(args.steps, 3)
-                r = bench_head_step(V, D, args.batch, steps, args.quantize or None, compile_step=comp,
-                                    reference_head=ref)
+                r = bench_head_step(V, D, args.batch, steps, args.quantize or None, compile_step=comp is True,
+                                    reference_head=ref, host=comp == "host")
                 r["size"] = name
                 heads.append(r)
                 print(f"head step {name} ref={ref} compile={comp}: {r['step_ms']:.1f} ms/step", file=sys.stderr,
@@ -304,7 +319,7 @@ def main(argv=None) -> int:
           f"{'GFLOP/s':>8} {'peak MB':>8} {'RSS MB':>8}")
     for h in heads:
         print(f"{h['size']:6} {h['vocab']:>6} {h['hidden']:>5} {h['batch']:>3} {h['reference_head']:>7} "
-              f"{str(h['compiled']):>8} "
+              f"{h['step']:>8} "
               f"{h['step_ms']:>9.2f} {h['us_per_token']:>9.1f} {h['tokens_per_s']:>8.1f} {h['gflops']:>8.1f} "
               f"{h['mlx_peak_memory_mb']:>8.0f} {h['max_rss_mb']:>8.0f}")
     if "tiny_recipe" in report:

@@ -176,13 +176,11 @@ def write_forced_tasks(cfg: dict, out: str) -> None:
 def write_network_rows(cfg: dict, out: str) -> None:
     """``network_rows.jsonl``: the pool's own-answer rows as network-train verification rows (the prompt the
     ``answers`` stage decoded, the model's answer as completion, label, task_label and answer_label)."""
-    from pathlib import Path
-
-    from mlx_lm.tokenizer_utils import load_tokenizer
     from sdm_mlx.llm import embed as _embed
+    from sdm_mlx.llm.model import load_tokenizer
     from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 
-    tok = load_tokenizer(Path(cfg["model"]))
+    tok = load_tokenizer(cfg["model"])
     docs = {r["id"]: r["document"] for r in map(json.loads, open(os.path.join(out, "task.jsonl")))}
     template = PRESETS["factcheck"]["prompt_template"]
     tmp = os.path.join(out, "network_rows.jsonl.tmp")

@@ -61,7 +61,12 @@ class NetworkConfig:
     max_new_tokens: int = option(32, "greedy decoding limit")
     generation_batch_size: int = option(8, "prompts decoded together")
     embed_batch_size: int = option(8, "documents per forward pass for features")
-    compile_step: bool = option(True, "mx.compile the training step (MLX's fused CPU kernels were slower for "
+    train_step: str = option(
+        "auto", "where the W_pos step runs: 'host' (NumPy + BLAS, the loss gradient in closed form, Adam in "
+                "vocabulary row blocks: 7x MLX's on a Linux CPU for Qwen2.5-1.5B's head), 'mlx' (MLX ops: for "
+                "Apple silicon's GPU), 'auto' (host when MLX runs on the CPU, one process and a float32 "
+                "reference head)", choices=("auto", "host", "mlx"))
+    compile_step: bool = option(True, "mx.compile the MLX training step (MLX's fused CPU kernels were slower for "
                                       "Phi-3.5-sized heads on a Linux CPU; keep it on on Apple silicon)")
     reference_head: str = option(
         "model", "z_ref = z_neg from the model's own (possibly quantised) head, or from a frozen float32 copy "

@@ -20,6 +20,7 @@ import numpy as np
 
 from .data_parallel import DataParallel
 from .heads import SDMHeads
+from ..errors import InputError
 from .loss import beta_schedule, network_loss
 
 
@@ -50,6 +51,19 @@ def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool =
     return partial(mx.compile, inputs=state, outputs=state)(step)
 
 
+def make_step(heads: SDMHeads, optimizer: optim.Optimizer, *, kind: str = "auto", compile: bool = True) -> Callable:
+    """The W_pos step of one process: ``kind`` "host" (:class:`~.host_step.HostTrainStep`), "mlx"
+    (:func:`make_train_step`) or "auto" (host when MLX's default device is the CPU and the reference head is a
+    dense float32 matrix: there MLX's single-threaded element-wise work bounds the step)."""
+    from .host_step import HostTrainStep, host_step_supported
+
+    if kind not in ("auto", "host", "mlx"):
+        raise InputError(f"train_step must be 'auto', 'host' or 'mlx', got {kind!r}")
+    if kind == "auto":
+        kind = "host" if mx.default_device() == mx.cpu and host_step_supported(heads) else "mlx"
+    return HostTrainStep(heads, optimizer) if kind == "host" else make_train_step(heads, optimizer, compile=compile)
+
+
 def make_optimizer(learning_rate: float) -> optim.Optimizer:
     """Adam with PyTorch semantics (betas 0.9/0.999, eps 1e-8, bias correction)."""
     return optim.Adam(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
@@ -71,29 +85,34 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     perm = rng.permutation(n)
     nb = math.ceil(n / batch_size)
     betas = beta_schedule(nb, beta_min, beta_max)
-    q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
-    d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
+    host = getattr(step, "host", False)  # the host step (:mod:`.host_step`) takes NumPy and returns floats
+    if host:
+        step.begin()
+        h_np, t_np = np.asarray(hidden), np.asarray(targets)
+        q_np, d_np = np.asarray(q_tok, dtype=np.float32), np.asarray(d_tok, dtype=np.float32)
+    else:
+        q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
+        d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
     sums = np.zeros(4)
     t0 = time.perf_counter()
     split = dp is not None and dp.active
     for b in range(nb):
         sel = perm[b * batch_size : (b + 1) * batch_size]
         n_b = len(sel)
-        beta = mx.array(betas[b], dtype=mx.float32)
-        if split:
-            lo, hi = dp.minibatch_slice(n_b)
-            idx = mx.array(sel[lo:hi].astype(np.int32))
-            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta, mx.array(float(n_b)))
+        if host:
+            vals = list(step(h_np[sel], t_np[sel], q_np[sel], d_np[sel], float(betas[b])))
         else:
-            idx = mx.array(sel.astype(np.int32))
-            out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta)
-        mx.eval(out, heads.state, optimizer.state)
-        vals = [float(v.item()) for v in out]
+            vals = _mlx_step(step, heads, optimizer, sel, hidden, targets, q_all, d_all, betas[b],
+                             dp if split else None)
         if not all(math.isfinite(v) for v in vals):
+            if host:
+                step.end()
             raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
         sums += np.array(vals) * n_b
         if progress is not None:
             progress(n_b, loss=f"{vals[0]:.4f}")
+    if host:
+        step.end()
     secs = time.perf_counter() - t0
     mean = sums / n
     return {
@@ -101,3 +120,18 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
         "reg_rescaled": float(mean[3]), "beta_first": float(betas[0]), "beta_last": float(betas[-1]),
         "seconds": secs, "tokens_per_s": n / secs if secs > 0 else float("inf"), "step_ms": 1000 * secs / nb,
     }
+
+
+def _mlx_step(step, heads, optimizer, sel, hidden, targets, q_all, d_all, beta_b, dp) -> list:
+    """One MLX step on the mini-batch ``sel`` (this rank's slice of it under ``dp``), evaluated; its floats."""
+    n_b = len(sel)
+    beta = mx.array(beta_b, dtype=mx.float32)
+    if dp is not None:
+        lo, hi = dp.minibatch_slice(n_b)
+        idx = mx.array(sel[lo:hi].astype(np.int32))
+        out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta, mx.array(float(n_b)))
+    else:
+        idx = mx.array(sel.astype(np.int32))
+        out = step(hidden[idx], targets[idx], q_all[idx], d_all[idx], beta)
+    mx.eval(out, heads.state, optimizer.state)
+    return [float(v.item()) for v in out]

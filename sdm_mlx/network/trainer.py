@@ -64,7 +64,7 @@ from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, read_network_config, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .resume import Resumption, discard_state
-from .step import make_optimizer, make_train_step, train_epoch
+from .step import make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_token_cache, build_verification_rows, completion_token_positions,
                             corrected_rows, model_answer_rows)
 from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
@@ -440,7 +440,7 @@ class SDMNetworkTrainer:
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
         else:
-            step = make_train_step(self.heads, optimizer, compile=c.compile_step)
+            step = make_step(self.heads, optimizer, kind=c.train_step, compile=c.compile_step)
         epoch = done
         try:
             for epoch in range(done + 1, c.epochs + 1):

@@ -1,0 +1,138 @@
+"""The host W_pos step (:mod:`sdm_mlx.network.host_step`) against MLX's autodiff step: the same losses, the same
+Adam trajectory up to float rounding, the same Alg. 4 run through the CLI."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from sdm_mlx.errors import InputError
+from sdm_mlx.llm.embed import load_model
+from sdm_mlx.network.heads import SDMHeads
+from sdm_mlx.network.host_step import HostTrainStep, host_step_supported
+from sdm_mlx.network.step import make_optimizer, make_step, make_train_step
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_qwen2_path):
+    return load_model(tiny_qwen2_path)
+
+
+def _batches(vocab, hidden, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        n = 9
+        h = (3 * rng.standard_normal((n, hidden))).astype(np.float32)
+        t = rng.integers(0, vocab, n) + vocab
+        t[0] -= vocab  # a target in the negative half
+        q = rng.uniform(0, 6, n).astype(np.float32)
+        q[1] = 0.0
+        d = rng.uniform(0.2, 1.0, n).astype(np.float32)
+        d[2] = 0.0  # d = 0: a uniform SDM output for this token
+        yield h, t, q, d
+
+
+def _run(model, kind, steps=4, lr=1e-2, beta=0.5):
+    heads = SDMHeads(model)
+    opt = make_optimizer(lr)
+    w0 = np.array(heads.pos.weight)
+    losses = []
+    if kind == "host":
+        step = HostTrainStep(heads, opt)
+        step.begin()
+    else:
+        step = make_train_step(heads, opt, compile=kind == "compiled")
+    for h, t, q, d in _batches(heads.vocab_size, heads.hidden_size, steps):
+        if kind == "host":
+            losses.append(step(h, t, q, d, beta))
+        else:
+            out = step(mx.array(h), mx.array(t.astype(np.int32)), mx.array(q), mx.array(d),
+                       mx.array(beta, dtype=mx.float32))
+            mx.eval(out, heads.state, opt.state)
+            losses.append([float(x.item()) for x in out])
+    if kind == "host":
+        step.end()
+    state = opt.state["pos"]["weight"]
+    return (np.array(losses), w0, np.array(heads.pos.weight), np.array(state["m"]), np.array(state["v"]),
+            int(np.array(opt.state["step"])))
+
+
+@pytest.mark.parametrize("mlx_kind", ["eager", "compiled"])
+def test_host_step_follows_mlx_autodiff_step(qwen2, mlx_kind):
+    """Four Adam steps with both terms of the loss active (R > 1 after the first step), a negative-half target,
+    q = 0 and d = 0 rows: losses within 1e-5 relative, W_pos, m and v within 1 % of how far they moved."""
+    model, _ = qwen2
+    want, w0, w_mlx, m_mlx, v_mlx, steps_mlx = _run(model, mlx_kind)
+    got, _, w_host, m_host, v_host, steps_host = _run(model, "host")
+    assert steps_host == steps_mlx == 4
+    assert want[0, 2] == 0.0 and got[0, 2] == 0.0  # W_pos = W_ref: R = 0 exactly, in both
+    assert (want[1:, 2] > 1).all()  # the regularizer's gradient is exercised
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    moved = np.abs(w_mlx - w0).max()
+    assert moved > 1e-2
+    assert np.abs(w_host - w_mlx).max() < 0.01 * moved
+    assert np.abs(m_host - m_mlx).max() < 0.01 * np.abs(m_mlx).max()
+    assert np.abs(v_host - v_mlx).max() < 0.01 * np.abs(v_mlx).max()
+
+
+def test_host_step_is_chosen_on_cpu_and_refuses_a_quantised_reference(qwen2, tiny_phi3_path, tmp_path):
+    model, _ = qwen2
+    heads = SDMHeads(model)
+    opt = make_optimizer(1e-3)
+    assert host_step_supported(heads)
+    assert isinstance(make_step(heads, opt, kind="auto"), HostTrainStep)  # the tests run MLX on the CPU
+    assert not isinstance(make_step(heads, opt, kind="mlx"), HostTrainStep)
+    with pytest.raises(InputError, match="train_step"):
+        make_step(heads, opt, kind="gpu")
+    import mlx.nn as nn
+
+    qmodel, _ = load_model(tiny_phi3_path)
+    nn.quantize(qmodel, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear)
+                and m.weight.shape[0] >= 32 and m.weight.shape[1] % 32 == 0)
+    assert hasattr(qmodel.lm_head, "scales")  # the head is quantised
+    qheads = SDMHeads(qmodel)
+    assert not host_step_supported(qheads)
+    assert not isinstance(make_step(qheads, opt, kind="auto"), HostTrainStep)
+    with pytest.raises(InputError, match="reference-head float32"):
+        HostTrainStep(qheads, opt)
+    assert host_step_supported(SDMHeads(qmodel, reference_head="float32"))
+
+
+def test_host_step_needs_begin(qwen2):
+    model, _ = qwen2
+    heads = SDMHeads(model)
+    step = HostTrainStep(heads, make_optimizer(1e-3))
+    h, t, q, d = next(_batches(heads.vocab_size, heads.hidden_size, 1))
+    with pytest.raises(RuntimeError, match="begin"):
+        step(h, t, q, d, 0.1)
+
+
+def test_network_train_cli_host_and_mlx_steps_agree(tmp_path):
+    """``sdm-mlx network-train --train-step host`` and ``--train-step mlx`` on the same tiny task: the same
+    counts and kept epoch, per-epoch losses within 1e-4 relative (the default on a CPU is the host step)."""
+    import subprocess
+    import sys
+
+    from tiny_tool import make_tiny_model_tool  # tests/helpers/
+
+    built = make_tiny_model_tool().build(str(tmp_path / "tiny"), rows=300, quiet=True)
+    metrics = {}
+    for kind in ("host", "mlx"):
+        out = tmp_path / kind
+        cmd = [sys.executable, "-m", "sdm_mlx", "network-train", "--model", built["model"], "--data", built["task"],
+               "--preset", "sentiment", "--answers", "preset", "--output", str(out), "--epochs", "2",
+               "--learning-rate", "1e-2", "--max-new-tokens", "12", "--generation-batch-size", "64",
+               "--alpha", "0.8", "--verifier-iterations", "1", "--verifier-epochs", "20",
+               "--verifier-exemplar-dim", "64", "--verifier-learning-rate", "3e-3",
+               "--verifier-rescaler-max-epochs", "20", "--no-require-admission", "--train-step", kind, "--quiet"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        metrics[kind] = json.loads((out / "metrics.json").read_text())
+    host, ref = metrics["host"], metrics["mlx"]
+    assert host["initial"]["count"] == ref["initial"]["count"]
+    assert [e["count"] for e in host["epochs"]] == [e["count"] for e in ref["epochs"]]
+    assert host["selected_epoch"] == ref["selected_epoch"]
+    for a, b in zip(host["epochs"], ref["epochs"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["tokens"] == b["tokens"] > 0
