@@ -13,6 +13,7 @@ The rows are balanced by label within each split and shuffled together, so any p
 is itself a stratified sample (what a resumable answers run finished before it was stopped).
 
     python tools/arithmetic_sample.py --pool 1200 --heldout 300 --generated 200 -o runs/arith/task.jsonl
+    python tools/arithmetic_sample.py --extend runs/arith/task.jsonl --pool 1200 -o runs/arith2/task.jsonl
 """
 
 from __future__ import annotations
@@ -70,16 +71,40 @@ def sample_rows(n_pool: int, n_heldout: int, n_generated: int, seed: int = 0) ->
     return [rows[i] for i in rng.permutation(len(rows))]
 
 
+def triple(document: str) -> tuple[int, str, int]:
+    """``(a, op, b)`` of a statement ``"a op b equals c."``."""
+    a, op, b = document.split()[:3]
+    return int(a), op, int(b)
+
+
+def extend_pool(rows: list[dict], n_more: int, seed: int) -> list[dict]:
+    """``rows`` followed by ``n_more`` new pool rows: operand triples in none of ``rows`` (so the held-out
+    split stays unseen), drawn with their own seed; the earlier rows keep their ids and order (a resumable
+    answers run only decodes the new ones)."""
+    seen = {triple(r["document"]) for r in rows}
+    more = draw(n_more, "pool", np.random.default_rng([seed, 1]), seen, False)
+    return list(rows) + more
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pool", type=int, default=1200, help="two-digit statements for training and calibration")
     ap.add_argument("--heldout", type=int, default=300, help="two-digit statements never in the pool")
     ap.add_argument("--generated", type=int, default=200, help="three-digit statements (the shift)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extend", metavar="TASK_JSONL", default=None,
+                    help="instead: this sample followed by --pool more pool statements unseen in it")
     ap.add_argument("-o", "--output", required=True)
     args = ap.parse_args(argv)
     if min(args.pool, args.heldout, args.generated) < 0:
         ap.error("--pool, --heldout and --generated must be >= 0")
+    if args.extend:
+        import json
+
+        with open(args.extend, encoding="utf-8") as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+        write_sample(args.output, extend_pool(rows, args.pool, args.seed))
+        return 0
     write_sample(args.output, sample_rows(args.pool, args.heldout, args.generated, args.seed))
     return 0
 

@@ -269,6 +269,44 @@ def verified_generation_table(out: str, verifier: str = "verifier") -> dict:
     return table
 
 
+def network_table(out: str) -> dict | None:
+    """The SDM network after Alg. 4 (``network_run``): its selection record, and per split the task accuracy of
+    ``generate --head``'s answers (unparsable = wrong) without rejection and of those it verified (p̂_lower)."""
+    from sdm_mlx.llm.verification_data import PRESETS
+    from sdm_mlx.network.generation import parse_task_prediction
+
+    metrics_path = os.path.join(out, "network_run", "metrics.json")
+    answers_path = os.path.join(out, "network_answers.jsonl")
+    if not os.path.exists(metrics_path):
+        return None
+    m = json.load(open(metrics_path))
+    table = {"selection": {"initial_count": m.get("initial", {}).get("count"),
+                           "epochs": [{k: e.get(k) for k in ("epoch", "count", "loss", "nll", "reg", "tokens",
+                                                             "seconds", "tokens_per_s", "step_ms", "epoch_seconds")}
+                                      for e in m.get("epochs", [])],
+                           "selected_epoch": m.get("selected_epoch"), "finished": m.get("finished")}}
+    if not os.path.exists(answers_path):
+        return table
+    task = {r["id"]: r for r in map(json.loads, open(os.path.join(out, "task.jsonl")))}
+    comps = PRESETS["factcheck"]["completions"]
+    rows = [json.loads(x) for x in open(answers_path)]
+    for split in ("heldout_topics", "generated"):
+        part = [r for r in rows if r["id"] in task and task[r["id"]]["split"] == split]
+        if not part:
+            continue
+        correct = np.array([parse_task_prediction(r["answer"], comps) == int(task[r["id"]]["label"]) for r in part])
+        verified = np.array([bool(r.get("verified")) for r in part])
+        table[split] = {
+            "statements": len(part),
+            "no_reject": {"task_accuracy": round(float(correct.mean()), 4), "admitted_fraction": 1.0},
+            "p_lower": {"task_accuracy": round(float(correct[verified].mean()), 4) if verified.any() else None,
+                        "admitted": int(verified.sum()), "admitted_fraction": round(float(verified.mean()), 4)},
+            "statuses": {k: int(sum(r.get("status") == k for r in part))
+                         for k in sorted({str(r.get("status")) for r in part})},
+        }
+    return table
+
+
 def verification_task_table(path: str) -> dict:
     """{dataset: {estimator: {accuracy, admitted, n, calibrated}}} at the estimator's alpha', from an evaluate report."""
     rep = json.load(open(path))
@@ -301,6 +339,9 @@ def main(argv=None) -> int:
             table = verified_generation_table(out)
             if os.path.isdir(os.path.join(out, "verifier_forced")):
                 table["paper_encoding_verifier"] = verified_generation_table(out, "verifier_forced")
+            network = network_table(out)
+            if network is not None:
+                table["network"] = network
             for name in ("evaluate", "evaluate_forced"):
                 if os.path.exists(os.path.join(out, f"{name}.json")):
                     table[f"verification_task/{name}"] = verification_task_table(os.path.join(out, f"{name}.json"))
