@@ -102,8 +102,8 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
         if host:
             vals = list(step(h_np[sel], t_np[sel], q_np[sel], d_np[sel], float(betas[b])))
         else:
-            vals = _mlx_step(step, heads, optimizer, sel, hidden, targets, q_all, d_all, betas[b],
-                             dp if split else None)
+            vals = _mlx_step(step, heads, optimizer, sel, hidden=hidden, targets=targets, q_all=q_all, d_all=d_all,
+                             beta_b=betas[b], dp=dp if split else None)
         if not all(math.isfinite(v) for v in vals):
             if host:
                 step.end()
@@ -122,7 +122,7 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     }
 
 
-def _mlx_step(step, heads, optimizer, sel, hidden, targets, q_all, d_all, beta_b, dp) -> list:
+def _mlx_step(step, heads, optimizer, sel, *, hidden, targets, q_all, d_all, beta_b, dp) -> list:
     """One MLX step on the mini-batch ``sel`` (this rank's slice of it under ``dp``), evaluated; its floats."""
     n_b = len(sel)
     beta = mx.array(beta_b, dtype=mx.float32)
