@@ -1,0 +1,129 @@
+"""Benchmark: does ``sdm-mlx serve``'s memory stay flat under a long bounded load?
+
+    python tools/bench_serve_soak.py [--size tiny] [--seconds 300] [--clients 16] [--json soak.json]
+
+Builds the same random Phi-3-architecture model and verifier as ``tools/bench_serve.py``, starts
+``sdm-mlx serve`` with its default bounds (prompt cache ``--prompt-cache-bytes``, verdict store
+``--max-verdicts``), and keeps ``--clients`` clients busy for ``--seconds``: every request has its own
+review text (so the prompt cache keeps admitting and evicting), a quarter of them stream, and the
+policies rotate over ``return``, ``abstain`` and ``reask`` (2 attempts).  The server's resident set
+(``VmRSS``) is sampled every ``--every`` seconds.  Reported: the samples, the peak (``VmHWM``), the
+requests and errors, and the growth over the second half of the run (MiB and % of its start) — the
+stores fill in the first minute or two, so a flat server shows ≈ 0 there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import sdm_mlx  # noqa: F401  (before mlx: loads OpenBLAS on Linux)
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))  # server_process.py
+
+from bench_common import SIZES, write_report  # noqa: E402
+from bench_serve import WORDS, build, chat, peak_rss_mb, post  # noqa: E402
+from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
+from server_process import ServerProcess, sdm_mlx  # noqa: E402
+
+POLICIES = ({"on_reject": "return"}, {"on_reject": "abstain"}, {"on_reject": "reask", "max_attempts": 2})
+
+
+def rss_mb(pid: int) -> float | None:
+    """Current resident set size of a live process (Linux ``VmRSS``), in MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float) -> dict:
+    stop = time.perf_counter() + seconds
+    counter = itertools.count()
+    done, errors, lock = [0], [], threading.Lock()
+    rng = np.random.default_rng(0)
+    words = list(WORDS)
+
+    def worker(c: int):
+        while time.perf_counter() < stop:
+            k = next(counter)
+            text = f"Review {k}: the film is {' and '.join(rng.choice(words, 2, replace=False))}. Sentiment as JSON?"
+            stream = k % 4 == 0
+            body = chat(text, tokens, stream=stream, sdm=POLICIES[k % len(POLICIES)])
+            try:
+                post(port, "/v1/chat/completions", body, stream=stream, timeout=120)
+                with lock:
+                    done[0] += 1
+            except Exception as e:  # reported, never silently dropped
+                with lock:
+                    errors.append(repr(e)[:200])
+
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    samples = []
+    while time.perf_counter() < stop:
+        samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": rss_mb(pid), "requests": done[0]})
+        time.sleep(every)
+    for t in threads:
+        t.join(timeout=180)
+    samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": rss_mb(pid), "requests": done[0]})
+    half = [s for s in samples if s["t_s"] >= seconds / 2 and s["rss_mb"] is not None]
+    grow = half[-1]["rss_mb"] - half[0]["rss_mb"] if len(half) >= 2 else None
+    return {"samples": samples, "requests": done[0], "errors": len(errors), "error_samples": errors[:3],
+            "requests_per_s": done[0] / (time.perf_counter() - t0),
+            "second_half_growth_mb": grow,
+            "second_half_growth_pct": 100 * grow / half[0]["rss_mb"] if grow is not None else None,
+            "peak_rss_mb": peak_rss_mb(pid)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
+    ap.add_argument("--support", type=int, default=1000, help="support rows of the verifier")
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    report = {"size": args.size, "seconds": args.seconds, "clients": args.clients, "tokens": args.tokens,
+              "blas": describe_blas(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, verifier = build(tmp, args.size, args.support)
+        srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet",
+                                    "--system", "", "--prompt-template", "{document}", "--served-model-name",
+                                    "bench"), timeout=300)
+        try:
+            post(srv.port, "/v1/chat/completions", chat("warm-up", args.tokens))
+            report.update(soak(srv.port, srv.proc.pid, seconds=args.seconds, clients=args.clients,
+                               tokens=args.tokens, every=args.every))
+            report["load_average_after"] = os.getloadavg()
+        finally:
+            report["sdm_exit_code"] = srv.stop()
+    for s in report["samples"]:
+        print(f"{s['t_s']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MiB  {s['requests']:>6} requests")
+    print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
+          f"{report['peak_rss_mb']:.0f} MiB; second half growth {report['second_half_growth_mb']:+.1f} MiB "
+          f"({report['second_half_growth_pct']:+.1f} %); load average {report['load_average_before'][0]:.1f} -> "
+          f"{report['load_average_after'][0]:.1f}")
+    if args.json:
+        write_report(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
