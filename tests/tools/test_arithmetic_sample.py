@@ -44,3 +44,25 @@ def test_the_cli_writes_the_same_file_for_the_same_seed(tmp_path):
     first, second = run(tmp_path / "a" / "task.jsonl"), run(tmp_path / "b.jsonl")
     assert first == second and len(first) == 16
     assert len({r["id"] for r in first}) == 16
+
+
+def test_extend_adds_unseen_pool_statements_and_keeps_the_sample(tmp_path):
+    """--extend: the sample's rows unchanged and first, then --pool new balanced pool rows whose operand triples
+    are in none of its splits (the held-out stays unseen), with new ids."""
+    base = tmp_path / "task.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--pool", "40", "--heldout", "20",
+                    "--generated", "10", "-o", str(base)], check=True, capture_output=True)
+    out = tmp_path / "more" / "task.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--extend", str(base), "--pool",
+                    "30", "-o", str(out)], check=True, capture_output=True)
+    old = [json.loads(x) for x in base.read_text().splitlines()]
+    new = [json.loads(x) for x in out.read_text().splitlines()]
+    assert new[: len(old)] == old and len(new) == len(old) + 30
+    added = new[len(old):]
+    assert {r["split"] for r in added} == {"pool"} and sum(r["label"] for r in added) == 15
+    seen = {_parse(r["document"])[:3] for r in old}
+    assert not seen & {_parse(r["document"])[:3] for r in added}
+    assert len({r["id"] for r in new}) == len(new)
+    for r in added:
+        a, op, b, c, true = _parse(r["document"])
+        assert r["label"] == int(c == true)
