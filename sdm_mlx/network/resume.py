@@ -44,9 +44,10 @@ RESUME_DIR = "resume"
 ROWS_FILE = "rows.json"
 #: settings that do not change what the epochs compute (``epochs`` is compared on its own; a state is written
 #: only after the admission check of ``require_admission`` passed; the host and MLX steps compute the same
-#: update up to float rounding, and the state holds plain W_pos and Adam arrays either way)
+#: update up to float rounding, and the state holds plain W_pos and Adam arrays either way; the batched
+#: engine decodes and embeds a row the same whatever else is in its batch, tests/decoding)
 _NOT_COMPARED = ("output_dir", "epochs", "overwrite", "restart", "verbose", "distributed_timeout", "require_admission",
-                 "train_step")
+                 "train_step", "generation_batch_size", "embed_batch_size")
 #: model files up to this size are compared by SHA-256, larger ones (the weights) by size
 _HASHED_MODEL_FILE = 32 << 20
 
