@@ -5,7 +5,8 @@
 Builds the same random Phi-3-architecture model and verifier as ``tools/bench_serve.py``, starts
 ``sdm-mlx serve`` with its default bounds (prompt cache ``--prompt-cache-bytes``, verdict store
 ``--max-verdicts``), and keeps ``--clients`` clients busy for ``--seconds``: every request has its own
-review text (so the prompt cache keeps admitting and evicting), a quarter of them stream, and the
+review text (so the prompt cache keeps admitting, and evicting once full: with ``serve``'s default
+bound of 256 MiB that takes a tiny model's ~4,000 prompts; ``--prompt-cache-bytes`` lowers it), a quarter of them stream, and the
 policies rotate over ``return``, ``abstain`` and ``reask`` (2 attempts).  The server's resident set
 (``VmRSS``) is sampled every ``--every`` seconds.  Reported: the samples, the peak (``VmHWM``), the
 requests and errors, and the growth over the second half of the run (MiB and % of its start) — the
@@ -98,15 +99,20 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     ap.add_argument("--support", type=int, default=1000, help="support rows of the verifier")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples")
+    ap.add_argument("--prompt-cache-bytes", type=int, default=None,
+                    help="the server's prompt-cache bound (default: serve's); a small one fills within the first "
+                         "minute, so the rest of the run shows whether anything else grows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     report = {"size": args.size, "seconds": args.seconds, "clients": args.clients, "tokens": args.tokens,
+              "prompt_cache_bytes": args.prompt_cache_bytes,
               "blas": describe_blas(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support)
         srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet",
                                     "--system", "", "--prompt-template", "{document}", "--served-model-name",
-                                    "bench"), timeout=300)
+                                    "bench", *(["--prompt-cache-bytes", args.prompt_cache_bytes]
+                                               if args.prompt_cache_bytes is not None else [])), timeout=300)
         try:
             post(srv.port, "/v1/chat/completions", chat("warm-up", args.tokens))
             report.update(soak(srv.port, srv.proc.pid, seconds=args.seconds, clients=args.clients,

@@ -285,3 +285,13 @@ def test_data_parallel_runs_resume_on_the_same_number_of_ranks(tiny, tmp_path):
     assert np.abs(w - w_ref).max() <= 1e-5 * max(1.0, float(np.abs(w_ref).max()))
     one = sdm(train_args(tiny["built"], out))
     assert one.returncode == 2 and "the number of mlx.launch ranks 2 -> 1" in one.stderr, one.stderr
+
+
+def test_settings_that_are_not_compared_do_not_stop_a_resume_even_in_an_older_state():
+    """A state written while the batch sizes were still part of the fingerprint resumes under code that no longer
+    compares them (the engine's rows do not depend on their batch); a real difference is still named."""
+    from sdm_mlx.network.resume import fingerprint_differences
+
+    saved = {"learning_rate": 3e-5, "generation_batch_size": 16, "embed_batch_size": 16, "train_step": "mlx"}
+    assert fingerprint_differences(saved, {"learning_rate": 3e-5}) == []
+    assert fingerprint_differences(saved, {"learning_rate": 1e-5}) == ["learning_rate 3e-05 -> 1e-05"]
