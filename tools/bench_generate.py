@@ -53,8 +53,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sdm_mlx.llm import embed as E  # noqa: E402
-from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
+try:
+    from sdm_mlx.llm import embed as E  # noqa: E402
+    from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
+except ImportError:  # an older sdm_mlx tree (flat layout) in --batched's workers
+    from sdm_mlx import embed as E  # noqa: E402
+    from sdm_mlx.blas import describe_blas  # noqa: E402
 from bench_common import SIZES, load_bench_model, write_report  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
     b.add_argument("--batched", action="store_true")
     b.add_argument("--old-src", default=None, help="directory holding the older sdm_mlx package")
     b.add_argument("--batch", type=int, default=16, help="rows decoded at once")
+    b.add_argument("--old-batch", type=int, default=None,
+                   help="rows decoded at once by the older code (default: --batch; e.g. its own default, 8)")
     b.add_argument("--repeats", type=int, default=2)
     b.add_argument("--workloads", default="generate,alg4")
     b.add_argument("--slot", default=None, help="command prefix of every worker (e.g. /work/wt/realslot)")

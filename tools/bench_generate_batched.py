@@ -1,7 +1,7 @@
 """Benchmark: batched decoding (one engine, continuous batching, prompt-prefix cache) vs the code before it.
 
     python tools/bench_generate.py --batched --old-src DIR [--model DIR] [--factcheck] [--prompts 64]
-                                   [--tokens 32] [--batch 16] [--repeats 2] [--json out.json]
+                                   [--tokens 32] [--batch 16] [--old-batch 8] [--repeats 2] [--json out.json]
 
 ``DIR`` holds an older ``sdm_mlx`` package (e.g. ``git archive 052b975 sdm_mlx | tar -x -C DIR``); each
 measurement runs in its own subprocess, with ``PYTHONPATH=DIR`` for the old code and the installed
@@ -34,8 +34,15 @@ HERE = Path(__file__).resolve().parent
 
 def worker(spec: dict) -> dict:
     """One measurement in this process (``spec``: workload, model, prompts, tokens, batch, support)."""
+    if os.environ.get("BENCH_OLD_SRC"):  # the older tree only: no fallback into this checkout's editable install
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")
+                            and "editable" not in type(f).__module__]
     import sdm_mlx
-    from sdm_mlx.llm import embed as E
+
+    try:
+        from sdm_mlx.llm import embed as E
+    except ImportError:  # the flat layout before sdm_mlx/llm/
+        from sdm_mlx import embed as E
 
     sys.path.insert(0, str(HERE))
     from bench_generate import make_prompts, make_verifier
@@ -78,6 +85,7 @@ def _run(spec: dict, old_src: str | None, prefix: list) -> dict:
     env = dict(os.environ)
     if old_src:
         env["PYTHONPATH"] = os.path.abspath(old_src) + os.pathsep + env.get("PYTHONPATH", "")
+        env["BENCH_OLD_SRC"] = os.path.abspath(old_src)
     cmd = prefix + [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -89,14 +97,16 @@ def compare(args, model: str) -> dict:
     """Old vs new, alternated, for both workloads; the best run of each."""
     prefix = args.slot.split() if args.slot else []
     report = {"model": model, "prompts": args.prompts, "tokens": args.tokens, "batch": args.batch,
+              "old_batch": args.old_batch or args.batch,
               "factcheck": args.factcheck, "repeats": args.repeats, "old_src": args.old_src, "workloads": {}}
     for workload in args.workloads.split(","):
         spec = {"workload": workload, "model": model, "prompts": args.prompts, "tokens": args.tokens,
                 "batch": args.batch, "support": args.support, "factcheck": args.factcheck}
         runs = {"old": [], "new": []}
+        old_spec = dict(spec, batch=args.old_batch or args.batch)  # e.g. each version's own default
         for rep in range(args.repeats):
             for name, src in (("old", args.old_src), ("new", None)):
-                runs[name].append(_run(spec, src, prefix))
+                runs[name].append(_run(old_spec if name == "old" else spec, src, prefix))
                 r = runs[name][-1]
                 print(f"  {workload} {name} repeat {rep + 1}: {r['rows_per_s']:.3f} rows/s, "
                       f"{r['tokens_per_s']:.1f} tokens/s (load {r['load_average'][0]:.2f})", flush=True)
@@ -113,7 +123,8 @@ def compare(args, model: str) -> dict:
 
 
 def print_table(r: dict) -> None:
-    print(f"\n{r['model']}: {r['prompts']} prompts, <= {r['tokens']} tokens, batch {r['batch']}")
+    print(f"\n{r['model']}: {r['prompts']} prompts, <= {r['tokens']} tokens, batch {r['batch']} "
+          f"(old: {r.get('old_batch', r['batch'])})")
     print(f"{'workload':<10}{'old rows/s':>12}{'new rows/s':>12}{'ratio':>8}{'old tok/s':>11}{'new tok/s':>11}"
           f"{'same tokens':>13}")
     for w, x in r["workloads"].items():
