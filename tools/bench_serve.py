@@ -102,15 +102,20 @@ def chat(prompt: str, tokens: int, **extra) -> dict:
             "max_tokens": tokens, "temperature": 0.0, **extra}
 
 
-def peak_rss_mb(pid: int) -> float | None:
-    """Peak resident set size of a live process (Linux ``VmHWM``), in MiB."""
+def status_mb(pid: int, field: str) -> float | None:
+    """A memory field of a live process's ``/proc/PID/status`` (``VmHWM``: peak RSS, ``VmRSS``: current), in MiB."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """Peak resident set size of a live process (Linux ``VmHWM``), in MiB."""
+    return status_mb(pid, "VmHWM")
 
 
 def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int, extra: dict) -> dict:

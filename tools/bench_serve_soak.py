@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))  # server_process.py
 
 from bench_common import SIZES, write_report  # noqa: E402
-from bench_serve import WORDS, build, chat, peak_rss_mb, post  # noqa: E402
+from bench_serve import WORDS, build, chat, peak_rss_mb, post, status_mb  # noqa: E402
 from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
@@ -41,13 +41,7 @@ POLICIES = ({"on_reject": "return"}, {"on_reject": "abstain"}, {"on_reject": "re
 
 def rss_mb(pid: int) -> float | None:
     """Current resident set size of a live process (Linux ``VmRSS``), in MiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    return status_mb(pid, "VmRSS")
 
 
 def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float) -> dict:
