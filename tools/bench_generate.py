@@ -56,9 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
     from sdm_mlx.llm import embed as E  # noqa: E402
     from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
-except ImportError:  # an older sdm_mlx tree (flat layout) in --batched's workers
-    from sdm_mlx import embed as E  # noqa: E402
-    from sdm_mlx.blas import describe_blas  # noqa: E402
+except ImportError:  # an older sdm_mlx tree in --batched's workers: its flat layout (sdm_mlx/<name>.py)
+    import importlib
+
+    E = importlib.import_module("sdm_mlx.{}".format("embed"))
+    describe_blas = importlib.import_module("sdm_mlx.{}".format("blas")).describe_blas
 from bench_common import SIZES, load_bench_model, write_report  # noqa: E402
 
 SYSTEM = "You are a helpful AI assistant."

@@ -39,13 +39,8 @@ def worker(spec: dict) -> dict:
                             and "editable" not in type(f).__module__]
     import sdm_mlx
 
-    try:
-        from sdm_mlx.llm import embed as E
-    except ImportError:  # the flat layout before sdm_mlx/llm/
-        from sdm_mlx import embed as E
-
     sys.path.insert(0, str(HERE))
-    from bench_generate import make_prompts, make_verifier
+    from bench_generate import E, make_prompts, make_verifier  # E: this tree's embed module, or an older tree's
 
     model, tok = E.load_model(spec["model"])
     prompts = make_prompts(tok, spec["prompts"], spec["factcheck"])
