@@ -86,8 +86,14 @@ def make_prompts(tok, n: int, factcheck: bool) -> list[str]:
     if not factcheck:
         return [E.chat_text(tok, " ".join(rng.choice(WORDS, size=int(rng.integers(10, 40)))) + ".", system=SYSTEM,
                             prompt_template=TEMPLATE) for _ in range(n)]
-    from sdm_mlx.storage.datasets import load_factcheck
-    from sdm_mlx.llm.verification_data import PRESETS
+    try:
+        from sdm_mlx.storage.datasets import load_factcheck
+        from sdm_mlx.llm.verification_data import PRESETS
+    except ImportError:  # an older tree's flat layout (see the imports above)
+        import importlib
+
+        load_factcheck = importlib.import_module("sdm_mlx.{}".format("data")).load_factcheck
+        PRESETS = importlib.import_module("sdm_mlx.{}".format("verification_data")).PRESETS
 
     docs = load_factcheck("generated").documents
     template = PRESETS["factcheck"]["prompt_template"]
