@@ -96,23 +96,23 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     sums = np.zeros(4)
     t0 = time.perf_counter()
     split = dp is not None and dp.active
-    for b in range(nb):
-        sel = perm[b * batch_size : (b + 1) * batch_size]
-        n_b = len(sel)
-        if host:
-            vals = list(step(h_np[sel], t_np[sel], q_np[sel], d_np[sel], float(betas[b])))
-        else:
-            vals = _mlx_step(step, heads, optimizer, sel, hidden=hidden, targets=targets, q_all=q_all, d_all=d_all,
-                             beta_b=betas[b], dp=dp if split else None)
-        if not all(math.isfinite(v) for v in vals):
+    try:
+        for b in range(nb):
+            sel = perm[b * batch_size : (b + 1) * batch_size]
+            n_b = len(sel)
             if host:
-                step.end()
-            raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
-        sums += np.array(vals) * n_b
-        if progress is not None:
-            progress(n_b, loss=f"{vals[0]:.4f}")
-    if host:
-        step.end()
+                vals = list(step(h_np[sel], t_np[sel], q_np[sel], d_np[sel], float(betas[b])))
+            else:
+                vals = _mlx_step(step, heads, optimizer, sel, hidden=hidden, targets=targets, q_all=q_all,
+                                 d_all=d_all, beta_b=betas[b], dp=dp if split else None)
+            if not all(math.isfinite(v) for v in vals):
+                raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
+            sums += np.array(vals) * n_b
+            if progress is not None:
+                progress(n_b, loss=f"{vals[0]:.4f}")
+    finally:
+        if host:  # W_pos and Adam back into MLX, also after Ctrl-C (as MLX's step would have left them)
+            step.end()
     secs = time.perf_counter() - t0
     mean = sums / n
     return {
