@@ -7,13 +7,16 @@ picks one token for every row from one batched forward pass, and drops the
 rows that stopped.  Every verb decodes through it: ``serve``, ``generate``,
 ``chat``, ``network-train``'s per-epoch decoding (:func:`sdm_mlx.network.generation.greedy_generate`).
 
-* **Prefill, one request at a time, from the prompt cache.**  A new request's
-  prompt is run alone (no padding) on a fresh KV cache that starts from the
-  longest cached prefix (:class:`~.prompt_cache.PrefixCache`), then its cache
-  is merged into the running batch (left padded there; positions and the
-  attention mask exclude the padding).  So a row's prompt states never depend
-  on the other rows, and the shared system/instruction/template prefix is
-  computed once.
+* **Prefill from the prompt cache, in right-padded passes.**  New requests
+  whose prompts start with the same cached prefix (:class:`~.prompt_cache.PrefixCache`)
+  run their own tokens together, on KV caches that start from that prefix;
+  they are sorted by length and split where padding would cost more than
+  another pass (:func:`length_chunks`).  Right padding cannot change a row's
+  states (the mask is causal and the pads come last), so a row's prompt states
+  do not depend on the other rows (up to float rounding), and the shared
+  system/instruction/template prefix is computed once.  The caches are then
+  merged into the running batch (left padded there; positions and the
+  attention mask exclude the padding).
 * **Decoding.**  Plain: the token is picked from the base model's logits
   (``argmax`` by default); joint (``heads``: an :class:`~sdm_mlx.network.heads.SDMHeads`):
   from ``concat(z_neg, z_pos)`` and emits ``index mod |V|``.  Sampling fields:
@@ -53,6 +56,32 @@ from .sampling import RowSampler, token_logprobs
 from .streaming import AnswerStream, first_stop
 
 __all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
+
+
+#: The cost of one more prefill pass, in padded token positions: a pass reads every weight once (a 1.5B float32
+#: model: 6.2 GB, ≈ 0.4 s on the 2-core box) and a position costs ≈ 9 ms there (2.6 GFLOP at ≈ 300 GFLOP/s).
+PASS_COST_TOKENS = 48
+
+
+def length_chunks(lengths: Sequence[int], pass_cost: int = PASS_COST_TOKENS) -> list:
+    """Index lists of right-padded passes over sequences of ``lengths``: sorted by length and cut where the
+    padding saved outweighs ``pass_cost`` positions (an exact minimum of ``Σ (pass_cost + width × rows)`` over
+    the cuts of the sorted order, O(n²) for n ≤ ``max_batch``).  32 factcheck prompts with 11–25 tokens after
+    the shared prefix ran as one pass of 1,024 positions for 547 tokens; cut, they pad to ≈ 10 %."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    width = [int(lengths[i]) for i in order]
+    n = len(order)
+    best, cut = [0] + [None] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + pass_cost + width[j - 1] * (j - i)
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(order[cut[j] : j])
+        j = cut[j]
+    return chunks[::-1]
 
 
 @dataclass
@@ -195,7 +224,7 @@ class DecodeEngine:
                 hit = self.prefix_cache.lookup(req.prompt_ids) if self.prefix_cache is not None else None
                 groups.setdefault(None if hit is None else id(hit[1]), (hit, []))[1].append(req)
             rows, hs, joined = [], [], None
-            for hit, reqs in groups.values():
+            for hit, reqs in self._prefill_batches(groups.values()):
                 g_rows, g_cache, g_h = self._prefill_group(reqs, hit)
                 rows += g_rows
                 hs.append(g_h)
@@ -212,6 +241,17 @@ class DecodeEngine:
             self.cache, self.H = joined, mx.concatenate(hs, axis=0)
         self.rows.extend(rows)
         mx.eval(self.H)
+
+    @staticmethod
+    def _prefill_batches(groups) -> list:
+        """``(hit, requests)`` of each right-padded prefill pass: every group of requests that share a cached
+        prefix, split by :func:`length_chunks` so that padding does not cost more than another pass."""
+        batches = []
+        for hit, reqs in groups:
+            start = 0 if hit is None else hit[0]
+            for chunk in length_chunks([len(r.prompt_ids) - start for r in reqs]):
+                batches.append((hit, [reqs[i] for i in chunk]))
+        return batches
 
     def _new_row(self, req: DecodeRequest, t0: float, cached: int, states) -> _Row:
         row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab), t0=t0, cached=cached)

@@ -1,4 +1,5 @@
-"""Process concerns (layer 0): the BLAS preload (:mod:`.blas`), multi-process data parallelism over
+"""Process concerns (layer 0): the BLAS preload (:mod:`.blas`), glibc's allocator thresholds for MLX's CPU
+buffers (:mod:`.allocator`), multi-process data parallelism over
 ``mlx.core.distributed`` (:mod:`.distributed`) and training callbacks with the progress bar (:mod:`.callbacks`).
 
 May import: :mod:`sdm_mlx.errors` and third-party packages only; everything else in sdm_mlx sits above it.
@@ -7,5 +8,5 @@ Nothing is imported until used (PEP 562).
 
 from .._lazy import lazy_exports
 
-_EXPORTS = {"preload_openblas": "blas", "Callback": "callbacks", "CallbackList": "callbacks"}
+_EXPORTS = {"preload_openblas": "blas", "keep_freed_buffers": "allocator", "Callback": "callbacks", "CallbackList": "callbacks"}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -164,3 +164,55 @@ def test_generate_many_verdicts_equal_one_at_a_time(setup):  # noqa: F811
             assert (x.p_lower is None) == (y.p_lower is None)
             if x.p_lower is not None:
                 assert abs(x.p_lower - y.p_lower) <= 1e-5
+
+
+def _brute_force_cost(width, pass_cost):
+    """The least ``Σ (pass_cost + max width × rows)`` over every cut of the sorted widths (2^(n-1) cut sets)."""
+    import itertools
+
+    n, best = len(width), None
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        cost = sum(pass_cost + width[b - 1] * (b - a) for a, b in zip(bounds, bounds[1:]))
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("pass_cost", [0, 5, 48, 10_000])
+def test_length_chunks_cover_every_row_once_at_least_cost(pass_cost):
+    from sdm_mlx.decoding.batching import length_chunks
+
+    rng = np.random.default_rng(pass_cost)
+    for n in (1, 2, 5, 9):
+        lengths = [int(x) for x in rng.integers(1, 60, size=n)]
+        chunks = length_chunks(lengths, pass_cost=pass_cost)
+        assert sorted(i for c in chunks for i in c) == list(range(n))
+        flat = [lengths[i] for c in chunks for i in c]
+        assert flat == sorted(lengths)  # sorted passes, so each pads only up to its own longest row
+        cost = sum(pass_cost + max(lengths[i] for i in c) * len(c) for c in chunks)
+        assert cost == _brute_force_cost(sorted(lengths), pass_cost)
+    assert length_chunks([]) == []
+    assert len(length_chunks([3, 40, 4, 41], pass_cost=10_000)) == 1  # a pass dearer than any padding: one pass
+    assert len(length_chunks([3, 40, 4, 41], pass_cost=0)) == 4  # free passes: no padding at all
+
+
+def test_prefill_split_into_many_passes_changes_nothing(setup, monkeypatch):  # noqa: F811
+    """The engine's right-padded prefill passes, cut as finely as possible, give the answers of one request alone."""
+    from sdm_mlx.decoding import PrefixCache, batching
+
+    gen = _generator(setup)
+    model, tok = gen.model, gen.tokenizer
+    prompts = _prompts(tok, 10, seed=7)
+    alone = [_engine(model, tok, gen.heads, 1).run(_requests([p]))[0] for p in prompts]
+    passes = []
+    real = batching.length_chunks
+
+    def finest(lengths):
+        chunks = real(lengths, pass_cost=0)
+        passes.append(len(chunks))
+        return chunks
+
+    monkeypatch.setattr(batching, "length_chunks", finest)
+    _assert_same(alone, _engine(model, tok, gen.heads, 10).run(_requests(prompts)))
+    _assert_same(alone, _engine(model, tok, gen.heads, 10, prefix_cache=PrefixCache()).run(_requests(prompts)))
+    assert max(passes) > 1
