@@ -59,7 +59,7 @@ class NetworkConfig:
     learning_rate: float = option(1e-5, "Adam learning rate for W_pos")
     batch_size: int = option(50, "tokens per mini-batch")
     max_new_tokens: int = option(32, "greedy decoding limit")
-    generation_batch_size: int = option(32, "prompts decoded together (continuous batching; every decode step "
+    generation_batch_size: int = option(64, "prompts decoded together (continuous batching; every decode step "
                                             "reads the weights once for the whole batch)")
     embed_batch_size: int = option(8, "documents per forward pass for features")
     train_step: str = option(
