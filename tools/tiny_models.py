@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ARCHS = ("phi3", "qwen2", "llama")
+ARCHS = ("phi3", "qwen2", "llama", "gemma3_text")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -178,6 +178,9 @@ def _model_config(arch: str, vocab_size: int, eos_id: int, bos_id: int) -> dict:
         base.update(num_key_value_heads=2, tie_word_embeddings=True)
     elif arch == "llama":
         base.update(num_key_value_heads=2, tie_word_embeddings=False)
+    elif arch == "gemma3_text":  # its own cache types (make_cache): a 6-token sliding window on every other layer
+        base.update(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                    sliding_window_pattern=2, rope_local_base_freq=10000.0)
     return base
 
 

@@ -16,6 +16,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "DecodeEngine": "batching", "DecodeRequest": "decode_types", "Decoded": "decode_types",
     "STOP_REASONS": "decode_types", "SamplingParams": "sampling", "PrefixCache": "prompt_cache",
+    "decodes_in_batches": "batching",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

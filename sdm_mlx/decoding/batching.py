@@ -55,7 +55,7 @@ from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
 from .streaming import AnswerStream, first_stop
 
-__all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
+__all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded", "decodes_in_batches"]
 
 
 #: The cost of one more prefill pass, in padded token positions: a pass reads every weight once (a 1.5B float32
@@ -84,6 +84,22 @@ def length_chunks(lengths: Sequence[int], pass_cost: int = PASS_COST_TOKENS) -> 
     return chunks[::-1]
 
 
+def _merges(cache) -> bool:
+    """Whether an mlx-lm cache object merges with others of its type into one batch cache (``merge``)."""
+    if type(cache).__name__ == "CacheList":
+        return all(_merges(c) for c in cache.caches)
+    return callable(getattr(type(cache), "merge", None))
+
+
+def decodes_in_batches(model) -> bool:
+    """Whether requests on ``model`` can share a running batch: its layers use mlx-lm's plain KV caches, or its
+    own cache types (``make_cache``: sliding windows, arrays) all merge into batch caches.  Otherwise (chunked
+    or quantised caches) the engine decodes one request at a time."""
+    if not hasattr(model, "make_cache"):
+        return True
+    return all(_merges(c) for c in model.make_cache())
+
+
 @dataclass
 class _Row:
     req: DecodeRequest
@@ -102,7 +118,9 @@ class DecodeEngine:
 
     ``heads``: an ``SDMHeads`` for joint neg+pos decoding, else plain decoding.  ``prefix_cache``: a
     :class:`PrefixCache` (default: one of :data:`~.prompt_cache.DEFAULT_MAX_BYTES`), or ``False``.
-    Models with their own cache types (``make_cache``: sliding windows, SSMs) decode one row at a time.
+    Models with their own cache types (``make_cache``: sliding windows, SSMs) prefill each prompt alone and
+    decode in batches of mlx-lm's merged caches (:func:`decodes_in_batches`; one row at a time when a cache
+    type does not merge), without the prompt cache.
     """
 
     def __init__(self, model, tokenizer, heads=None, *, delimiter: str = _embed.DEFAULT_DELIMITER,
@@ -115,8 +133,8 @@ class DecodeEngine:
             raise InputError("max_batch must be >= 1")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads
         self.delimiter, self.max_length = delimiter, int(max_length)
-        self.batchable = not hasattr(model, "make_cache")
-        self.max_batch = int(max_batch) if self.batchable else 1
+        self.batchable = not hasattr(model, "make_cache")  # BatchKVCache prefill passes and the prompt cache
+        self.max_batch = int(max_batch) if decodes_in_batches(model) else 1
         if prefix_cache is None:
             prefix_cache = PrefixCache()
         self.prefix_cache = prefix_cache if (prefix_cache is not False and self.batchable) else None
@@ -214,9 +232,14 @@ class DecodeEngine:
                 fresh.append(req)
         if not fresh:
             return
-        if not self.batchable:  # custom cache types: one row, its own cache
-            row, joined, h = self._prefill_alone(fresh[0])
-            rows, hs = [row], [h]
+        if not self.batchable:  # the model's own cache types: each prompt alone, then merged into batch caches
+            rows, hs, caches = [], [], []
+            for req in fresh:
+                row, kv, h = self._prefill_alone(req)
+                rows.append(row)
+                hs.append(h)
+                caches.append(kv)
+            joined = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)] if self.max_batch > 1 else kv
         else:
             self._warm_prefix(fresh)
             groups: dict = {}

@@ -104,8 +104,10 @@ def prompt_lengths(tokenizer, prompts) -> list[int]:
 
 
 def decode_batch_size(heads, batch_size: int) -> int:
-    """The batch size :func:`greedy_generate` really uses (1 for models with custom caches)."""
-    return 1 if hasattr(heads.model, "make_cache") else batch_size
+    """The batch size :func:`greedy_generate` really uses (1 for models whose caches do not merge into batches)."""
+    from ..decoding.batching import decodes_in_batches
+
+    return batch_size if decodes_in_batches(heads.model) else 1
 
 
 def greedy_generate(

@@ -216,3 +216,68 @@ def test_prefill_split_into_many_passes_changes_nothing(setup, monkeypatch):  # 
     _assert_same(alone, _engine(model, tok, gen.heads, 10).run(_requests(prompts)))
     _assert_same(alone, _engine(model, tok, gen.heads, 10, prefix_cache=PrefixCache()).run(_requests(prompts)))
     assert max(passes) > 1
+
+
+@pytest.fixture(scope="module")
+def sliding_window_model(tmp_path_factory):
+    """A tiny gemma3_text: its own cache types (a 6-token rotating window on every other layer, ``make_cache``)."""
+    from tiny_models import make_tiny_model
+
+    from sdm_mlx.llm.model import load_model
+
+    return load_model(make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3_text"))
+
+
+def test_models_with_their_own_caches_decode_in_batches(sliding_window_model):
+    """Rotating (sliding-window) caches merge into mlx-lm's batch caches: rows join and leave the running batch
+    and every answer equals the request decoded alone, which equals mlx-lm's own ``generate_step``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from sdm_mlx.decoding import DecodeEngine, DecodeRequest, SamplingParams, decodes_in_batches
+
+    model, tok = sliding_window_model
+    assert hasattr(model, "make_cache") and decodes_in_batches(model)
+    texts = ["the film is warm and funny", "dull", "a long and boring wooden film that drags on and on for hours",
+             "great", "lovely moving sharp", "awful weak", "sharp but long", "a lovely, moving and warm film"]
+    prompts = [E.encode(tok, E.chat_text(tok, t)) for t in texts]
+    assert max(len(p) for p in prompts) > 6  # longer than the window: the rotating caches wrap
+
+    def requests():  # staggered lengths: rows leave and new ones join a running batch
+        return [DecodeRequest(p, 4 + 3 * (i % 4), SamplingParams(), features=True, stop_at_delimiter=False)
+                for i, p in enumerate(prompts)]
+
+    alone = [DecodeEngine(model, tok, max_batch=1).run([r])[0] for r in requests()]
+    for a, p in zip(alone, prompts):
+        n = len(a.token_ids)
+        ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=n), range(n))]
+        assert a.token_ids == ref[: len(a.token_ids)]
+    for size in (2, 3, 8):
+        eng = DecodeEngine(model, tok, max_batch=size)
+        assert eng.max_batch == size and eng.prefix_cache is None
+        _assert_same(alone, eng.run(requests()))
+    # joint neg+pos decoding (Alg. 4's and verified generation's) on the same caches
+    from sdm_mlx.network.heads import SDMHeads
+
+    heads = SDMHeads(model)
+    joint_alone = [DecodeEngine(model, tok, heads=heads, max_batch=1).run([r])[0] for r in requests()]
+    _assert_same(joint_alone, DecodeEngine(model, tok, heads=heads, max_batch=4).run(requests()))
+
+
+def test_caches_that_do_not_merge_decode_one_row_at_a_time():
+    from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+    from sdm_mlx.decoding import decodes_in_batches
+
+    class Model:
+        def __init__(self, caches):
+            self.caches = caches
+
+        def make_cache(self):
+            return self.caches
+
+    assert decodes_in_batches(object())  # no make_cache: plain KV caches
+    assert decodes_in_batches(Model([KVCache(), RotatingKVCache(max_size=4)]))
+    assert decodes_in_batches(Model([CacheList(KVCache(), RotatingKVCache(max_size=4))]))
+    assert not decodes_in_batches(Model([KVCache(), QuantizedKVCache()]))
+    assert not decodes_in_batches(Model([CacheList(KVCache(), QuantizedKVCache())]))
