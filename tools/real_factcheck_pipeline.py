@@ -202,10 +202,14 @@ def write_network_prompts(out: str) -> None:
                     f.write(json.dumps({"id": r["id"], "document": r["document"]}) + "\n")
 
 
-def network_finished(out: str) -> bool:
-    """network-train finished its epochs (an interrupted run is continued by running the stage again)."""
+def network_finished(out: str, epochs: int = 1) -> bool:
+    """network-train finished ``epochs`` epochs (an interrupted run, or one given more epochs in the config, is
+    continued by running the stage again)."""
     path = os.path.join(out, "network_run", "metrics.json")
-    return os.path.exists(path) and bool(json.load(open(path)).get("finished"))
+    if not os.path.exists(path):
+        return False
+    metrics = json.load(open(path))
+    return bool(metrics.get("finished")) and int(metrics.get("epochs_completed", 0)) >= int(epochs)
 
 
 def answers_done(out: str, name: str = "answers.jsonl", source: str = "task.jsonl") -> bool:
@@ -356,7 +360,7 @@ def main(argv=None) -> int:
         done_path, cmd, heavy = commands[stage]
         done = {"answers": lambda: answers_done(out),
                 "network_answers": lambda: answers_done(out, "network_answers.jsonl", "network_prompts.jsonl"),
-                "network": lambda: network_finished(out),
+                "network": lambda: network_finished(out, cfg.get("network_epochs", 1)),
                 "forced_embed": lambda: answers_done(out, "forced_emb.jsonl", "forced.jsonl")}.get(
             stage, lambda: os.path.exists(done_path))()
         if done:
