@@ -226,6 +226,14 @@ def optimizer_arrays(optimizer) -> dict:
     return dict(tree_flatten(optimizer.state))
 
 
+def take_arrays(state: ResumeState) -> tuple:
+    """``(W_pos, Adam state)`` of ``state``, removed from it: once they are in the heads and the optimizer, the
+    run does not keep a second copy for its whole length (2.8 GB for Qwen2.5-1.5B's 151,936 x 1,536 head)."""
+    head, optimizer = state.head, state.optimizer
+    state.head = state.optimizer = None
+    return head, optimizer
+
+
 def restore_optimizer(optimizer, arrays: dict) -> None:
     """Put a saved Adam state (:func:`optimizer_arrays`) into ``optimizer``: before its step is compiled."""
     optimizer.state = tree_unflatten([(k, mx.array(np.asarray(v))) for k, v in arrays.items()])
@@ -314,8 +322,10 @@ class Resumption:
         state = self.state
         if self.writer:
             reopen_network(network_path, self.config.epochs)
-        heads.pos.weight = mx.array(np.asarray(state.head, dtype=np.float32))
-        restore_optimizer(optimizer, state.optimizer)
+        head, adam = take_arrays(state)
+        heads.pos.weight = mx.array(np.asarray(head, dtype=np.float32))
+        del head
+        restore_optimizer(optimizer, adam)
         restore_rng(rng, state.rng_state)
         metrics = dict(state.metrics, config=strict(self.config))
         metrics["resumed_after_epochs"] = list(metrics.get("resumed_after_epochs", [])) + [state.epochs_completed]

@@ -282,7 +282,13 @@ def test_data_parallel_runs_resume_on_the_same_number_of_ranks(tiny, tmp_path):
     assert m["selected_epoch"] == r["selected_epoch"]
     np.testing.assert_allclose([e["loss"] for e in m["epochs"]], [e["loss"] for e in r["epochs"]], rtol=1e-5)
     w, w_ref = state(out).head, state(tiny["reference"]).head
-    assert np.abs(w - w_ref).max() <= 1e-5 * max(1.0, float(np.abs(w_ref).max()))
+    # the one-process reference ran the host step (--train-step auto on a CPU), the ranks MLX's: the contract of
+    # tests/network/test_host_step.py, W_pos within 1 % of how far it moved from the model's head
+    from sdm_mlx.llm import embed as E
+
+    w0 = np.array(E.lm_head_weight(E.load_model(tiny["built"]["model"])[0]), dtype=np.float32)
+    moved = float(np.abs(w_ref - w0).max())
+    assert moved > 0 and np.abs(w - w_ref).max() <= 0.01 * moved
     one = sdm(train_args(tiny["built"], out))
     assert one.returncode == 2 and "the number of mlx.launch ranks 2 -> 1" in one.stderr, one.stderr
 
@@ -295,3 +301,12 @@ def test_settings_that_are_not_compared_do_not_stop_a_resume_even_in_an_older_st
     saved = {"learning_rate": 3e-5, "generation_batch_size": 16, "embed_batch_size": 16, "train_step": "mlx"}
     assert fingerprint_differences(saved, {"learning_rate": 3e-5}) == []
     assert fingerprint_differences(saved, {"learning_rate": 1e-5}) == ["learning_rate 3e-05 -> 1e-05"]
+
+
+def test_a_resumed_run_does_not_keep_the_saved_arrays_twice():
+    from sdm_mlx.network.resume import ResumeState, take_arrays
+
+    head, adam = np.ones((4, 3), np.float32), {"pos.weight.m": np.zeros((4, 3), np.float32), "step": np.array(2)}
+    state = ResumeState(fingerprint={}, epochs_completed=1, head=head, optimizer=adam, rows={"train": [1]})
+    assert take_arrays(state) == (head, adam)
+    assert state.head is None and state.optimizer is None and state.epochs_completed == 1 and state.rows
