@@ -42,6 +42,12 @@ def worker(spec: dict) -> dict:
     sys.path.insert(0, str(HERE))
     from bench_generate import E, make_prompts, make_verifier  # E: this tree's embed module, or an older tree's
 
+    try:  # as the batch commands (network-train, generate --input) do; older trees have no such switch
+        from sdm_mlx.runtime.allocator import keep_freed_buffers_after_load
+    except ImportError:
+        pass
+    else:
+        keep_freed_buffers_after_load()
     model, tok = E.load_model(spec["model"])
     prompts = make_prompts(tok, spec["prompts"], spec["factcheck"])
     from sdm_mlx.network.heads import SDMHeads, model_dims

@@ -224,7 +224,9 @@ def run(args) -> int:
         say("nothing to do")
         return 0
     from ..llm.embed import load_model
+    from ..runtime.allocator import keep_freed_buffers_after_load
 
+    keep_freed_buffers_after_load()  # batch work: sdm_mlx.runtime.allocator
     model, tokenizer = load_model(args.model, head=False)  # features never use the LM head
     spec = _feature_spec(args, rows, tokenizer, position)
     with open_append(args.output) as out, callback.progress(len(todo), "embed", unit="doc") as bar:

@@ -132,6 +132,10 @@ def run(args) -> int:
     elif not args.prompt.strip():
         raise CLIError("--prompt is empty")
     say = say_to_stderr("sdm-mlx generate", args.quiet)
+    if args.input is not None:  # batch work: sdm_mlx.runtime.allocator
+        from ..runtime.allocator import keep_freed_buffers_after_load
+
+        keep_freed_buffers_after_load()
     todo = _pending(args, say) if args.input is not None else []
     if args.input is not None and not todo:
         say("nothing to do")

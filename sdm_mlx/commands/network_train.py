@@ -95,7 +95,9 @@ def run(args) -> int:
     from ..storage.files import dumps
     from ..network.data_parallel import DataParallel
     from ..network.trainer import train_network
+    from ..runtime.allocator import keep_freed_buffers_after_load
 
+    keep_freed_buffers_after_load()  # batch work: sdm_mlx.runtime.allocator
     config = network_config(args)
     dp = DataParallel(timeout=config.distributed_timeout)  # under mlx.launch: this rank; else a group of one
     try:

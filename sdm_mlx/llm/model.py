@@ -25,7 +25,7 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
     import mlx.core as mx
     from mlx_lm.utils import _download, load_model as _lm_load_model, load_tokenizer as _lm_load_tokenizer
 
-    from ..runtime.allocator import keep_freed_buffers
+    from ..runtime.allocator import apply_after_load
     from .cpu_swiglu import use_cpu_swiglu
     from .model_path import check_model_reference, hub_errors_as_not_found
 
@@ -44,7 +44,7 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
     mx.eval(weights)
     trunk(model)  # validate early
     use_cpu_swiglu(model)
-    keep_freed_buffers()  # after the weights: activations reuse freed heap memory (sdm_mlx.runtime.allocator)
+    apply_after_load()  # batch commands: activations reuse freed heap memory (sdm_mlx.runtime.allocator)
     return model, tokenizer
 
 
