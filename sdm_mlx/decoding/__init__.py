@@ -16,7 +16,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "DecodeEngine": "batching", "DecodeRequest": "decode_types", "Decoded": "decode_types",
     "STOP_REASONS": "decode_types", "SamplingParams": "sampling", "PrefixCache": "prompt_cache",
-    "decodes_in_batches": "batching",
+    "decodes_in_batches": "batch_plan",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

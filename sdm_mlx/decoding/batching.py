@@ -11,7 +11,7 @@ rows that stopped.  Every verb decodes through it: ``serve``, ``generate``,
   whose prompts start with the same cached prefix (:class:`~.prompt_cache.PrefixCache`)
   run their own tokens together, on KV caches that start from that prefix;
   they are sorted by length and split where padding would cost more than
-  another pass (:func:`length_chunks`).  Right padding cannot change a row's
+  another pass (:func:`~.batch_plan.length_chunks`).  Right padding cannot change a row's
   states (the mask is causal and the pads come last), so a row's prompt states
   do not depend on the other rows (up to float rounding), and the shared
   system/instruction/template prefix is computed once.  The caches are then
@@ -50,54 +50,13 @@ import numpy as np
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
+from .batch_plan import PASS_COST_TOKENS, decodes_in_batches, length_chunks  # noqa: F401  (re-exported)
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
 from .streaming import AnswerStream, first_stop
 
 __all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded", "decodes_in_batches"]
-
-
-#: The cost of one more prefill pass, in padded token positions: a pass reads every weight once (a 1.5B float32
-#: model: 6.2 GB, ≈ 0.4 s on the 2-core box) and a position costs ≈ 9 ms there (2.6 GFLOP at ≈ 300 GFLOP/s).
-PASS_COST_TOKENS = 48
-
-
-def length_chunks(lengths: Sequence[int], pass_cost: int = PASS_COST_TOKENS) -> list:
-    """Index lists of right-padded passes over sequences of ``lengths``: sorted by length and cut where the
-    padding saved outweighs ``pass_cost`` positions (an exact minimum of ``Σ (pass_cost + width × rows)`` over
-    the cuts of the sorted order, O(n²) for n ≤ ``max_batch``).  32 factcheck prompts with 11–25 tokens after
-    the shared prefix ran as one pass of 1,024 positions for 547 tokens; cut, they pad to ≈ 10 %."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    width = [int(lengths[i]) for i in order]
-    n = len(order)
-    best, cut = [0] + [None] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + pass_cost + width[j - 1] * (j - i)
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    chunks, j = [], n
-    while j > 0:
-        chunks.append(order[cut[j] : j])
-        j = cut[j]
-    return chunks[::-1]
-
-
-def _merges(cache) -> bool:
-    """Whether an mlx-lm cache object merges with others of its type into one batch cache (``merge``)."""
-    if type(cache).__name__ == "CacheList":
-        return all(_merges(c) for c in cache.caches)
-    return callable(getattr(type(cache), "merge", None))
-
-
-def decodes_in_batches(model) -> bool:
-    """Whether requests on ``model`` can share a running batch: its layers use mlx-lm's plain KV caches, or its
-    own cache types (``make_cache``: sliding windows, arrays) all merge into batch caches.  Otherwise (chunked
-    or quantised caches) the engine decodes one request at a time."""
-    if not hasattr(model, "make_cache"):
-        return True
-    return all(_merges(c) for c in model.make_cache())
 
 
 @dataclass
