@@ -48,5 +48,10 @@ def test_network_finished_reads_the_metrics(tmp_path):
     (tmp_path / "network_run").mkdir()
     (tmp_path / "network_run" / "metrics.json").write_text(json.dumps({"finished": False, "epochs": []}))
     assert not P.network_finished(str(tmp_path))
-    (tmp_path / "network_run" / "metrics.json").write_text(json.dumps({"finished": True, "epochs": []}))
-    assert P.network_finished(str(tmp_path))
+    (tmp_path / "network_run" / "metrics.json").write_text(
+        json.dumps({"finished": True, "epochs_completed": 1, "epochs": []}))
+    assert P.network_finished(str(tmp_path)) and P.network_finished(str(tmp_path), 1)
+    assert not P.network_finished(str(tmp_path), 3)  # the recipe asks for more epochs: the stage continues
+    (tmp_path / "network_run" / "metrics.json").write_text(
+        json.dumps({"finished": True, "epochs_completed": 3, "epochs": []}))
+    assert P.network_finished(str(tmp_path), 3)
