@@ -50,13 +50,13 @@ import numpy as np
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
-from .batch_plan import PASS_COST_TOKENS, decodes_in_batches, length_chunks  # noqa: F401  (re-exported)
+from .batch_plan import decodes_in_batches, length_chunks
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
 from .streaming import AnswerStream, first_stop
 
-__all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded", "decodes_in_batches"]
+__all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
 
 
 @dataclass
@@ -93,7 +93,8 @@ class DecodeEngine:
         self.model, self.tokenizer, self.heads = model, tokenizer, heads
         self.delimiter, self.max_length = delimiter, int(max_length)
         self.batchable = not hasattr(model, "make_cache")  # BatchKVCache prefill passes and the prompt cache
-        self.max_batch = int(max_batch) if decodes_in_batches(model) else 1
+        self.merges = decodes_in_batches(model)  # the model's own caches merge into a running batch
+        self.max_batch = int(max_batch) if self.merges else 1
         if prefix_cache is None:
             prefix_cache = PrefixCache()
         self.prefix_cache = prefix_cache if (prefix_cache is not False and self.batchable) else None
@@ -198,7 +199,7 @@ class DecodeEngine:
                 rows.append(row)
                 hs.append(h)
                 caches.append(kv)
-            joined = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)] if self.max_batch > 1 else kv
+            joined = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)] if self.merges else caches[0]
         else:
             self._warm_prefix(fresh)
             groups: dict = {}

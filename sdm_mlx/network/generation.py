@@ -105,7 +105,7 @@ def prompt_lengths(tokenizer, prompts) -> list[int]:
 
 def decode_batch_size(heads, batch_size: int) -> int:
     """The batch size :func:`greedy_generate` really uses (1 for models whose caches do not merge into batches)."""
-    from ..decoding.batching import decodes_in_batches
+    from ..decoding.batch_plan import decodes_in_batches
 
     return batch_size if decodes_in_batches(heads.model) else 1
 

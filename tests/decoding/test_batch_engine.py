@@ -180,7 +180,7 @@ def _brute_force_cost(width, pass_cost):
 
 @pytest.mark.parametrize("pass_cost", [0, 5, 48, 10_000])
 def test_length_chunks_cover_every_row_once_at_least_cost(pass_cost):
-    from sdm_mlx.decoding.batching import length_chunks
+    from sdm_mlx.decoding.batch_plan import length_chunks
 
     rng = np.random.default_rng(pass_cost)
     for n in (1, 2, 5, 9):

@@ -46,7 +46,6 @@ def test_load_model_applies_it_only_when_the_process_asked(tiny_phi3_path):
     run = lambda mode: subprocess.run([sys.executable, "-c", code, mode, tiny_phi3_path], capture_output=True,  # noqa: E731
                                       text=True, timeout=300, env=env, check=True).stdout.strip().splitlines()[-1]
     assert run("serve") == "False"
-    assert run("ask") in ("True", "False")  # False only off glibc
     if _run("from sdm_mlx.runtime.allocator import keep_freed_buffers as k; print(k())") == "True":
         assert run("ask") == "True"
 
