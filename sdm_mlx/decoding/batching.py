@@ -100,6 +100,7 @@ class DecodeEngine:
         self.prefix_cache = prefix_cache if (prefix_cache is not False and self.batchable) else None
         self.vocab = model_dims(model)[0]
         self.eos = _embed.eos_token_ids(tokenizer)
+        self.xtc_special = tuple(_embed.encode(tokenizer, "\n")) + tuple(self.eos)  # as mlx_lm.server's
         self.pending: deque = deque()
         self.rows: list[_Row] = []
         self.cache = None   # per-layer BatchKVCache of the running rows
@@ -237,7 +238,7 @@ class DecodeEngine:
         return batches
 
     def _new_row(self, req: DecodeRequest, t0: float, cached: int, states) -> _Row:
-        row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab), t0=t0, cached=cached)
+        row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab, self.xtc_special), t0=t0, cached=cached)
         if req.features:
             row.states.append(states)
         if req.sampling.logprobs:

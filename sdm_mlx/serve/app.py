@@ -78,7 +78,13 @@ def check_model(engine: Engine, model: str | None) -> None:
 
 
 def check_decoding(engine: Engine, req: GenerationRequest) -> None:
-    """Decoding checks that must happen before a stream's 200 is sent (sampling is honoured in both modes)."""
+    """Decoding checks that must happen before a stream's 200 is sent (sampling is honoured in both modes):
+    ``logit_bias`` names tokens of the served model's vocabulary."""
+    vocab = engine.vocab_size
+    outside = [t for t, _ in req.sampling.logit_bias if t >= vocab]
+    if outside:
+        raise APIError(400, f"'logit_bias' names token id {outside[0]}, outside the model's vocabulary "
+                            f"(ids 0..{vocab - 1})", param="logit_bias")
 
 
 def model_error(e: BaseException) -> APIError:

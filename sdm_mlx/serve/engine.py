@@ -159,6 +159,7 @@ class Engine:
         self.model_id, self.aliases = model_id, {model_id, *aliases}
         self.created = int(time.time())
         self.gen = self._thread.submit(load).result()
+        self.vocab_size = self.gen.engine.vocab  #: rows of the LM head (token ids a request may name)
         self._thread.runner = self.gen.runner
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:

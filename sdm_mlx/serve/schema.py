@@ -9,8 +9,9 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
 
 =====================  ===========================================================
 ``model``              optional; must be the served model's id (else 404)
-``messages``           chat: list of ``{"role": system|user|assistant, "content": str
-                       or [{"type": "text", "text": str}, ...]}``
+``messages``           chat: list of ``{"role": system|developer|user|assistant, "content": str
+                       or [{"type": "text", "text": str}, ...]}`` (``developer`` is the
+                       OpenAI API's newer name for ``system`` and is rendered as one)
 ``prompt``             completions: a string (or a list holding one string)
 ``max_tokens``         int >= 1 (``max_completion_tokens`` is an alias); default: the server's
 ``temperature``        number in [0, 2] (0 = greedy, the default; with a head: sampled from the
@@ -18,13 +19,21 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
 ``top_p``, ``top_k``,   nucleus (0, 1], top-k (0: off), min-p [0, 1] filters, as mlx_lm.server
 ``min_p``
 ``seed``               int >= 0: the request's own random stream (same seed, same text)
-``repetition_penalty`` number > 0 (over the last 20 tokens, as mlx_lm.server)
+``repetition_penalty`` number >= 0 (0: off), multiplicative, over the last ``repetition_context_size``
+                       tokens (default 20; 0: all), as mlx_lm.server
+``presence_penalty``,  numbers, additive: subtracted once (presence) or once per occurrence
+``frequency_penalty``  (frequency) from the logits of the last ``presence_context_size`` /
+                       ``frequency_context_size`` tokens (default 20; 0: all)
+``logit_bias``         ``{"token id": bias in [-100, 100]}`` added to the logits
+``xtc_probability``,   XTC on draws (temperature > 0): with this probability the tokens above
+``xtc_threshold``      the threshold ([0, 0.5], default 0.1) but the least likely are removed
 ``logprobs``,          bool; 0..20 alternatives per token (``choices[0].logprobs``, and each
 ``top_logprobs``       streamed chunk's for its tokens); completions also take the legacy
                        integer ``logprobs`` (that many alternatives)
 ``stop``               a string or a list of up to 4 non-empty strings
 ``stream``             bool; ``stream_options.include_usage`` adds usage to the last chunk
-``n``                  1 only; ``user`` is accepted and not used
+``n``                  1 only; ``user`` is accepted and not used; ``tools`` only empty (no tool
+                       calling: a verified answer is text)
 ``sdm``                ``{"on_reject": "abstain"|"reask"|"return", "max_attempts": int >= 1}``
 =====================  ===========================================================
 
@@ -36,10 +45,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..decoding.sampling import SamplingParams
+from ..decoding.sampling import MAX_LOGIT_BIAS, REPETITION_CONTEXT, SamplingParams
 from ..verified.config import ON_REJECT
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
 #: longest stop string accepted (a stop string's length is text held back while streaming)
 MAX_STOP_CHARS = 256
@@ -47,10 +56,12 @@ MAX_STOP_CHARS = 256
 MAX_ATTEMPTS_LIMIT = 16
 #: deepest JSON nesting accepted in a request body (the valid requests need 4 levels)
 MAX_DEPTH = 32
-SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "logprobs", "top_logprobs"}
+SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "repetition_context_size",
+                   "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
+                   "logit_bias", "xtc_probability", "xtc_threshold", "logprobs", "top_logprobs"}
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
            "user", "seed", "sdm"} | SAMPLING_FIELDS
-CHAT_FIELDS = _COMMON | {"messages"}
+CHAT_FIELDS = _COMMON | {"messages", "tools"}
 TEXT_FIELDS = _COMMON | {"prompt"}
 VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
 
@@ -237,7 +248,7 @@ def parse_messages(value) -> list:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {shown(role)}", param=f"{where}.role")
         if "content" not in m or m["content"] is None:
             raise bad(f"{where} has no content", param=f"{where}.content")
-        out.append({"role": role, "content": _content(m["content"], where)})
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m["content"], where)})
     if not any(m["role"] == "user" for m in out):
         raise bad("'messages' must contain a user message", param="messages")
     return out
@@ -303,6 +314,9 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad("only n = 1 is supported", param="n")
+    if body.get("tools") not in (None, []):
+        raise bad("tool calling is not supported: a verified answer is text ('tools' may only be empty)",
+                  param="tools", code="unsupported_field")
     req.on_reject, req.max_attempts = _policy(body.get("sdm"))
     _sampling(body, req)
     return req
@@ -338,10 +352,46 @@ def _sampling(body: dict, req: GenerationRequest) -> None:
         top_k=_int(body, "top_k", 0) or 0,
         min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
         seed=_int(body, "seed", 0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, low_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6) or None,  # 0: off, as mlx_lm.server
+        repetition_context_size=_context(body, "repetition_context_size"),
+        presence_penalty=_number(body, "presence_penalty", -1e6, 1e6) or 0.0,
+        presence_context_size=_context(body, "presence_context_size"),
+        frequency_penalty=_number(body, "frequency_penalty", -1e6, 1e6) or 0.0,
+        frequency_context_size=_context(body, "frequency_context_size"),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        xtc_probability=_number(body, "xtc_probability", 0.0, 1.0) or 0.0,
+        xtc_threshold=_number(body, "xtc_threshold", 0.0, 0.5) if body.get("xtc_threshold") is not None else 0.1,
         logprobs=_bool(body, "logprobs") or bool(top),
         top_logprobs=top or 0,
     )
+
+
+def _context(body: dict, key: str) -> int:
+    v = _int(body, key, 0)
+    return REPETITION_CONTEXT if v is None else v
+
+
+#: most entries of ``logit_bias`` (the OpenAI API's limit)
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
+def _logit_bias(value) -> tuple:
+    """``{"token id": bias}`` as sorted ``((id, bias), ...)``; ids are checked against the vocabulary later."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} \"token id\": bias entries",
+                  param="logit_bias")
+    out = {}
+    for k, v in value.items():
+        key = k.strip() if isinstance(k, str) else ""
+        if not key.isdigit() or len(key) > 9:
+            raise bad(f"'logit_bias' keys must be token ids (non-negative integers), got {shown(k)}", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise bad(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {shown(v)} "
+                      f"for token {key}", param="logit_bias")
+        out[int(key)] = out.get(int(key), 0.0) + float(v)
+    return tuple(sorted(out.items()))
 
 
 def parse_verify(body: dict) -> VerifyRequest:

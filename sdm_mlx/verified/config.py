@@ -109,7 +109,8 @@ class GenerationConfig:
 
 
 def add_sampling_arguments(p) -> None:
-    """mlx-lm's sampling flags (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``) for ``generate``/``chat``."""
+    """mlx-lm's sampling flags (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--xtc-probability``,
+    ``--xtc-threshold``, ``--seed``) and the repetition penalty for ``generate``/``chat``."""
     g = p.add_argument_group("sampling (default: greedy; with --head drawn from the joint neg+pos SDM output)")
     g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
                    help="sampling temperature (0: greedy argmax)")
@@ -118,7 +119,12 @@ def add_sampling_arguments(p) -> None:
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * max p (0: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed of the draws (same seed, same text)")
     g.add_argument("--repetition-penalty", type=float, default=None,
-                   help="penalise the last 20 tokens' logits by this factor (> 1 discourages repeats)")
+                   help="penalise the recent tokens' logits by this factor (> 1 discourages repeats)")
+    g.add_argument("--repetition-context-size", type=int, default=20,
+                   help="tokens the repetition penalty looks back over (0: all)")
+    g.add_argument("--xtc-probability", type=float, default=0.0,
+                   help="XTC: probability of removing the likely tokens but the least likely of them (draws only)")
+    g.add_argument("--xtc-threshold", type=float, default=0.1, help="XTC: probability threshold, in [0, 0.5]")
 
 
 def sampling_params(args):
@@ -126,4 +132,6 @@ def sampling_params(args):
     from ..decoding.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, repetition_penalty=args.repetition_penalty).validate()
+                          seed=args.seed, repetition_penalty=args.repetition_penalty,
+                          repetition_context_size=args.repetition_context_size,
+                          xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold).validate()

@@ -238,7 +238,8 @@ def test_bad_requests_get_openai_errors(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     for stream in (False, True):  # sampling fields out of range are refused before any stream starts
         for field, value in (("top_p", 0), ("top_k", -1), ("min_p", 1.5), ("seed", -3), ("top_logprobs", 21),
-                             ("repetition_penalty", 0)):
+                             ("repetition_penalty", -1), ("xtc_threshold", 0.9), ("presence_penalty", "x"),
+                             ("logit_bias", {"1": 500})):
             r = _post(server, "/v1/chat/completions", {"messages": _user("x"), field: value, "stream": stream})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
 

@@ -274,8 +274,15 @@ def test_cli_temp_and_seed_as_mlx_lm_spells_them(setup, capsys):
         assert main(joint + ["--temp", "0.7", "--seed", "11"]) == 0
         drawn.append(json.loads(capsys.readouterr().out)["text"])
     assert drawn[0] == drawn[1]  # seeded joint sampling repeats
+    xtc = []
+    for _ in range(2):  # mlx-lm's XTC flags; the seed also drives XTC's coin
+        assert main(base + ["--temp", "1", "--seed", "4", "--xtc-probability", "0.5", "--xtc-threshold", "0.01"]) == 0
+        xtc.append(json.loads(capsys.readouterr().out)["text"])
+    assert xtc[0] == xtc[1]
     assert main(base + ["--temp", "-1"]) == 2  # exit 2 before the model loads
     assert "temp" in capsys.readouterr().err
+    assert main(base + ["--xtc-threshold", "0.7"]) == 2
+    assert "xtc_threshold must be a number in [0, 0.5]" in capsys.readouterr().err
 
 
 def test_cli_unknown_flag_is_reported_against_the_verb_with_a_suggestion():

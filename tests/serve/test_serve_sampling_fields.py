@@ -1,0 +1,98 @@
+"""``sdm-mlx serve`` honours the other sampling fields ``mlx_lm.server`` honours, through the official ``openai``
+client: ``logit_bias``, ``presence_penalty`` / ``frequency_penalty`` (and their windows), XTC; the ``developer``
+role; an empty ``tools``.  Out-of-range values and a bias on a token outside the vocabulary are 400s naming the
+field.  The server decodes jointly with the tiny network's positive head (tests/serve/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+openai = pytest.importorskip("openai")
+
+from verified_lab import reviews  # noqa: E402  (tests/helpers/)
+
+
+def _ask(client, doc: str, **extra):
+    kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": doc}], max_tokens=16,
+              logprobs=True, extra_body={"sdm": {"on_reject": "return"}, **extra.pop("extra_body", {})})
+    return client.chat.completions.create(**{**kw, **extra})
+
+
+def _text(response) -> str:
+    return response.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tokenizer(setup):
+    from sdm_mlx.llm.model import load_tokenizer
+
+    return load_tokenizer(setup.model_path)
+
+
+def _word(tokenizer, avoid: str) -> int:
+    """A token that is a plain word of 3+ letters not in ``avoid`` (and decodes to itself when repeated)."""
+    return next(t for t in range(5, 5000) if len(w := tokenizer.decode([t]).strip()) >= 3 and w.isalpha()
+                and w not in avoid and tokenizer.decode([t] * 3) == tokenizer.decode([t]) * 3)
+
+
+def test_logit_bias_forces_a_token_and_forbids_one(setup, client, tokenizer):
+    doc = reviews(1, seed=61)[0][0]
+    plain = _text(_ask(client, doc))
+    forced = _word(tokenizer, plain + doc)
+    r = _ask(client, doc, logit_bias={str(forced): 100})
+    assert _text(r) == tokenizer.decode([forced] * 16) and r.usage.completion_tokens == 16
+    starts = [t for t in range(tokenizer.vocab_size) if (d := tokenizer.decode([t])) and plain.startswith(d)]
+    assert 0 < len(starts) <= 300
+    assert not _text(_ask(client, doc, logit_bias={str(t): -100 for t in starts})).startswith(plain[:1])
+
+
+def test_presence_and_frequency_penalties_stop_a_forced_token_repeating(setup, client, tokenizer):
+    doc = reviews(1, seed=62)[0][0]
+    plain = _text(_ask(client, doc))
+    forced = _word(tokenizer, plain + doc)
+    word = tokenizer.decode([forced])
+    bias = {"logit_bias": {str(forced): 100}}
+    once = _text(_ask(client, doc, presence_penalty=1000.0, **bias))
+    assert once.startswith(word) and once.count(word.strip()) == 1  # present once: penalised from then on
+    some = _text(_ask(client, doc, frequency_penalty=30.0, **bias))
+    assert some.startswith(word * 2) and some.count(word.strip()) < 16  # each occurrence costs 30
+    assert _text(_ask(client, doc, frequency_penalty=0.0, presence_penalty=0.0)) == plain  # 0 changes nothing
+
+
+def test_seeded_xtc_draws_repeat(setup, client):
+    doc = reviews(1, seed=63)[0][0]
+    kw = dict(temperature=1.0, seed=5, extra_body={"xtc_probability": 0.5, "xtc_threshold": 0.05})
+    first = _ask(client, doc, **kw).choices[0].message.content
+    assert _ask(client, doc, **kw).choices[0].message.content == first
+
+
+def test_developer_role_is_a_system_message(setup, client):
+    doc = reviews(1, seed=64)[0][0]
+    as_dev = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=12, extra_body={"sdm": {"on_reject": "return"}},
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": doc}])
+    as_sys = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=12, extra_body={"sdm": {"on_reject": "return"}},
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": doc}])
+    assert as_dev.choices[0].message.content == as_sys.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"3": 250}}, "logit_bias"),
+    ({"xtc_threshold": 0.7}, "xtc_threshold"),
+    ({"presence_context_size": -1}, "presence_context_size"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+])
+def test_bad_values_are_400s_naming_the_field(setup, client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, "Hello", extra_body=extra)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_an_empty_tools_list_and_a_zero_repetition_penalty_change_nothing(setup, client):
+    doc = reviews(1, seed=65)[0][0]
+    plain = _text(_ask(client, doc))
+    assert _text(_ask(client, doc, tools=[], extra_body={"repetition_penalty": 0})) == plain  # mlx_lm.server: 0 is off
