@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import InputError
 from ..estimator.feedback import PersistError
 from . import responses as R
 from .engine import Cancelled, Engine, UnknownVerdict
@@ -236,9 +237,14 @@ class Routes:
     async def body_of(self, request: Request) -> dict:
         return await read_json(request, self.limits.max_body_bytes, self.limits.body_timeout)
 
-    async def count(self, messages, prompt, extra: str = "") -> int:
-        """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.counter.count, messages, prompt, extra)
+    async def count(self, messages, prompt, extra: str = "", template_kwargs: dict | None = None) -> int:
+        """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread (a chat template
+        that fails on the request's ``chat_template_kwargs``: 400)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self.counter.count, messages, prompt,
+                                                                    extra, template_kwargs)
+        except InputError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
 
     async def completions(self, request: Request, kind: str):
         engine = self.engine
@@ -246,7 +252,7 @@ class Routes:
         check_model(engine, req.model)
         check_decoding(engine, req)
         check_max_tokens(self.limits, req.max_tokens)
-        n = await self.count(req.messages, req.prompt)
+        n = await self.count(req.messages, req.prompt, template_kwargs=req.chat_template_kwargs)
         check_prompt_tokens(self.limits, n, "messages" if req.messages else "prompt")
         cid = R.new_id(kind)
         if req.stream:

@@ -176,13 +176,16 @@ class Engine:
         """The request's messages with the server's system message and prompt template applied."""
         return self.gen.prompts.chat_messages(messages)
 
-    def prompt_text(self, messages: list | None = None, prompt: str | None = None) -> str:
-        """The generation prompt of a chat (``messages``) or raw text (``prompt``) request."""
-        return self.gen.prompts.prompt_text(messages, prompt)
+    def prompt_text(self, messages: list | None = None, prompt: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The generation prompt of a chat (``messages``, with the request's ``chat_template_kwargs``) or raw
+        text (``prompt``) request."""
+        return self.gen.prompts.prompt_text(messages, prompt, template_kwargs)
 
-    def prompt_ids(self, messages: list | None = None, prompt: str | None = None) -> list:
+    def prompt_ids(self, messages: list | None = None, prompt: str | None = None,
+                   template_kwargs: dict | None = None) -> list:
         """Token ids of :meth:`prompt_text`, encoded as mlx-lm encodes a string prompt."""
-        return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt))
+        return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt, template_kwargs))
 
     # -- model work (call through submit; the generators are BatchRunner tasks) ---------------------------
     def complete(self, req: GenerationRequest, on_stream: Callable[[str, list | None], None] | None = None,
@@ -199,11 +202,12 @@ class Engine:
 
         if gone():  # a request that waited in the queue may already be gone
             raise Cancelled("the request was cancelled")
-        base_ids = self.prompt_ids(req.messages, req.prompt)
+        base_ids = self.prompt_ids(req.messages, req.prompt, req.chat_template_kwargs)
         on_tokens = on_stream if (on_stream is not None and req.sampling.logprobs) else None
         on_text = (lambda seg: on_stream(seg, None)) if (on_stream is not None and on_tokens is None) else None
         result = yield from self.gen.attempts(
-            base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt),
+            base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt,
+                                               template_kwargs=req.chat_template_kwargs),
             prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
             max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
             sampling=req.sampling, cancel=gone, on_tokens=on_tokens,

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from ..llm import embed as _embed
+from ..verified.prompts import render_chat
 from .schema import APIError
 
 #: context length assumed when the model does not state one
@@ -55,20 +56,23 @@ class PromptCounter:
             self.tokenizer = None
         self._lock = threading.Lock()
 
-    def _render(self, messages: list | None, prompt: str | None) -> str:
+    def _render(self, messages: list | None, prompt: str | None, template_kwargs: dict | None) -> str:
         if messages is None:
             return prompt
         gen, turns = self.engine.gen, self.engine.chat_messages(messages)
         if not gen.use_chat_template:
             return "\n".join(m["content"] for m in turns)
-        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, turns, template_kwargs)
 
-    def count(self, messages: list | None = None, prompt: str | None = None, extra: str = "") -> int:
-        """Tokens of the request's generation prompt (+ ``extra``, e.g. a completion to verify)."""
+    def count(self, messages: list | None = None, prompt: str | None = None, extra: str = "",
+              template_kwargs: dict | None = None) -> int:
+        """Tokens of the request's generation prompt (+ ``extra``, e.g. a completion to verify); a chat template
+        that fails on ``template_kwargs`` raises :class:`~sdm_mlx.errors.InputError`."""
         if self.tokenizer is None:
-            return len(self.engine.submit(self.engine.prompt_ids, messages, prompt).result()) + len(extra)
+            ids = self.engine.submit(self.engine.prompt_ids, messages, prompt, template_kwargs).result()
+            return len(ids) + len(extra)
         with self._lock:
-            text = self._render(messages, prompt) + extra
+            text = self._render(messages, prompt, template_kwargs) + extra
             return len(_embed.encode(self.tokenizer, text))
 
 

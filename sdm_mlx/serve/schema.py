@@ -32,6 +32,9 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
                        integer ``logprobs`` (that many alternatives)
 ``stop``               a string or a list of up to 4 non-empty strings
 ``stream``             bool; ``stream_options.include_usage`` adds usage to the last chunk
+``chat_template_kwargs`` chat: an object of variables for the model's chat template (e.g.
+                       ``{"enable_thinking": false}``), as mlx_lm.server; the names of
+                       ``apply_chat_template``'s own arguments are refused
 ``n``                  1 only; ``user`` is accepted and not used; ``tools`` only empty (no tool
                        calling: a verified answer is text)
 ``sdm``                ``{"on_reject": "abstain"|"reask"|"return", "max_attempts": int >= 1}``
@@ -61,7 +64,11 @@ SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "rep
                    "logit_bias", "xtc_probability", "xtc_threshold", "logprobs", "top_logprobs"}
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
            "user", "seed", "sdm"} | SAMPLING_FIELDS
-CHAT_FIELDS = _COMMON | {"messages", "tools"}
+CHAT_FIELDS = _COMMON | {"messages", "tools", "chat_template_kwargs"}
+#: ``apply_chat_template``'s own arguments: not template variables, refused in ``chat_template_kwargs``
+TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 TEXT_FIELDS = _COMMON | {"prompt"}
 VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
 
@@ -103,6 +110,7 @@ class GenerationRequest:
     include_usage: bool = False
     on_reject: str | None = None
     max_attempts: int | None = None
+    chat_template_kwargs: dict | None = None  #: variables for the chat template (chat requests)
     sampling: SamplingParams = field(default_factory=SamplingParams)  #: temperature, top_p, …, seed, logprobs
 
     @property
@@ -314,6 +322,7 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad("only n = 1 is supported", param="n")
+    req.chat_template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     if body.get("tools") not in (None, []):
         raise bad("tool calling is not supported: a verified answer is text ('tools' may only be empty)",
                   param="tools", code="unsupported_field")
@@ -364,6 +373,21 @@ def _sampling(body: dict, req: GenerationRequest) -> None:
         logprobs=_bool(body, "logprobs") or bool(top),
         top_logprobs=top or 0,
     )
+
+
+def _template_kwargs(value) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("'chat_template_kwargs' must be an object of chat-template variables", param="chat_template_kwargs")
+    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise bad(f"'chat_template_kwargs' may not set {', '.join(reserved)} (arguments of apply_chat_template, "
+                  "not template variables)", param="chat_template_kwargs")
+    if not all(k.isidentifier() for k in value):
+        raise bad("'chat_template_kwargs' keys must be identifiers (template variable names)",
+                  param="chat_template_kwargs")
+    return dict(value) or None
 
 
 def _context(body: dict, key: str) -> int:

@@ -19,6 +19,7 @@ answer and the re-ask message joined by newlines).
 
 from __future__ import annotations
 
+from ..errors import InputError
 from ..llm import embed as _embed
 
 #: Re-ask user message (slots: ``{previous}`` the previous answer, ``{reason}`` why it was rejected,
@@ -35,6 +36,18 @@ def fill(template: str, **slots) -> str:
     for k, v in slots.items():
         template = template.replace("{" + k + "}", str(v))
     return template
+
+
+def render_chat(tokenizer, messages: list, template_kwargs: dict | None = None) -> str:
+    """``messages`` through the tokenizer's chat template with the generation prompt; ``template_kwargs`` are
+    the template's variables.  A template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
+    if not template_kwargs:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except Exception as e:  # the template's own error (jinja, a value of a type it does not expect)
+        raise InputError(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: "
+                         f"{str(e)[:200]}") from None
 
 
 class PromptBuilder:
@@ -63,26 +76,29 @@ class PromptBuilder:
             out.insert(0, {"role": "system", "content": self.system})
         return out
 
-    def render(self, messages: list) -> str:
-        """Already templated messages as the generation prompt text."""
+    def render(self, messages: list, template_kwargs: dict | None = None) -> str:
+        """Already templated messages as the generation prompt text; ``template_kwargs`` go to the tokenizer's
+        chat template (e.g. ``{"enable_thinking": False}``, as ``chat_template_kwargs`` in mlx_lm.server).
+        A chat template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
         if not self.use_chat_template:
             return "\n".join(m["content"] for m in messages)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     def document_text(self, document: str) -> str:
         """The generation prompt of a document (as ``sdm-mlx embed`` templates it)."""
         return _embed.chat_text(self.tokenizer, document, system=self.system, prompt_template=self.prompt_template,
                                 use_chat_template=self.use_chat_template)
 
-    def prompt_text(self, messages: list | None = None, prompt: str | None = None) -> str:
+    def prompt_text(self, messages: list | None = None, prompt: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
         """The generation prompt of a chat (``messages``) or of raw text (``prompt``)."""
-        return prompt if messages is None else self.render(self.chat_messages(messages))
+        return prompt if messages is None else self.render(self.chat_messages(messages), template_kwargs)
 
     def encode(self, text: str) -> list:
         return _embed.encode(self.tokenizer, text)
 
     def reask(self, previous: str, reason: str | None, attempt: int, *, messages: list | None = None,
-              prompt: str | None = None) -> tuple[list, str]:
+              prompt: str | None = None, template_kwargs: dict | None = None) -> tuple[list, str]:
         """``(prompt token ids, re-ask message)`` asking to re-check ``previous`` for a chat or a raw prompt."""
         message = fill(self.reask_template, previous=previous, reason=reason or "", attempt=attempt)
         if messages is None or not self.use_chat_template:
@@ -90,9 +106,10 @@ class PromptBuilder:
             return self.encode(f"{base}{previous}\n{message}\n"), message
         turns = self.chat_messages(messages) + [{"role": "assistant", "content": previous},
                                                 {"role": "user", "content": message}]
-        return self.encode(self.render(turns)), message
+        return self.encode(self.render(turns, template_kwargs)), message
 
-    def reasker(self, *, messages: list | None = None, prompt: str | None = None):
+    def reasker(self, *, messages: list | None = None, prompt: str | None = None,
+                template_kwargs: dict | None = None):
         """``build(previous, reason, attempt) -> (ids, message)`` for one request."""
         return lambda previous, reason, attempt: self.reask(previous, reason, attempt, messages=messages,
-                                                            prompt=prompt)
+                                                            prompt=prompt, template_kwargs=template_kwargs)

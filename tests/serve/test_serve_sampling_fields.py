@@ -96,3 +96,27 @@ def test_an_empty_tools_list_and_a_zero_repetition_penalty_change_nothing(setup,
     doc = reviews(1, seed=65)[0][0]
     plain = _text(_ask(client, doc))
     assert _text(_ask(client, doc, tools=[], extra_body={"repetition_penalty": 0})) == plain  # mlx_lm.server: 0 is off
+
+
+def test_chat_template_kwargs_reach_the_template(setup, client, tokenizer):
+    from sdm_mlx.verified.prompts import PromptBuilder
+
+    import copy
+
+    themed = copy.deepcopy(tokenizer)
+    themed.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                            "{% if style is defined %}<{{ style }}>{% endif %}<assistant>")
+    builder = PromptBuilder(themed, system=None, prompt_template=None, use_chat_template=True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert builder.prompt_text(chat) == "<user>hi<assistant>"
+    assert builder.prompt_text(chat, template_kwargs={"style": "terse"}) == "<user>hi<terse><assistant>"
+    doc = reviews(1, seed=66)[0][0]  # the served model's template ignores a variable it does not use
+    assert _text(_ask(client, doc, extra_body={"chat_template_kwargs": {"enable_thinking": False}})) == \
+        _text(_ask(client, doc))
+
+
+@pytest.mark.parametrize("value", [["x"], {"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"not a name": 1}])
+def test_bad_chat_template_kwargs_are_400s(setup, client, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, "Hello", extra_body={"chat_template_kwargs": value})
+    assert e.value.body["param"] == "chat_template_kwargs", e.value.body
