@@ -20,8 +20,8 @@ from ..verified.config import GenerationConfig
 #: The settings classes whose fields are the generation verbs' options and YAML keys.
 SETTINGS = (GenerationConfig,)
 
-MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_chat_template", "max_tokens",
-                "delimiter", "max_length", "n_exemplars", "require_json", "prompt_cache_bytes")
+MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_chat_template", "chat_template_args",
+                "max_tokens", "delimiter", "max_length", "n_exemplars", "require_json", "prompt_cache_bytes")
 POLICY_FIELDS = ("on_reject", "max_attempts", "reask_fallback", "reask_template")
 
 

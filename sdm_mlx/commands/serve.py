@@ -29,7 +29,10 @@ __all__ = ["HELP", "SETTINGS", "add_arguments", "run"]
 
 
 def add_arguments(p) -> None:
+    from ..verified.config import add_sampling_arguments
+
     add_generation_arguments(p, per_request=True)
+    add_sampling_arguments(p, per_request=True)
     add_server_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed on stderr)")
@@ -95,6 +98,9 @@ def run(args) -> int:
     if args.max_body_bytes < 1:
         raise CLIError("--max-body-bytes must be >= 1")
     check_access_arguments(args)
+    from ..verified.config import sampling_params
+
+    sampling = sampling_params(args)  # bad sampling flags: exit 2 before the model loads
     from ..serve.app import create_app
     from ..serve.guard import AccessPolicy
     from ..serve.limits import RequestLimits, context_length
@@ -120,7 +126,7 @@ def run(args) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"sdm-mlx serve: {engine.model_id} ({engine.gen.decoding} decoding, on_reject={engine.gen.on_reject}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
-        serve(create_app(engine, limits=limits, policy=policy), sock, access_log=not args.quiet,
+        serve(create_app(engine, limits=limits, policy=policy, sampling=sampling), sock, access_log=not args.quiet,
               log_level="warning" if args.quiet else "info", on_exit=engine.closing.set)
     finally:
         engine.close()

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..decoding.sampling import GREEDY, SamplingParams
 from ..errors import InputError
 from ..estimator.feedback import PersistError
 from . import responses as R
@@ -229,10 +230,12 @@ def _feedback_request(body: dict) -> tuple[str, object]:
 
 
 class Routes:
-    """The route handlers of one app: ``engine`` behind the per-request caps ``limits``."""
+    """The route handlers of one app: ``engine`` behind the per-request caps ``limits``; ``sampling``: the
+    server's sampling settings, for the fields a request leaves out."""
 
-    def __init__(self, engine: Engine, limits: RequestLimits):
+    def __init__(self, engine: Engine, limits: RequestLimits, sampling: SamplingParams = GREEDY):
         self.engine, self.limits, self.counter = engine, limits, PromptCounter(engine)
+        self.sampling = sampling
 
     async def body_of(self, request: Request) -> dict:
         return await read_json(request, self.limits.max_body_bytes, self.limits.body_timeout)
@@ -248,7 +251,7 @@ class Routes:
 
     async def completions(self, request: Request, kind: str):
         engine = self.engine
-        req = parse_generation(await self.body_of(request), kind)
+        req = parse_generation(await self.body_of(request), kind, self.sampling)
         check_model(engine, req.model)
         check_decoding(engine, req)
         check_max_tokens(self.limits, req.max_tokens)
@@ -309,12 +312,13 @@ class Routes:
 
 
 def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
-               policy: AccessPolicy | None = None):
+               policy: AccessPolicy | None = None, sampling: SamplingParams = GREEDY):
     """The Starlette app serving ``engine`` behind :class:`~.guard.AccessGuard` (``policy``; default: loopback
     Hosts, no CORS, feedback refused without an API key) with the per-request caps ``limits`` (default: prompt
-    tokens up to the model's context, body up to ``max_body_bytes``)."""
+    tokens up to the model's context, body up to ``max_body_bytes``) and the server's ``sampling`` settings
+    (``serve --temp`` ...; default greedy) for the fields a request leaves out."""
     limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
-    app = Starlette(routes=Routes(engine, limits).table(), exception_handlers={
+    app = Starlette(routes=Routes(engine, limits, sampling).table(), exception_handlers={
         APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, Exception: _server_error})
     app.state.limits = limits
     return AccessGuard(app, policy or AccessPolicy())

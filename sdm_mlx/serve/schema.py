@@ -48,8 +48,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..decoding.sampling import MAX_LOGIT_BIAS, REPETITION_CONTEXT, SamplingParams
+from ..decoding.sampling import GREEDY, MAX_LOGIT_BIAS, SamplingParams
+from ..errors import InputError
 from ..verified.config import ON_REJECT
+from ..verified.prompts import check_template_kwargs
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
@@ -65,10 +67,6 @@ SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "rep
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
            "user", "seed", "sdm"} | SAMPLING_FIELDS
 CHAT_FIELDS = _COMMON | {"messages", "tools", "chat_template_kwargs"}
-#: ``apply_chat_template``'s own arguments: not template variables, refused in ``chat_template_kwargs``
-TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 TEXT_FIELDS = _COMMON | {"prompt"}
 VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
 
@@ -301,8 +299,9 @@ def _policy(value) -> tuple[str | None, int | None]:
     return on_reject, max_attempts
 
 
-def parse_generation(body: dict, kind: str) -> GenerationRequest:
-    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` (``"text"``) body."""
+def parse_generation(body: dict, kind: str, defaults: SamplingParams = GREEDY) -> GenerationRequest:
+    """Validate a ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` (``"text"``) body; the
+    sampling fields it leaves out are ``defaults``'s (the server's ``--temp``, ``--top-p`` ...)."""
     _check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     req = GenerationRequest(kind=kind, model=_model(body))
     if kind == "chat":
@@ -327,7 +326,7 @@ def parse_generation(body: dict, kind: str) -> GenerationRequest:
         raise bad("tool calling is not supported: a verified answer is text ('tools' may only be empty)",
                   param="tools", code="unsupported_field")
     req.on_reject, req.max_attempts = _policy(body.get("sdm"))
-    _sampling(body, req)
+    _sampling(body, req, defaults)
     return req
 
 
@@ -341,8 +340,9 @@ def _number(body: dict, key: str, low: float, high: float, low_open: bool = Fals
     return float(v)
 
 
-def _sampling(body: dict, req: GenerationRequest) -> None:
-    """The sampling fields mlx_lm.server honours (see the table above), as the request's :class:`SamplingParams`."""
+def _sampling(body: dict, req: GenerationRequest, defaults: SamplingParams) -> None:
+    """The sampling fields mlx_lm.server honours (see the table above), as the request's :class:`SamplingParams`;
+    a field the request leaves out (or sends as null) is the server's (``defaults``: ``serve --temp`` ...)."""
     t = body.get("temperature")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2):
         raise bad(f"'temperature' must be a number in [0, 2], got {shown(t)}", param="temperature")
@@ -355,44 +355,36 @@ def _sampling(body: dict, req: GenerationRequest) -> None:
             raise bad(f"'logprobs' must be a boolean or an integer in [0, 20], got {legacy}", param="logprobs")
         body = {**body, "logprobs": True, "top_logprobs": legacy if top is None else top}
         top = body["top_logprobs"]
+
+    def given(value, name):
+        return getattr(defaults, name) if value is None else value
+
+    repetition = _number(body, "repetition_penalty", 0.0, 1e6)
     req.sampling = SamplingParams(
-        temperature=0.0 if t is None else float(t),
-        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True) or 1.0,
-        top_k=_int(body, "top_k", 0) or 0,
-        min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
-        seed=_int(body, "seed", 0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6) or None,  # 0: off, as mlx_lm.server
-        repetition_context_size=_context(body, "repetition_context_size"),
-        presence_penalty=_number(body, "presence_penalty", -1e6, 1e6) or 0.0,
-        presence_context_size=_context(body, "presence_context_size"),
-        frequency_penalty=_number(body, "frequency_penalty", -1e6, 1e6) or 0.0,
-        frequency_context_size=_context(body, "frequency_context_size"),
-        logit_bias=_logit_bias(body.get("logit_bias")),
-        xtc_probability=_number(body, "xtc_probability", 0.0, 1.0) or 0.0,
-        xtc_threshold=_number(body, "xtc_threshold", 0.0, 0.5) if body.get("xtc_threshold") is not None else 0.1,
+        temperature=given(None if t is None else float(t), "temperature"),
+        top_p=given(_number(body, "top_p", 0.0, 1.0, low_open=True), "top_p"),
+        top_k=given(_int(body, "top_k", 0), "top_k"),
+        min_p=given(_number(body, "min_p", 0.0, 1.0), "min_p"),
+        seed=given(_int(body, "seed", 0), "seed"),
+        repetition_penalty=given(repetition, "repetition_penalty") or None,  # 0: off, as mlx_lm.server
+        repetition_context_size=given(_int(body, "repetition_context_size", 0), "repetition_context_size"),
+        presence_penalty=given(_number(body, "presence_penalty", -1e6, 1e6), "presence_penalty"),
+        presence_context_size=given(_int(body, "presence_context_size", 0), "presence_context_size"),
+        frequency_penalty=given(_number(body, "frequency_penalty", -1e6, 1e6), "frequency_penalty"),
+        frequency_context_size=given(_int(body, "frequency_context_size", 0), "frequency_context_size"),
+        logit_bias=_logit_bias(body.get("logit_bias")) or defaults.logit_bias,
+        xtc_probability=given(_number(body, "xtc_probability", 0.0, 1.0), "xtc_probability"),
+        xtc_threshold=given(_number(body, "xtc_threshold", 0.0, 0.5), "xtc_threshold"),
         logprobs=_bool(body, "logprobs") or bool(top),
         top_logprobs=top or 0,
     )
 
 
 def _template_kwargs(value) -> dict | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise bad("'chat_template_kwargs' must be an object of chat-template variables", param="chat_template_kwargs")
-    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
-    if reserved:
-        raise bad(f"'chat_template_kwargs' may not set {', '.join(reserved)} (arguments of apply_chat_template, "
-                  "not template variables)", param="chat_template_kwargs")
-    if not all(k.isidentifier() for k in value):
-        raise bad("'chat_template_kwargs' keys must be identifiers (template variable names)",
-                  param="chat_template_kwargs")
-    return dict(value) or None
-
-
-def _context(body: dict, key: str) -> int:
-    v = _int(body, key, 0)
-    return REPETITION_CONTEXT if v is None else v
+    try:
+        return check_template_kwargs(value)
+    except InputError as e:
+        raise bad(str(e), param="chat_template_kwargs") from None
 
 
 #: most entries of ``logit_bias`` (the OpenAI API's limit)

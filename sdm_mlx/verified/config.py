@@ -58,6 +58,10 @@ class GenerationConfig:
                                    none_means=f"{_HEAD}'{BUILTIN['delimiter']}'")
     max_length: int | None = option(None, "kept positions of the verifier features",
                                     none_means=_HEAD + str(BUILTIN["max_length"]))
+    chat_template_args: str | None = option(
+        None, "JSON object of chat-template variables for every prompt, e.g. '{\"enable_thinking\": false}' "
+              "(mlx-lm's --chat-template-args / --chat-template-config; a server request's chat_template_kwargs "
+              "override them)", aliases=("--chat-template-config",), none_means="none")
     n_exemplars: int = option(5, "nearest training exemplars reported per answer")
     prompt_cache_bytes: int = option(256 << 20, "bytes of the prompt-prefix cache shared across prompts (the "
                                                 "system/instruction/template prefix is prefilled once; 0: off)")
@@ -92,6 +96,22 @@ class GenerationConfig:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise InputError(f"{name} must be >= 1, got {value!r}")
+        self.template_kwargs()
+
+    def template_kwargs(self) -> dict | None:
+        """:attr:`chat_template_args` parsed (``ValueError`` naming it when it is not a JSON object of
+        template variables)."""
+        import json
+
+        from .prompts import check_template_kwargs
+
+        if self.chat_template_args is None:
+            return None
+        try:
+            value = json.loads(self.chat_template_args)
+        except ValueError as e:
+            raise InputError(f"chat_template_args is not JSON: {e}") from None
+        return check_template_kwargs(value, "chat_template_args")
 
     def templating(self, head_settings: dict | None = None) -> dict:
         """The head-dependent settings, resolved: given here > the head's stored ``settings`` > :data:`BUILTIN`
@@ -108,10 +128,14 @@ class GenerationConfig:
         return out
 
 
-def add_sampling_arguments(p) -> None:
+def add_sampling_arguments(p, *, per_request: bool = False) -> None:
     """mlx-lm's sampling flags (``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--xtc-probability``,
-    ``--xtc-threshold``, ``--seed``) and the repetition penalty for ``generate``/``chat``."""
-    g = p.add_argument_group("sampling (default: greedy; with --head drawn from the joint neg+pos SDM output)")
+    ``--xtc-threshold``, ``--seed``) and the repetition penalty for ``generate``/``chat`` (``per_request``: the
+    server's settings, for the fields a request leaves out)."""
+    title = "sampling (default: greedy; with --head drawn from the joint neg+pos SDM output)"
+    if per_request:
+        title += "; the server's settings: a request's own fields override them"
+    g = p.add_argument_group(title)
     g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0,
                    help="sampling temperature (0: greedy argmax)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")

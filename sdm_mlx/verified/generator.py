@@ -164,7 +164,8 @@ class VerifiedGenerator:
         """Resolve the head-dependent settings and build the prompts, the engine and the verifier."""
         t = config.templating(head_settings)
         self.prompts = PromptBuilder(tokenizer, system=t["system"], prompt_template=t["prompt_template"],
-                                     use_chat_template=t["use_chat_template"], reask_template=config.reask_template)
+                                     use_chat_template=t["use_chat_template"], reask_template=config.reask_template,
+                                     template_kwargs=config.template_kwargs())
         self.system, self.prompt_template, self.use_chat_template = (t["system"], t["prompt_template"],
                                                                      t["use_chat_template"])
         self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]

@@ -38,6 +38,29 @@ def fill(template: str, **slots) -> str:
     return template
 
 
+#: ``apply_chat_template``'s own arguments: not template variables, refused as template kwargs
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(value, name: str = "chat_template_kwargs") -> dict | None:
+    """``value`` as chat-template variables (a dict with identifier keys that are not
+    :data:`TEMPLATE_ARGUMENTS`; None or empty: None); :class:`~sdm_mlx.errors.InputError` naming ``name``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InputError(f"{name} must be an object of chat-template variables, e.g. {{\"enable_thinking\": false}}")
+    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise InputError(f"{name} may not set {', '.join(reserved)} (arguments of apply_chat_template, not "
+                         "template variables)")
+    if not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise InputError(f"{name} keys must be identifiers (template variable names)")
+    return dict(value) or None
+
+
 def render_chat(tokenizer, messages: list, template_kwargs: dict | None = None) -> str:
     """``messages`` through the tokenizer's chat template with the generation prompt; ``template_kwargs`` are
     the template's variables.  A template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
@@ -54,10 +77,12 @@ class PromptBuilder:
     """The templating settings of one generator and the prompts built from them (see the module docstring)."""
 
     def __init__(self, tokenizer, *, system: str | None, prompt_template: str | None, use_chat_template: bool,
-                 reask_template: str | None = None):
+                 reask_template: str | None = None, template_kwargs: dict | None = None):
         self.tokenizer, self.system, self.prompt_template = tokenizer, system, prompt_template
         self.use_chat_template = bool(use_chat_template)
         self.reask_template = REASK_TEMPLATE if reask_template is None else reask_template
+        #: chat-template variables of every prompt (``--chat-template-args``); a request's own override them
+        self.template_kwargs = check_template_kwargs(template_kwargs, "chat_template_args") or {}
 
     def user_message(self, document: str) -> str:
         return self.prompt_template.replace("{document}", document) if self.prompt_template else document
@@ -82,10 +107,13 @@ class PromptBuilder:
         A chat template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
         if not self.use_chat_template:
             return "\n".join(m["content"] for m in messages)
-        return render_chat(self.tokenizer, messages, template_kwargs)
+        return render_chat(self.tokenizer, messages, {**self.template_kwargs, **(template_kwargs or {})})
 
     def document_text(self, document: str) -> str:
-        """The generation prompt of a document (as ``sdm-mlx embed`` templates it)."""
+        """The generation prompt of a document (as ``sdm-mlx embed`` templates it; with template variables,
+        the same messages rendered with them)."""
+        if self.template_kwargs and self.use_chat_template:
+            return self.prompt_text(self.messages(document))
         return _embed.chat_text(self.tokenizer, document, system=self.system, prompt_template=self.prompt_template,
                                 use_chat_template=self.use_chat_template)
 

@@ -120,3 +120,46 @@ def test_bad_chat_template_kwargs_are_400s(setup, client, value):
     with pytest.raises(openai.BadRequestError) as e:
         _ask(client, "Hello", extra_body={"chat_template_kwargs": value})
     assert e.value.body["param"] == "chat_template_kwargs", e.value.body
+
+
+def test_server_sampling_flags_and_template_args_are_the_defaults_a_request_overrides(setup, client):
+    """``serve --temp 2 --seed S`` samples the requests that send no temperature (as mlx_lm.server's --temp);
+    a request's own fields win; ``--chat-template-args`` reach every prompt (a variable the template ignores)."""
+    import signal
+
+    from server_process import ServerProcess, sdm_mlx
+    from verified_lab import OOD_PROMPT
+
+    greedy = _text(_ask(client, OOD_PROMPT))
+    seed = next(s for s in range(3, 40) if _text(_ask(client, OOD_PROMPT, temperature=2, seed=s)) != greedy)
+    srv = ServerProcess(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--quiet", "--temp", "2",
+                                "--seed", seed, "--chat-template-args", '{"style": "terse"}'))
+    try:
+        hot = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        assert _text(_ask(hot, OOD_PROMPT)) == _text(_ask(client, OOD_PROMPT, temperature=2, seed=seed))
+        assert _text(_ask(hot, OOD_PROMPT, temperature=0)) == greedy
+        assert _text(_ask(hot, OOD_PROMPT, seed=seed + 1)) == _text(_ask(client, OOD_PROMPT, temperature=2,
+                                                                         seed=seed + 1))
+        assert srv.stop(signal.SIGTERM) == 0
+    finally:
+        srv.kill()
+
+
+def test_template_args_of_every_prompt_and_a_request_s_own(tokenizer):
+    import copy
+
+    from sdm_mlx.errors import InputError
+    from sdm_mlx.verified.config import GenerationConfig
+    from sdm_mlx.verified.prompts import PromptBuilder
+
+    themed = copy.deepcopy(tokenizer)
+    themed.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                            "{% if style is defined %}<{{ style }}>{% endif %}<assistant>")
+    kwargs = GenerationConfig(chat_template_args='{"style": "terse"}').template_kwargs()
+    builder = PromptBuilder(themed, system=None, prompt_template=None, use_chat_template=True, template_kwargs=kwargs)
+    assert builder.document_text("hi") == "<user>hi<terse><assistant>"  # generate --prompt
+    assert builder.prompt_text([{"role": "user", "content": "hi"}], template_kwargs={"style": "long"}) == \
+        "<user>hi<long><assistant>"  # a server request's chat_template_kwargs win
+    for bad in ("[1]", "{", '{"tokenize": true}'):
+        with pytest.raises(InputError, match="chat_template_args"):
+            GenerationConfig(chat_template_args=bad).validate()
