@@ -46,18 +46,20 @@ def _geometry(W, v_var, log_base, y_hat, sdm_flip) -> tuple:
     return v_var, q_proc, bins, ood, o, floor_ok, o_flip
 
 
-def _variant(geometry: tuple, y_hat, offsets, psi, min_valid_own, robust_min):
+def _variant(geometry: tuple, y_hat, offsets, psi, min_valid_own, robust_min, offset=None):
     """Process one of centroid / lower / upper at one level: offset, p, validity.
 
-    Returns (:class:`~sdm_mlx.results.Variant`, floor(q~) > 0 before processing, o has no unique argmax ŷ,
-    singleton): the last three feed the rejection reasons."""
+    ``psi`` [C] (or one row per input row, [N, C]), the two minima scalars (or [N]); ``offset``: the rows'
+    offsets already looked up (else from ``offsets``).  Returns (:class:`~sdm_mlx.results.Variant`,
+    floor(q~) > 0 before processing, o has no unique argmax ŷ, singleton): the last three feed the
+    rejection reasons."""
     v_var, q_proc, bins, ood, o, floor_ok, o_flip = geometry
     rows = np.arange(v_var.shape[0])
-    offset = lookup_offsets(offsets, y_hat, bins)
+    offset = lookup_offsets(offsets, y_hat, bins) if offset is None else offset
     p = np.clip(o[rows, y_hat] - offset, 0.0, 1.0)
     o_adj = o.copy()
     o_adj[rows, y_hat] = p
-    above = o_adj >= psi[None, :]
+    above = o_adj >= psi
     singleton = (above.sum(axis=1) == 1) & above[rows, y_hat]
     valid = ~ood & (q_proc >= min_valid_own) & (q_proc >= robust_min) & singleton
     variant = Variant(v=v_var, q_tilde=q_proc, hard_bin=bins, ood=ood, o=o, offset=offset, p=p, valid=valid)
@@ -150,6 +152,59 @@ def level_validity(calibration: "Calibration", rows: dict) -> tuple[np.ndarray, 
     lower = _geometry(W, v_lower, rows["log_base"], y_hat, rows["sdm_flip"])
     thresholds = (offsets, psi, min_valid_own, robust_min)
     return _variant(lower, y_hat, *thresholds)[0].valid, _variant(rows["centroid"], y_hat, *thresholds)[0].valid
+
+
+#: most stacked rows (levels x rows) :func:`levels_validity` processes at once: small batches (a server's
+#: verdicts) gain from few array operations, large ones keep the working memory of one level
+STACKED_ROWS = 4096
+
+
+def levels_validity(calibrations, rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`level_validity` at every level of ``calibrations`` (one model's, as the nested ladder's), bool
+    ``[N, L]`` each.  Levels are stacked along the rows (row ``l N + i`` is row ``i`` at level ``l``, each
+    with its own ε, offsets, ψ and minima), up to :data:`STACKED_ROWS` rows at a time: one row's ladder of
+    19 levels takes 1.2 ms instead of 2.1 ms.  The same values as the per-level calls (the nested tests
+    compare them with the full estimator at every level)."""
+    n, L = rows["n"], len(calibrations)
+    checked = [_check_calibration(c) for c in calibrations]
+    lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
+    group = max(1, STACKED_ROWS // max(n, 1))
+    one_model = all(np.array_equal(c[0], checked[0][0]) for c in checked)
+    for j0 in range(0, L, group):
+        part = slice(j0, min(L, j0 + group))
+        if one_model and part.stop - part.start > 1:
+            lower[:, part], centroid[:, part] = _stacked_validity(calibrations[part], checked[part], rows)
+        else:
+            for j in range(part.start, part.stop):
+                lower[:, j], centroid[:, j] = level_validity(calibrations[j], rows)
+    return lower, centroid
+
+
+def _stacked_validity(calibrations, checked, rows: dict) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`levels_validity` of levels sharing W'' in one stacked pass (see there)."""
+    n, L = rows["n"], len(calibrations)
+
+    def tiled(a):
+        return np.concatenate([a] * L, axis=0)
+
+    def per_level(values):  # one value per level -> one per stacked row
+        return np.repeat(np.asarray(values, dtype=np.float64), n)
+
+    y_hat = tiled(rows["y_hat"])
+    eps = np.concatenate([dkw_epsilon(rows["n_hat"], c.alpha) for c in calibrations], axis=0)
+    v_lower, _ = dkw_bounds(tiled(rows["v"]), eps, y_hat)
+    lower = _geometry(checked[0][0], v_lower, tiled(rows["log_base"]), y_hat, tiled(rows["sdm_flip"]))
+    centroid = tuple(tiled(a) for a in rows["centroid"])
+    psi = np.repeat(np.stack([c[1] for c in checked]), n, axis=0)
+    minima = per_level([c[2] for c in checked]), per_level([c[3] for c in checked])
+    out = []
+    for geometry in (lower, centroid):
+        bins = geometry[2]
+        offset = np.concatenate([lookup_offsets(c[4], rows["y_hat"], bins[j * n:(j + 1) * n])
+                                 for j, c in enumerate(checked)])
+        valid = _variant(geometry, y_hat, None, psi, *minima, offset=offset)[0].valid
+        out.append(valid.reshape(L, n).T)
+    return out[0], out[1]
 
 
 def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray,

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import InputError
 from ..results import Estimate
 from ._checks import check_alpha
-from .conditional import _rows, estimate, level_validity
+from .conditional import _rows, estimate, levels_validity
 from .rounds import Calibration
 
 #: The default grid: 0.99, 0.98, …, 0.80 (the model's α' is always added).
@@ -161,13 +161,8 @@ def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate,
     each other level adds the lower variant at its ε and its thresholds."""
     rows = _rows(nested.levels[nested.anchor], z, q, d, sdm)
     main = estimate(nested.levels[nested.anchor], z, q, d, sdm, rows=rows)
-    n, L = main.prediction.shape[0], len(nested.levels)
-    lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
-    for j, cal in enumerate(nested.levels):
-        if j == nested.anchor:
-            lower[:, j], centroid[:, j] = main.admitted, main.centroid.valid
-        else:
-            lower[:, j], centroid[:, j] = level_validity(cal, rows)
+    lower, centroid = levels_validity(nested.levels, rows)  # every level at once (the anchor's: as main's)
+    lower[:, nested.anchor], centroid[:, nested.anchor] = main.admitted, main.centroid.valid
     return main, lower, centroid
 
 

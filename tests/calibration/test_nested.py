@@ -80,6 +80,21 @@ def test_shared_row_work_gives_each_level_the_full_estimator(fitted):
     np.testing.assert_array_equal(main.lower.p, estimate(est.calibration_, pred.logits, pred.q, pred.d, pred.sdm).lower.p)
 
 
+@pytest.mark.parametrize("levels_at_once", [1, 2, 3, 1000])
+def test_levels_stacked_in_groups_equal_one_level_at_a_time(fitted, monkeypatch, levels_at_once):
+    from sdm_mlx.calibration import conditional
+
+    est, _, test = fitted
+    pred = est.estimate(test.X[:37])
+    rows = conditional._rows(est.nested_.levels[0], pred.logits, pred.q, pred.d, pred.sdm)
+    monkeypatch.setattr(conditional, "STACKED_ROWS", 37 * levels_at_once)
+    lower, centroid = conditional.levels_validity(est.nested_.levels, rows)
+    for j, cal in enumerate(est.nested_.levels):
+        one = conditional.level_validity(cal, rows)
+        np.testing.assert_array_equal(lower[:, j], one[0])
+        np.testing.assert_array_equal(centroid[:, j], one[1])
+
+
 def test_adversarial_rows_keep_the_invariants(fitted):
     est, train, test = fitted
     rng = np.random.default_rng(1)
