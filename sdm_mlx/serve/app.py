@@ -243,9 +243,17 @@ class Routes:
     async def count(self, messages, prompt, extra: str = "", template_kwargs: dict | None = None) -> int:
         """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread (a chat template
         that fails on the request's ``chat_template_kwargs``: 400)."""
+        return await self._off_loop(self.counter.count, messages, prompt, extra, template_kwargs)
+
+    async def prompt_ids(self, req: GenerationRequest) -> list | None:
+        """The request's prompt token ids, made off the event loop and off the model thread (or None: the
+        model thread makes them)."""
+        return await self._off_loop(self.counter.prompt_ids, req.messages, req.prompt, req.chat_template_kwargs)
+
+    @staticmethod
+    async def _off_loop(fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self.counter.count, messages, prompt,
-                                                                    extra, template_kwargs)
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
         except InputError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
 
@@ -255,7 +263,9 @@ class Routes:
         check_model(engine, req.model)
         check_decoding(engine, req)
         check_max_tokens(self.limits, req.max_tokens)
-        n = await self.count(req.messages, req.prompt, template_kwargs=req.chat_template_kwargs)
+        req.prompt_ids = await self.prompt_ids(req)  # tokenized once, here: the model thread reuses them
+        n = len(req.prompt_ids) if req.prompt_ids is not None else await self.count(
+            req.messages, req.prompt, template_kwargs=req.chat_template_kwargs)
         check_prompt_tokens(self.limits, n, "messages" if req.messages else "prompt")
         cid = R.new_id(kind)
         if req.stream:

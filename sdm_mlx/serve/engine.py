@@ -202,7 +202,8 @@ class Engine:
 
         if gone():  # a request that waited in the queue may already be gone
             raise Cancelled("the request was cancelled")
-        base_ids = self.prompt_ids(req.messages, req.prompt, req.chat_template_kwargs)
+        base_ids = (list(req.prompt_ids) if req.prompt_ids is not None
+                    else self.prompt_ids(req.messages, req.prompt, req.chat_template_kwargs))
         on_tokens = on_stream if (on_stream is not None and req.sampling.logprobs) else None
         on_text = (lambda seg: on_stream(seg, None)) if (on_stream is not None and on_tokens is None) else None
         result = yield from self.gen.attempts(

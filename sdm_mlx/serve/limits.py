@@ -14,7 +14,6 @@ import threading
 from dataclasses import dataclass
 
 from ..llm import embed as _embed
-from ..verified.prompts import render_chat
 from .schema import APIError
 
 #: context length assumed when the model does not state one
@@ -56,24 +55,25 @@ class PromptCounter:
             self.tokenizer = None
         self._lock = threading.Lock()
 
-    def _render(self, messages: list | None, prompt: str | None, template_kwargs: dict | None) -> str:
-        if messages is None:
-            return prompt
-        gen, turns = self.engine.gen, self.engine.chat_messages(messages)
-        if not gen.use_chat_template:
-            return "\n".join(m["content"] for m in turns)
-        return render_chat(self.tokenizer, turns, template_kwargs)
+    def prompt_ids(self, messages: list | None = None, prompt: str | None = None,
+                   template_kwargs: dict | None = None, extra: str = "") -> list | None:
+        """The token ids of the request's generation prompt (+ ``extra``, e.g. a completion to verify), as the
+        engine makes them (:meth:`Engine.prompt_ids`), or None without a private tokenizer; a chat template
+        that fails on ``template_kwargs`` raises :class:`~sdm_mlx.errors.InputError`."""
+        if self.tokenizer is None:
+            return None
+        with self._lock:
+            text = self.engine.gen.prompts.prompt_text(messages, prompt, template_kwargs, self.tokenizer) + extra
+            return _embed.encode(self.tokenizer, text)
 
     def count(self, messages: list | None = None, prompt: str | None = None, extra: str = "",
               template_kwargs: dict | None = None) -> int:
-        """Tokens of the request's generation prompt (+ ``extra``, e.g. a completion to verify); a chat template
-        that fails on ``template_kwargs`` raises :class:`~sdm_mlx.errors.InputError`."""
-        if self.tokenizer is None:
+        """Tokens of :meth:`prompt_ids` (counted on the model thread without a private tokenizer)."""
+        ids = self.prompt_ids(messages, prompt, template_kwargs, extra)
+        if ids is None:
             ids = self.engine.submit(self.engine.prompt_ids, messages, prompt, template_kwargs).result()
             return len(ids) + len(extra)
-        with self._lock:
-            text = self._render(messages, prompt, template_kwargs) + extra
-            return len(_embed.encode(self.tokenizer, text))
+        return len(ids)
 
 
 def check_max_tokens(limits: RequestLimits, max_tokens: int | None) -> None:

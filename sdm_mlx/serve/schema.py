@@ -109,6 +109,7 @@ class GenerationRequest:
     on_reject: str | None = None
     max_attempts: int | None = None
     chat_template_kwargs: dict | None = None  #: variables for the chat template (chat requests)
+    prompt_ids: list | None = None  #: the prompt's token ids, once the server has made them
     sampling: SamplingParams = field(default_factory=SamplingParams)  #: temperature, top_p, …, seed, logprobs
 
     @property

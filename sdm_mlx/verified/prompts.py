@@ -101,13 +101,14 @@ class PromptBuilder:
             out.insert(0, {"role": "system", "content": self.system})
         return out
 
-    def render(self, messages: list, template_kwargs: dict | None = None) -> str:
+    def render(self, messages: list, template_kwargs: dict | None = None, tokenizer=None) -> str:
         """Already templated messages as the generation prompt text; ``template_kwargs`` go to the tokenizer's
         chat template (e.g. ``{"enable_thinking": False}``, as ``chat_template_kwargs`` in mlx_lm.server).
-        A chat template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
+        A chat template that fails on them raises :class:`~sdm_mlx.errors.InputError`.  ``tokenizer``: a copy
+        of this builder's tokenizer to render with (another thread's)."""
         if not self.use_chat_template:
             return "\n".join(m["content"] for m in messages)
-        return render_chat(self.tokenizer, messages, {**self.template_kwargs, **(template_kwargs or {})})
+        return render_chat(tokenizer or self.tokenizer, messages, {**self.template_kwargs, **(template_kwargs or {})})
 
     def document_text(self, document: str) -> str:
         """The generation prompt of a document (as ``sdm-mlx embed`` templates it; with template variables,
@@ -118,9 +119,9 @@ class PromptBuilder:
                                 use_chat_template=self.use_chat_template)
 
     def prompt_text(self, messages: list | None = None, prompt: str | None = None,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None, tokenizer=None) -> str:
         """The generation prompt of a chat (``messages``) or of raw text (``prompt``)."""
-        return prompt if messages is None else self.render(self.chat_messages(messages), template_kwargs)
+        return prompt if messages is None else self.render(self.chat_messages(messages), template_kwargs, tokenizer)
 
     def encode(self, text: str) -> list:
         return _embed.encode(self.tokenizer, text)

@@ -163,3 +163,22 @@ def test_template_args_of_every_prompt_and_a_request_s_own(tokenizer):
     for bad in ("[1]", "{", '{"tokenize": true}'):
         with pytest.raises(InputError, match="chat_template_args"):
             GenerationConfig(chat_template_args=bad).validate()
+
+
+def test_prompt_ids_made_off_the_model_thread_equal_the_engine_s(setup):
+    """The server tokenizes a request's prompt once, on a private tokenizer copy; the ids equal those the model
+    thread would make, with the server's chat-template variables and the request's own."""
+    import types
+
+    from sdm_mlx.llm import embed as E
+    from sdm_mlx.serve.limits import PromptCounter
+    from sdm_mlx.verified.generator import VerifiedGenerator
+
+    gen = VerifiedGenerator(setup.model_path, setup.verifier_dir, head_path=setup.head_dir,
+                            chat_template_args='{"style": "terse"}')
+    counter = PromptCounter(types.SimpleNamespace(gen=gen))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": reviews(1, seed=68)[0][0]}]
+    for messages, prompt, kwargs in ((chat, None, None), (chat, None, {"style": "long"}), (None, "raw text", None)):
+        expected = E.encode(gen.tokenizer, gen.prompts.prompt_text(messages, prompt, kwargs))
+        assert counter.prompt_ids(messages, prompt, kwargs) == expected
+        assert counter.count(messages, prompt, "", kwargs) == len(expected)
