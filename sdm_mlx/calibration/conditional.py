@@ -15,6 +15,7 @@ from .bins import _v_of, apply_ood, unique_argmax_is
 from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
 from .cauchy import lookup_offsets
 from ..errors import InputError
+from .. import validation
 
 if TYPE_CHECKING:  # a type only: rounds imports this module
     from .rounds import Calibration
@@ -169,7 +170,7 @@ def levels_validity(calibrations, rows: dict) -> tuple[np.ndarray, np.ndarray]:
     checked = [_check_calibration(c) for c in calibrations]
     lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
     group = max(1, STACKED_ROWS // max(n, 1))
-    one_model = all(np.array_equal(c[0], checked[0][0]) for c in checked)
+    one_model = all(c[0] is checked[0][0] or np.array_equal(c[0], checked[0][0]) for c in checked)
     for j0 in range(0, L, group):
         part = slice(j0, min(L, j0 + group))
         if one_model and part.stop - part.start > 1:
@@ -191,17 +192,27 @@ def _stacked_validity(calibrations, checked, rows: dict) -> tuple[np.ndarray, np
         return np.repeat(np.asarray(values, dtype=np.float64), n)
 
     y_hat = tiled(rows["y_hat"])
-    eps = np.concatenate([dkw_epsilon(rows["n_hat"], c.alpha) for c in calibrations], axis=0)
+    n_hat = tiled(rows["n_hat"])  # dkw_epsilon of every level at once (the same float64 operations)
+    log_term = per_level([math.log(2.0 / (1.0 - validation.level(c.alpha))) for c in calibrations])[:, None]
+    eps = np.where(n_hat > 0, np.sqrt(log_term / (2.0 * np.where(n_hat > 0, n_hat, 1).astype(np.float64))), 1.0)
     v_lower, _ = dkw_bounds(tiled(rows["v"]), eps, y_hat)
     lower = _geometry(checked[0][0], v_lower, tiled(rows["log_base"]), y_hat, tiled(rows["sdm_flip"]))
     centroid = tuple(tiled(a) for a in rows["centroid"])
     psi = np.repeat(np.stack([c[1] for c in checked]), n, axis=0)
     minima = per_level([c[2] for c in checked]), per_level([c[3] for c in checked])
+    tables = [c[4] for c in checked]
+    stacked = (np.stack(tables) if all(t.ndim == 2 and t.shape == tables[0].shape and t.shape[1] for t in tables)
+               else None)  # offsets m[ŷ][bin] of every level as one [L, C, B] table (lookup_offsets at once)
+    level = np.repeat(np.arange(L), n)
     out = []
     for geometry in (lower, centroid):
-        bins = geometry[2]
-        offset = np.concatenate([lookup_offsets(c[4], rows["y_hat"], bins[j * n:(j + 1) * n])
-                                 for j, c in enumerate(checked)])
+        bins = geometry[2].astype(np.int64)
+        if stacked is not None:
+            width = stacked.shape[2]
+            offset = np.where(bins < width, stacked[level, y_hat, np.minimum(bins, width - 1)], 0.0)
+        else:
+            offset = np.concatenate([lookup_offsets(c[4], rows["y_hat"], bins[j * n:(j + 1) * n])
+                                     for j, c in enumerate(checked)])
         valid = _variant(geometry, y_hat, None, psi, *minima, offset=offset)[0].valid
         out.append(valid.reshape(L, n).T)
     return out[0], out[1]
