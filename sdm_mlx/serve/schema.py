@@ -35,6 +35,7 @@ Accepted fields (as ``mlx_lm.server`` / the OpenAI API where they apply):
 ``chat_template_kwargs`` chat: an object of variables for the model's chat template (e.g.
                        ``{"enable_thinking": false}``), as mlx_lm.server; the names of
                        ``apply_chat_template``'s own arguments are refused
+``response_format``    ``{"type": "text"}`` only (the default; no constrained decoding)
 ``n``                  1 only; ``user`` is accepted and not used; ``tools`` only empty (no tool
                        calling: a verified answer is text)
 ``sdm``                ``{"on_reject": "abstain"|"reask"|"return", "max_attempts": int >= 1}``
@@ -65,7 +66,7 @@ SAMPLING_FIELDS = {"top_p", "top_k", "min_p", "seed", "repetition_penalty", "rep
                    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
                    "logit_bias", "xtc_probability", "xtc_threshold", "logprobs", "top_logprobs"}
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "stop", "stream", "stream_options", "n",
-           "user", "seed", "sdm"} | SAMPLING_FIELDS
+           "user", "seed", "sdm", "response_format"} | SAMPLING_FIELDS
 CHAT_FIELDS = _COMMON | {"messages", "tools", "chat_template_kwargs"}
 TEXT_FIELDS = _COMMON | {"prompt"}
 VERIFY_FIELDS = {"model", "messages", "prompt", "completion", "user"}
@@ -323,6 +324,10 @@ def parse_generation(body: dict, kind: str, defaults: SamplingParams = GREEDY) -
     if n not in (None, 1):
         raise bad("only n = 1 is supported", param="n")
     req.chat_template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    form = body.get("response_format")
+    if form is not None and form != {"type": "text"}:
+        raise bad("only response_format {\"type\": \"text\"} is supported (no constrained decoding; the verifier "
+                  "checks the answer the model writes)", param="response_format", code="unsupported_field")
     if body.get("tools") not in (None, []):
         raise bad("tool calling is not supported: a verified answer is text ('tools' may only be empty)",
                   param="tools", code="unsupported_field")
