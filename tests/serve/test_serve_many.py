@@ -41,6 +41,20 @@ def _ask(client, doc: str, policy: str, stream: bool, **extra) -> tuple[str, dic
     return text, verification
 
 
+def _close_distances(a: dict, b: dict, rtol: float) -> bool:
+    """The two verdicts' exemplar distances agree within ``rtol`` (relative above 1, absolute below: a near
+    duplicate's squared distance is ~1e-8); within 1e-5 their features differ by rounding only.
+
+    p̂_lower is a step function of the features (the distance quantile and the q~ bins are empirical CDFs):
+    features that differ by float rounding (≈ 1e-6 on the tiny model: OpenBLAS rounds a row differently when
+    a product has a different number of rows) can land on both sides of a step, and then p̂_lower moves by
+    that step (measured: 0.0268 alone against 0.0094 in a batch, one rejected answer, about 1 run in 10
+    under CPU contention).  So p̂_lower is compared at 1e-5 when the features are bit-identical."""
+    da = [e["squared_distance"] for e in a["exemplars"]]
+    db = [e["squared_distance"] for e in b["exemplars"]]
+    return len(da) == len(db) and all(abs(x - y) <= rtol * max(1.0, abs(x), abs(y)) for x, y in zip(da, db))
+
+
 def _key(verification: dict) -> tuple:
     return (verification["status"], verification["verified"], verification["rejection_reason"],
             verification["n_attempts"], verification["stopped"])
@@ -55,7 +69,9 @@ def test_concurrent_requests_equal_requests_alone(setup, client):  # noqa: F811
     for (doc, policy, stream), a, b in zip(jobs, alone, together):
         assert a[0] == b[0], (doc, policy, stream)
         assert _key(a[1]) == _key(b[1])
-        if a[1]["p_lower"] is not None:
+        same_features = _close_distances(a[1], b[1], 0.0)  # bit-identical features
+        assert _close_distances(a[1], b[1], 1e-5), (doc, a[1]["exemplars"], b[1]["exemplars"])
+        if a[1]["p_lower"] is not None and same_features:
             assert abs(a[1]["p_lower"] - b[1]["p_lower"]) <= 1e-5
     assert any(v["verified"] for _, v in together) and any(v["n_attempts"] == 2 for _, v in together)
 
@@ -115,8 +131,7 @@ def test_verify_burst_equals_verifications_alone(setup, server):  # noqa: F811
         body = json.dumps({"messages": [{"role": "user", "content": doc}], "completion": answer}).encode()
         req = urllib.request.Request(server.url + "/v1/verify", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            v = json.loads(r.read())["verification"]
-        return v["verified"], v["rejection_reason"], v["p_lower"]
+            return json.loads(r.read())["verification"]
 
     pairs = [(d, a) for d, _ in reviews(4, seed=51) for a in ('{"sentiment": "positive"}', '{"sentiment": "negative"}')]
     pairs.append((setup.verified_doc, setup.verified_answer))
@@ -124,7 +139,8 @@ def test_verify_burst_equals_verifications_alone(setup, server):  # noqa: F811
     with ThreadPoolExecutor(len(pairs)) as pool:
         together = list(pool.map(lambda p: verify(*p), pairs))
     for a, b in zip(alone, together):
-        assert a[:2] == b[:2] and (a[2] is None) == (b[2] is None)
-        if a[2] is not None:
-            assert abs(a[2] - b[2]) <= 1e-5
-    assert alone[-1][0]  # the known-good answer is verified
+        assert (a["verified"], a["rejection_reason"]) == (b["verified"], b["rejection_reason"])
+        assert (a["p_lower"] is None) == (b["p_lower"] is None) and _close_distances(a, b, 1e-5)
+        if a["p_lower"] is not None and _close_distances(a, b, 0.0):  # see _close_distances
+            assert abs(a["p_lower"] - b["p_lower"]) <= 1e-5
+    assert alone[-1]["verified"]  # the known-good answer is verified
