@@ -47,7 +47,7 @@ def _geometry(W, v_var, log_base, y_hat, sdm_flip) -> tuple:
     return v_var, q_proc, bins, ood, o, floor_ok, o_flip
 
 
-def _variant(geometry: tuple, y_hat, offsets, psi, min_valid_own, robust_min, offset=None):
+def _variant(geometry: tuple, y_hat, offsets, psi, min_valid_own, robust_min, *, offset=None):
     """Process one of centroid / lower / upper at one level: offset, p, validity.
 
     ``psi`` [C] (or one row per input row, [N, C]), the two minima scalars (or [N]); ``offset``: the rows'
