@@ -407,7 +407,7 @@ def _logit_bias(value) -> tuple:
     out = {}
     for k, v in value.items():
         key = k.strip() if isinstance(k, str) else ""
-        if not key.isdigit() or len(key) > 9:
+        if not (key.isascii() and key.isdigit()) or len(key) > 9:  # "²".isdigit() but int("²") fails
             raise bad(f"'logit_bias' keys must be token ids (non-negative integers), got {shown(k)}", param="logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
             raise bad(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {shown(v)} "

@@ -81,6 +81,10 @@ def test_developer_role_is_a_system_message(setup, client):
 @pytest.mark.parametrize("extra, param", [
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript digit: isdigit() but not an int
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"3": True}}, "logit_bias"),
+    ({"logit_bias": [3]}, "logit_bias"),
     ({"logit_bias": {"3": 250}}, "logit_bias"),
     ({"xtc_threshold": 0.7}, "xtc_threshold"),
     ({"presence_context_size": -1}, "presence_context_size"),
