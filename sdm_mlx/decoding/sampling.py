@@ -33,6 +33,8 @@ from ..errors import InputError
 REPETITION_CONTEXT = 20
 #: Largest logit bias (the OpenAI API's range is [-100, 100]).
 MAX_LOGIT_BIAS = 100.0
+#: Largest seed (``mx.random.key`` takes an unsigned 64-bit integer).
+MAX_SEED = 2**64 - 1
 #: Most alternatives reported per token with ``top_logprobs`` (the OpenAI limit).
 MAX_TOP_LOGPROBS = 20
 
@@ -66,7 +68,8 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0: off)"),
             ("min_p", 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "an integer >= 0"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
+             "an integer in [0, 2**64 - 1]"),
             ("repetition_penalty", self.repetition_penalty is None or self.repetition_penalty > 0, "a number > 0"),
             *((f"{name}_context_size", _count(getattr(self, f"{name}_context_size")), "an integer >= 0 (0: all)")
               for name in ("repetition", "presence", "frequency")),

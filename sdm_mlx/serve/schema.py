@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..decoding.sampling import GREEDY, MAX_LOGIT_BIAS, SamplingParams
+from ..decoding.sampling import GREEDY, MAX_LOGIT_BIAS, MAX_SEED, SamplingParams
 from ..errors import InputError
 from ..verified.config import ON_REJECT
 from ..verified.prompts import check_template_kwargs
@@ -371,7 +371,7 @@ def _sampling(body: dict, req: GenerationRequest, defaults: SamplingParams) -> N
         top_p=given(_number(body, "top_p", 0.0, 1.0, low_open=True), "top_p"),
         top_k=given(_int(body, "top_k", 0), "top_k"),
         min_p=given(_number(body, "min_p", 0.0, 1.0), "min_p"),
-        seed=given(_int(body, "seed", 0), "seed"),
+        seed=given(_seed(body), "seed"),
         repetition_penalty=given(repetition, "repetition_penalty") or None,  # 0: off, as mlx_lm.server
         repetition_context_size=given(_int(body, "repetition_context_size", 0), "repetition_context_size"),
         presence_penalty=given(_number(body, "presence_penalty", -1e6, 1e6), "presence_penalty"),
@@ -384,6 +384,13 @@ def _sampling(body: dict, req: GenerationRequest, defaults: SamplingParams) -> N
         logprobs=_bool(body, "logprobs") or bool(top),
         top_logprobs=top or 0,
     )
+
+
+def _seed(body: dict) -> int | None:
+    v = _int(body, "seed", 0)
+    if v is not None and v > MAX_SEED:
+        raise bad(f"'seed' must be an integer in [0, 2**64 - 1], got {shown(v)}", param="seed")
+    return v
 
 
 def _template_kwargs(value) -> dict | None:

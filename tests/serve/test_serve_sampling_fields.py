@@ -87,6 +87,8 @@ def test_developer_role_is_a_system_message(setup, client):
     ({"logit_bias": [3]}, "logit_bias"),
     ({"logit_bias": {"3": 250}}, "logit_bias"),
     ({"xtc_threshold": 0.7}, "xtc_threshold"),
+    ({"seed": 2**64}, "seed"),  # beyond mx.random.key's uint64: was a 500
+    ({"seed": 10**30}, "seed"),
     ({"presence_context_size": -1}, "presence_context_size"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
