@@ -1,7 +1,7 @@
 """Benchmark: ``sdm-mlx serve`` (verified generation over HTTP) vs ``mlx_lm.server`` on the same model.
 
     python tools/bench_serve.py [--size small] [--clients 1,4,16] [--requests 8] [--tokens 32] [--support 1000]
-                                [--json out.json]
+                                [--model DIR] [--no-bare] [--json out.json]
 
 Without ``--model`` a random Phi-3-architecture model is built with
 ``tools/tiny_models.py`` (``--size``: ``tiny`` hidden 64 / 2 layers, ``small``
@@ -195,8 +195,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(tmp: str, size: str, support: int) -> tuple[str, str]:
+def build(tmp: str, size: str, support: int, model: str | None = None) -> tuple[str, str]:
+    """``(model directory, verifier directory)``: ``model`` (e.g. the real test LLM) or a random ``size`` one."""
     from tiny_models import make_tiny_model
+
+    if model is not None:
+        width = 2 * json.loads(Path(model, "config.json").read_text())["hidden_size"]
+        verifier = os.path.join(tmp, "verifier")
+        make_verifier(width, support).save(verifier)
+        return model, verifier
 
     # the tokenizer's own vocabulary: a padded vocab_size lets greedy decoding pick ids the tokenizer cannot
     # detokenize, which mlx_lm.server's streaming detokenizer does not survive
@@ -247,14 +254,20 @@ def main(argv=None) -> int:
     ap.add_argument("--support", type=int, default=1000, help="support rows of the verifier")
     ap.add_argument("--ttft-prompts", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best run of each is kept")
+    ap.add_argument("--model", default=None,
+                    help="an mlx-lm model directory to serve instead of a random --size one (e.g. the real test LLM)")
+    ap.add_argument("--no-bare", action="store_true",
+                    help="skip the second sdm server without a prompt cache (its time to first token): one model "
+                         "fewer in memory, for large models")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)
-    report = {"size": args.size, "tokens": args.tokens, "requests_per_client": args.requests,
+    report = {"size": args.size if args.model is None else os.path.basename(os.path.normpath(args.model)),
+              "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
               "machine": platform.platform(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        model_path, verifier = build(tmp, args.size, args.support)
+        model_path, verifier = build(tmp, args.size, args.support, args.model)
         port = free_port()
         proc = start_mlx_lm(model_path, port)
         srv = bare = None
@@ -262,12 +275,13 @@ def main(argv=None) -> int:
                        "", "--prompt-template", "{document}", "--served-model-name", "bench", "--on-reject", "return")
         try:
             srv = ServerProcess(argv, timeout=300)
-            bare = ServerProcess(argv + ["--prompt-cache-bytes", "0"], timeout=300)
+            bare = None if args.no_bare else ServerProcess(argv + ["--prompt-cache-bytes", "0"], timeout=300)
             servers = {  # name: (port, request fields, TTFT modes)
                 "mlx_lm": (port, {"model": model_path}, {"mlx_lm": {}}),  # mlx_lm.server loads the named model
                 "sdm": (srv.port, {}, {"sdm_return": {}, "sdm_abstain": {"sdm": {"on_reject": "abstain"}}}),
-                "sdm_nocache": (bare.port, {}, {"sdm_return_no_prompt_cache": {}}),
             }
+            if bare is not None:
+                servers["sdm_nocache"] = (bare.port, {}, {"sdm_return_no_prompt_cache": {}})
             report.update(measure(servers, texts, args))
             report["peak_rss_mb"] = {"mlx_lm": peak_rss_mb(proc.pid), "sdm": peak_rss_mb(srv.proc.pid)}
             report["load_average_after"] = os.getloadavg()
@@ -284,7 +298,7 @@ def main(argv=None) -> int:
 
 
 def print_table(r: dict) -> None:
-    print(f"\nmodel: random phi3 ({r['size']}), {r['tokens']} max tokens, verifier support {r['support']} rows; "
+    print(f"\nmodel: {r['size']}, {r['tokens']} max tokens, verifier support {r['support']} rows; "
           f"BLAS: {r['blas']}")
     print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'errors':>8}")
     for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):
@@ -301,7 +315,7 @@ def print_table(r: dict) -> None:
     t = r["ttft_s"]
     print(f"time to first token (median over prompts, best repeat): mlx_lm {t['mlx_lm'] * 1e3:.1f} ms; "
           f"sdm return (live) {t['sdm_return'] * 1e3:.1f} ms; without the prompt cache "
-          f"{t['sdm_return_no_prompt_cache'] * 1e3:.1f} ms; sdm abstain (verified before release) "
+          f"{t.get('sdm_return_no_prompt_cache', float('nan')) * 1e3:.1f} ms; sdm abstain (verified before release) "
           f"{t['sdm_abstain'] * 1e3:.1f} ms")
     rss = r.get("peak_rss_mb", {})
     print(f"peak RSS: mlx_lm.server {rss.get('mlx_lm') or float('nan'):.0f} MiB, sdm-mlx serve "
