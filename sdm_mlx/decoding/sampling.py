@@ -54,12 +54,16 @@ class SamplingParams:
     presence_context_size: int = REPETITION_CONTEXT
     frequency_penalty: float = 0.0
     frequency_context_size: int = REPETITION_CONTEXT
-    #: ``((token id, bias), ...)`` added to the logits
+    #: ``((token id, bias), ...)`` added to the logits (a ``{token id: bias}`` dict is taken too)
     logit_bias: tuple = ()
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
     logprobs: bool = False
     top_logprobs: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     def validate(self) -> "SamplingParams":
         """Raise :class:`~sdm_mlx.errors.InputError` naming the first out-of-range field; return self."""

@@ -87,3 +87,7 @@ def test_seeded_xtc_draws_repeat_and_xtc_leaves_greedy_alone():
 def test_out_of_range_fields_are_named(kw, name):
     with pytest.raises(InputError, match=name):
         SamplingParams(**kw).validate()
+
+
+def test_a_logit_bias_dict_is_taken_as_sorted_pairs():
+    assert SamplingParams(logit_bias={9: -2.5, 4: 100.0}).validate().logit_bias == ((4, 100.0), (9, -2.5))
