@@ -1,4 +1,5 @@
-"""``sdm-mlx generate``: verified generation for one prompt (``--prompt``) or a JSONL batch (``--input``/``--output``).
+"""``sdm-mlx generate``: verified generation for one prompt (``--prompt``; ``--prompt -`` reads it from standard
+input, as mlx_lm.generate) or a JSONL batch (``--input``/``--output``).
 
 Each prompt (the user message, placed in ``--prompt-template``'s ``{document}``
 slot and chat-templated with ``--system``) is decoded — greedily by default,
@@ -37,7 +38,9 @@ def add_arguments(p) -> None:
     add_sampling_arguments(p)
     add_stream_arguments(p)
     p.add_argument("--max-batch", type=int, default=16, help="--input rows decoded at once (continuous batching)")
-    p.add_argument("-p", "--prompt", default=None, help="one prompt (the user message / {document}); result on stdout")
+    p.add_argument("-p", "--prompt", default=None,
+                   help="one prompt (the user message / {document}); result on stdout; '-' reads it from standard "
+                        "input (as mlx_lm.generate)")
     p.add_argument("--input", default=None, help="JSONL prompts: {id, <document-field>, ...} per line")
     p.add_argument("--output", default=None, help="JSONL results for --input (appended; resumable)")
     p.add_argument("--document-field", default="document", help="field of --input rows holding the prompt")
@@ -126,6 +129,10 @@ def run(args) -> int:
 
     if (args.prompt is None) == (args.input is None):
         raise CLIError("give exactly one of --prompt and --input")
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+        if not args.prompt.strip():
+            raise CLIError("--prompt -: standard input held no prompt")
     if args.input is not None:
         require_options(args, "output")
         refuse_same_files([("--output", args.output)], [("--input", args.input)])

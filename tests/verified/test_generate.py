@@ -285,6 +285,23 @@ def test_cli_temp_and_seed_as_mlx_lm_spells_them(setup, capsys):
     assert "xtc_threshold must be a number in [0, 0.5]" in capsys.readouterr().err
 
 
+def test_cli_prompt_from_standard_input_as_mlx_lm_generate_reads_it(setup, capsys, monkeypatch):
+    """``--prompt -`` reads the prompt from stdin: the same result as the prompt given inline; empty stdin: exit 2."""
+    import io
+
+    base = ["generate", "--model", setup.model_path, "--verifier", setup.verifier_dir, "--max-tokens", "12",
+            "--on-reject", "return", "--quiet", "--system", SYSTEM, "--prompt-template", TEMPLATE]
+    assert main(base + ["--prompt", setup.verified_doc]) == 0
+    inline = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr("sys.stdin", io.StringIO(setup.verified_doc))
+    assert main(base + ["--prompt", "-"]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert (piped["text"], piped["verified"]) == (inline["text"], inline["verified"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert main(base + ["--prompt", "-"]) == 2
+    assert "standard input held no prompt" in capsys.readouterr().err
+
+
 def test_cli_unknown_flag_is_reported_against_the_verb_with_a_suggestion():
     r = _cli("generate", "--tmep", "0.7", "--prompt", "x")
     assert r.returncode == 2
