@@ -199,20 +199,15 @@ def build(tmp: str, size: str, support: int, model: str | None = None) -> tuple[
     """``(model directory, verifier directory)``: ``model`` (e.g. the real test LLM) or a random ``size`` one."""
     from tiny_models import make_tiny_model
 
-    if model is not None:
-        width = 2 * json.loads(Path(model, "config.json").read_text())["hidden_size"]
-        verifier = os.path.join(tmp, "verifier")
-        make_verifier(width, support).save(verifier)
-        return model, verifier
-
-    # the tokenizer's own vocabulary: a padded vocab_size lets greedy decoding pick ids the tokenizer cannot
-    # detokenize, which mlx_lm.server's streaming detokenizer does not survive
-    overrides = {k: v for k, v in (SIZES[size] or {}).items() if k != "vocab_size"} or None
-    model_path = make_tiny_model(tmp, "phi3", overrides=overrides)
-    width = 2 * json.loads(Path(model_path, "config.json").read_text())["hidden_size"]
+    if model is None:
+        # the tokenizer's own vocabulary: a padded vocab_size lets greedy decoding pick ids the tokenizer cannot
+        # detokenize, which mlx_lm.server's streaming detokenizer does not survive
+        overrides = {k: v for k, v in (SIZES[size] or {}).items() if k != "vocab_size"} or None
+        model = make_tiny_model(tmp, "phi3", overrides=overrides)
+    width = 2 * json.loads(Path(model, "config.json").read_text())["hidden_size"]
     verifier = os.path.join(tmp, "verifier")
     make_verifier(width, support).save(verifier)
-    return model_path, verifier
+    return model, verifier
 
 
 def best(runs: list) -> list:

@@ -38,12 +38,18 @@ def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
     return n_hat
 
 
-def dkw_epsilon(n_hat: np.ndarray, alpha: float) -> np.ndarray:
-    """ε = sqrt(ln(2/(1−α)) / (2 n̂)) where n̂ > 0, else 1 (``equation:dkw``), float64."""
-    a = validation.level(alpha)
+def dkw_epsilon(n_hat: np.ndarray, alpha) -> np.ndarray:
+    """ε = sqrt(ln(2/(1−α)) / (2 n̂)) where n̂ > 0, else 1 (``equation:dkw``), float64.
+
+    ``alpha``: one level, or one per row of ``n_hat`` (the nested ladder's levels stacked along the rows)."""
     n_hat = np.asarray(n_hat)
+    if np.ndim(alpha) == 0:
+        log_term = math.log(2.0 / (1.0 - validation.level(alpha)))
+    else:
+        log_term = np.array([math.log(2.0 / (1.0 - validation.level(a))) for a in alpha])
+        log_term = log_term.reshape((-1,) + (1,) * (n_hat.ndim - 1))
     safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
-    return np.where(n_hat > 0, np.sqrt(math.log(2.0 / (1.0 - a)) / (2.0 * safe)), 1.0)
+    return np.where(n_hat > 0, np.sqrt(log_term / (2.0 * safe)), 1.0)
 
 
 def dkw_bounds(v: np.ndarray, epsilon: np.ndarray, y_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

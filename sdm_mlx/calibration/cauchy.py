@@ -103,12 +103,16 @@ def cauchy_offsets(medians: Sequence[np.ndarray], alpha: float) -> np.ndarray:
     return scale * cauchy_factor(alpha)
 
 
-def lookup_offsets(offsets: np.ndarray, y_hat: np.ndarray, hard_bin: np.ndarray) -> np.ndarray:
-    """m[ŷ][bin] per row, 0 for bins beyond the table (``eq:index-conditional-sdm-estimator``), float64 [N]."""
+def lookup_offsets(offsets: np.ndarray, y_hat: np.ndarray, hard_bin: np.ndarray, level=None) -> np.ndarray:
+    """m[ŷ][bin] per row, 0 for bins beyond the table (``eq:index-conditional-sdm-estimator``), float64 [N].
+
+    ``offsets``: one level's ``[C, B]`` table, or ``[L, C, B]`` for levels stacked along the rows, with
+    ``level`` [N] naming each row's level."""
     offsets = np.asarray(offsets, dtype=np.float64)
     y_hat = np.asarray(y_hat, dtype=np.int64).reshape(-1)
     hard_bin = np.asarray(hard_bin, dtype=np.int64).reshape(-1)
-    if offsets.ndim != 2 or offsets.shape[1] == 0:
+    if offsets.ndim not in (2, 3) or offsets.shape[-1] == 0:
         return np.zeros(y_hat.shape[0])
-    inside = hard_bin < offsets.shape[1]
-    return np.where(inside, offsets[y_hat, np.minimum(hard_bin, offsets.shape[1] - 1)], 0.0)
+    inside = hard_bin < offsets.shape[-1]
+    at = (y_hat, np.minimum(hard_bin, offsets.shape[-1] - 1))
+    return np.where(inside, offsets[at] if offsets.ndim == 2 else offsets[(np.asarray(level),) + at], 0.0)

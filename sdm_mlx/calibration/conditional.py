@@ -15,7 +15,6 @@ from .bins import _v_of, apply_ood, unique_argmax_is
 from .bounds import _n_hat_of, dkw_bounds, dkw_epsilon
 from .cauchy import lookup_offsets
 from ..errors import InputError
-from .. import validation
 
 if TYPE_CHECKING:  # a type only: rounds imports this module
     from .rounds import Calibration
@@ -189,30 +188,26 @@ def _stacked_validity(calibrations, checked, rows: dict) -> tuple[np.ndarray, np
         return np.concatenate([a] * L, axis=0)
 
     def per_level(values):  # one value per level -> one per stacked row
-        return np.repeat(np.asarray(values, dtype=np.float64), n)
+        return np.repeat(np.asarray(values), n, axis=0)
 
     y_hat = tiled(rows["y_hat"])
-    n_hat = tiled(rows["n_hat"])  # dkw_epsilon of every level at once (the same float64 operations)
-    log_term = per_level([math.log(2.0 / (1.0 - validation.level(c.alpha))) for c in calibrations])[:, None]
-    eps = np.where(n_hat > 0, np.sqrt(log_term / (2.0 * np.where(n_hat > 0, n_hat, 1).astype(np.float64))), 1.0)
+    eps = dkw_epsilon(tiled(rows["n_hat"]), per_level([c.alpha for c in calibrations]))
     v_lower, _ = dkw_bounds(tiled(rows["v"]), eps, y_hat)
     lower = _geometry(checked[0][0], v_lower, tiled(rows["log_base"]), y_hat, tiled(rows["sdm_flip"]))
     centroid = tuple(tiled(a) for a in rows["centroid"])
-    psi = np.repeat(np.stack([c[1] for c in checked]), n, axis=0)
-    minima = per_level([c[2] for c in checked]), per_level([c[3] for c in checked])
-    tables = [c[4] for c in checked]
-    stacked = (np.stack(tables) if all(t.ndim == 2 and t.shape == tables[0].shape and t.shape[1] for t in tables)
-               else None)  # offsets m[ŷ][bin] of every level as one [L, C, B] table (lookup_offsets at once)
-    level = np.repeat(np.arange(L), n)
+    psi = per_level(np.stack([c[1] for c in checked]))
+    minima = per_level([float(c[2]) for c in checked]), per_level([float(c[3]) for c in checked])
+    tables = [np.asarray(c[4], dtype=np.float64) for c in checked]
+    same_shape = all(t.shape == tables[0].shape for t in tables)
+    level = per_level(np.arange(L))
     out = []
     for geometry in (lower, centroid):
-        bins = geometry[2].astype(np.int64)
-        if stacked is not None:
-            width = stacked.shape[2]
-            offset = np.where(bins < width, stacked[level, y_hat, np.minimum(bins, width - 1)], 0.0)
+        bins = geometry[2]
+        if same_shape:  # every level's offsets m[ŷ][bin] as one [L, C, B] table
+            offset = lookup_offsets(np.stack(tables), y_hat, bins, level=level)
         else:
-            offset = np.concatenate([lookup_offsets(c[4], rows["y_hat"], bins[j * n:(j + 1) * n])
-                                     for j, c in enumerate(checked)])
+            offset = np.concatenate([lookup_offsets(t, rows["y_hat"], bins[j * n:(j + 1) * n])
+                                     for j, t in enumerate(tables)])
         valid = _variant(geometry, y_hat, None, psi, *minima, offset=offset)[0].valid
         out.append(valid.reshape(L, n).T)
     return out[0], out[1]

@@ -161,9 +161,10 @@ def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate,
     each other level adds the lower variant at its ε and its thresholds."""
     rows = _rows(nested.levels[nested.anchor], z, q, d, sdm)
     main = estimate(nested.levels[nested.anchor], z, q, d, sdm, rows=rows)
-    lower, centroid = levels_validity(nested.levels, rows)  # every level at once (the anchor's: as main's)
-    lower[:, nested.anchor], centroid[:, nested.anchor] = main.admitted, main.centroid.valid
-    return main, lower, centroid
+    a = nested.anchor  # its level is main's; the others at once
+    lower, centroid = levels_validity(nested.levels[:a] + nested.levels[a + 1:], rows)
+    return (main, np.insert(lower, a, main.admitted, axis=1),
+            np.insert(centroid, a, main.centroid.valid, axis=1))
 
 
 def estimate_nested(nested: NestedCalibration, z, q, d, sdm) -> Estimate:

@@ -401,8 +401,7 @@ class DecodeEngine:
             n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
                                               delimiter=self.delimiter, max_length=self.max_length,
                                               on_missing="prompt")
-            states = mx.concatenate(row.states, axis=0)[None, :n]  # pooled in MLX: no NumPy round trip
-            dec.features = np.array(_embed.pool_states(states, [n]), dtype=np.float32).reshape(1, -1)
+            dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
         return dec
 

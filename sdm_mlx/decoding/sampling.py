@@ -134,35 +134,45 @@ class RowSampler:
         self.key = mx.random.key(params.seed) if params.seed is not None else None
         self.xtc_special = tuple(int(t) for t in xtc_special if 0 <= int(t) < self.vocab)
 
-    def _both_halves(self, ids: list, width: int) -> list:
+    def _both_halves(self, ids, width: int) -> list:
+        """``ids`` and, on a joint 2|V| row, the same tokens' pos entries."""
+        ids = list(ids)
         return ids + [t + self.vocab for t in ids] if width > self.vocab else ids
+
+    def _at(self, logits, ids):
+        """``logits.at`` the columns of ``ids`` in both halves of a joint row."""
+        import mlx.core as mx
+
+        return logits.at[:, mx.array(self._both_halves(ids, logits.shape[-1]), dtype=mx.int32)]
+
+    def _per_column(self, values, logits):
+        """``values`` (one per id given to :meth:`_at`) repeated for the pos half of a joint row."""
+        import mlx.core as mx
+
+        return mx.array(list(values) * (2 if logits.shape[-1] > self.vocab else 1), dtype=logits.dtype)
 
     def _penalise(self, logits, context: list):
         """The logit bias, then the repetition, presence and frequency penalties (mlx-lm's order)."""
         import mlx.core as mx
 
-        p, width = self.params, logits.shape[-1]
+        p = self.params
         if p.logit_bias:
-            ids = self._both_halves([t for t, _ in p.logit_bias], width)
-            bias = [b for _, b in p.logit_bias] * (len(ids) // len(p.logit_bias))
-            logits = logits.at[:, mx.array(ids, dtype=mx.int32)].add(mx.array(bias, dtype=logits.dtype))
+            ids, bias = zip(*p.logit_bias)
+            logits = self._at(logits, ids).add(self._per_column(bias, logits))
         if not context:
             return logits
         if p.repetition_penalty not in (None, 1.0):
-            idx = mx.array(self._both_halves(sorted(set(_window(context, p.repetition_context_size))), width),
-                           dtype=mx.int32)
+            idx = mx.array(self._both_halves(sorted(set(_window(context, p.repetition_context_size))),
+                                             logits.shape[-1]), dtype=mx.int32)
             picked = logits[:, idx]
             logits[:, idx] = mx.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
         if p.presence_penalty:
-            idx = mx.array(self._both_halves(sorted(set(_window(context, p.presence_context_size))), width),
-                           dtype=mx.int32)
-            logits = logits.at[:, idx].subtract(p.presence_penalty)
+            logits = self._at(logits, sorted(set(_window(context, p.presence_context_size)))).subtract(
+                p.presence_penalty)
         if p.frequency_penalty:
-            counts = Counter(_window(context, p.frequency_context_size))
-            ids = sorted(counts)
-            amount = [p.frequency_penalty * counts[t] for t in ids] * (2 if width > self.vocab else 1)
-            logits = logits.at[:, mx.array(self._both_halves(ids, width), dtype=mx.int32)].subtract(
-                mx.array(amount, dtype=logits.dtype))
+            ids, counts = zip(*sorted(Counter(_window(context, p.frequency_context_size)).items()))
+            logits = self._at(logits, ids).subtract(self._per_column([p.frequency_penalty * c for c in counts],
+                                                                    logits))
         return logits
 
     def _xtc(self, logprobs, coin_key):

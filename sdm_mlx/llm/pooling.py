@@ -107,10 +107,13 @@ def pool_states(states, n_kept, first=None):
 
 
 def pool_hidden(hidden, n_kept: int, first: int = 0) -> np.ndarray:
-    """:func:`pool_states` of one document's ``[T, D]`` states, as float32 NumPy ``[2D]``."""
-    h = np.asarray(hidden, dtype=np.float32)
+    """:func:`pool_states` of one document's ``[T, D]`` states (``mx.array``, pooled in MLX without a NumPy
+    round trip, or NumPy), as float32 NumPy ``[2D]``."""
+    import mlx.core as mx
+
+    h = hidden if isinstance(hidden, mx.array) else np.asarray(hidden, dtype=np.float32)
     if h.ndim != 2 or not 1 <= n_kept <= h.shape[0] or not 0 <= first < n_kept:
-        raise InputError(f"need 0 <= first < n_kept <= T for hidden states of shape {h.shape}, "
+        raise InputError(f"need 0 <= first < n_kept <= T for hidden states of shape {tuple(h.shape)}, "
                          f"got first={first}, n_kept={n_kept}")
     return np.array(pool_states(h[None], [n_kept], [first])[0], dtype=np.float32)
 

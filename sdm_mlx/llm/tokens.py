@@ -1,5 +1,5 @@
-"""Text and tokens for the LLM features: mlx-lm's prompt encoding, chat templating and the position
-of the closing delimiter of an answer (re-exported by :mod:`sdm_mlx.llm.embed`)."""
+"""Text and tokens for the LLM features: mlx-lm's prompt encoding, chat templating (with template
+variables) and the position of the closing delimiter of an answer (re-exported by :mod:`sdm_mlx.llm.embed`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,44 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add))
 
 
+#: ``apply_chat_template``'s own arguments: not template variables, refused as template kwargs
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(value, name: str = "chat_template_kwargs") -> dict | None:
+    """``value`` as chat-template variables (a dict with identifier keys that are not
+    :data:`TEMPLATE_ARGUMENTS`; None or empty: None); :class:`~sdm_mlx.errors.InputError` naming ``name``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InputError(f"{name} must be an object of chat-template variables, e.g. {{\"enable_thinking\": false}}")
+    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise InputError(f"{name} may not set {', '.join(reserved)} (arguments of apply_chat_template, not "
+                         "template variables)")
+    if not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise InputError(f"{name} keys must be identifiers (template variable names)")
+    return dict(value) or None
+
+
+def render_chat(tokenizer, messages: list, template_kwargs: dict | None = None, *,
+                add_generation_prompt: bool = True) -> str:
+    """``messages`` through the tokenizer's chat template (every prompt's templating goes through here);
+    ``template_kwargs`` are the template's variables.  A template that fails on them raises
+    :class:`~sdm_mlx.errors.InputError`."""
+    if not template_kwargs:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except Exception as e:  # the template's own error (jinja, a value of a type it does not expect)
+        raise InputError(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: "
+                         f"{str(e)[:200]}") from None
+
+
 def chat_text(
     tokenizer,
     document: str,
@@ -27,6 +65,7 @@ def chat_text(
     prompt_template: str | None = None,
     completion: str | None = None,
     use_chat_template: bool = True,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The chat-templated text for ``document``.
 
@@ -52,7 +91,7 @@ def chat_text(
     messages.append({"role": "user", "content": user})
     if completion is not None:
         messages.append({"role": "assistant", "content": completion})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=completion is None)
+    return render_chat(tokenizer, messages, template_kwargs, add_generation_prompt=completion is None)
 
 
 def prompt_tail(tokenizer) -> str | None:

@@ -159,8 +159,12 @@ class Engine:
         self.model_id, self.aliases = model_id, {model_id, *aliases}
         self.created = int(time.time())
         self.gen = self._thread.submit(load).result()
-        self.vocab_size = self.gen.engine.vocab  #: rows of the LM head (token ids a request may name)
         self._thread.runner = self.gen.runner
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head: the token ids a request may name (``logit_bias``)."""
+        return self.gen.engine.vocab
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         """Queue ``fn(*args, **kwargs)`` on the model thread."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from ..decoding.sampling import GREEDY, MAX_LOGIT_BIAS, MAX_SEED, SamplingParams
 from ..errors import InputError
 from ..verified.config import ON_REJECT
-from ..verified.prompts import check_template_kwargs
+from ..llm.tokens import check_template_kwargs
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4

@@ -103,7 +103,7 @@ class GenerationConfig:
         template variables)."""
         import json
 
-        from .prompts import check_template_kwargs
+        from ..llm.tokens import check_template_kwargs
 
         if self.chat_template_args is None:
             return None

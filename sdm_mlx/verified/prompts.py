@@ -19,8 +19,8 @@ answer and the re-ask message joined by newlines).
 
 from __future__ import annotations
 
-from ..errors import InputError
 from ..llm import embed as _embed
+from ..llm.tokens import check_template_kwargs, render_chat
 
 #: Re-ask user message (slots: ``{previous}`` the previous answer, ``{reason}`` why it was rejected,
 #: ``{attempt}`` the number of the attempt being asked for); plain substring replacement.
@@ -36,41 +36,6 @@ def fill(template: str, **slots) -> str:
     for k, v in slots.items():
         template = template.replace("{" + k + "}", str(v))
     return template
-
-
-#: ``apply_chat_template``'s own arguments: not template variables, refused as template kwargs
-TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-def check_template_kwargs(value, name: str = "chat_template_kwargs") -> dict | None:
-    """``value`` as chat-template variables (a dict with identifier keys that are not
-    :data:`TEMPLATE_ARGUMENTS`; None or empty: None); :class:`~sdm_mlx.errors.InputError` naming ``name``."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise InputError(f"{name} must be an object of chat-template variables, e.g. {{\"enable_thinking\": false}}")
-    reserved = sorted(set(value) & TEMPLATE_ARGUMENTS)
-    if reserved:
-        raise InputError(f"{name} may not set {', '.join(reserved)} (arguments of apply_chat_template, not "
-                         "template variables)")
-    if not all(isinstance(k, str) and k.isidentifier() for k in value):
-        raise InputError(f"{name} keys must be identifiers (template variable names)")
-    return dict(value) or None
-
-
-def render_chat(tokenizer, messages: list, template_kwargs: dict | None = None) -> str:
-    """``messages`` through the tokenizer's chat template with the generation prompt; ``template_kwargs`` are
-    the template's variables.  A template that fails on them raises :class:`~sdm_mlx.errors.InputError`."""
-    if not template_kwargs:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    except Exception as e:  # the template's own error (jinja, a value of a type it does not expect)
-        raise InputError(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: "
-                         f"{str(e)[:200]}") from None
 
 
 class PromptBuilder:
@@ -111,12 +76,10 @@ class PromptBuilder:
         return render_chat(tokenizer or self.tokenizer, messages, {**self.template_kwargs, **(template_kwargs or {})})
 
     def document_text(self, document: str) -> str:
-        """The generation prompt of a document (as ``sdm-mlx embed`` templates it; with template variables,
-        the same messages rendered with them)."""
-        if self.template_kwargs and self.use_chat_template:
-            return self.prompt_text(self.messages(document))
+        """The generation prompt of a document (as ``sdm-mlx embed`` templates it, with this builder's
+        template variables)."""
         return _embed.chat_text(self.tokenizer, document, system=self.system, prompt_template=self.prompt_template,
-                                use_chat_template=self.use_chat_template)
+                                use_chat_template=self.use_chat_template, template_kwargs=self.template_kwargs)
 
     def prompt_text(self, messages: list | None = None, prompt: str | None = None,
                     template_kwargs: dict | None = None, tokenizer=None) -> str:
