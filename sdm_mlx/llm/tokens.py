@@ -65,6 +65,7 @@ def chat_text(
     prompt_template: str | None = None,
     completion: str | None = None,
     use_chat_template: bool = True,
+    *,
     template_kwargs: dict | None = None,
 ) -> str:
     """The chat-templated text for ``document``.
