@@ -5,6 +5,7 @@ weight.  :mod:`sdm_mlx.llm.embed` builds the DESIGN #21 features on these and re
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,7 +18,7 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
 
     A reference that is neither an existing directory nor a reachable hub id raises
     :class:`~sdm_mlx.errors.ModelNotFoundError` (a ``FileNotFoundError``; see :mod:`sdm_mlx.llm.model_path`).
-    The weights are read while the tokenizer loads (``mx.async_eval``).  ``head=False`` (features
+    The weights are read while the tokenizer loads on a helper thread.  ``head=False`` (features
     only): an untied LM head is left unread, loaded from its file on first use
     (saves its |V| x D weights of reading and memory when it is never used).  On the CPU the MLP layers
     compute their activation with :func:`~sdm_mlx.llm.cpu_swiglu.swiglu` (3.5x faster than MLX's there).
@@ -36,12 +37,15 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
         model, config = _lm_load_model(path, lazy=True, model_config=kwargs.pop("model_config", None),
                                        trust_remote_code=kwargs.pop("trust_remote_code", False))
         weights = model.parameters() if head else trunk(model).parameters()
-        mx.async_eval(weights)  # read on MLX's thread while the tokenizer loads here
-        tokenizer = _lm_load_tokenizer(path, kwargs.pop("tokenizer_config", None),
-                                       eos_token_ids=config.get("eos_token_id", None))
+        # The tokenizer loads on a helper thread while this one reads the weights (mx.eval releases the GIL).
+        # mx.async_eval would not overlap them: it blocks until most of the reads are done.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdm-tokenizer") as pool:
+            tokenizer = pool.submit(_lm_load_tokenizer, path, kwargs.pop("tokenizer_config", None),
+                                    eos_token_ids=config.get("eos_token_id", None))
+            mx.eval(weights)
+            tokenizer = tokenizer.result()
     if kwargs:
         raise TypeError(f"load_model got unexpected keyword arguments {sorted(kwargs)}")
-    mx.eval(weights)
     trunk(model)  # validate early
     use_cpu_swiglu(model)
     apply_after_load()  # batch commands: activations reuse freed heap memory (sdm_mlx.runtime.allocator)
