@@ -53,22 +53,61 @@ class TokenPieces:
     :meth:`finalize` returns what the pieces left out at the end.  A decoder that rewrites earlier text
     (``clean_up_tokenization_spaces``: ``"a ,"`` becomes ``"a,"``) gets the new text from where the two
     decodings differ: the pieces then join to the text as streamed, not to the final decoding.
+
+    Each token costs a decoding of the last ``2 * CONTEXT`` or so tokens, not of the whole answer: the text of
+    the tokens older than ``CONTEXT`` is taken as streamed, and the newer ones are decoded after ``CONTEXT``
+    tokens of left context (which gives a SentencePiece word its leading space and the clean-up its
+    neighbours).  Both cuts are moved back to a token after which the text was whole (not inside a byte run
+    or a character).  When the decoded context is not the start of the decoded window, or holds an invalid
+    byte sequence, the whole answer is decoded, as before.
     """
+
+    #: tokens of left context decoded before the ones whose text may still change
+    CONTEXT = 8
 
     def __init__(self, tokenizer):
         self.tokenizer, self.tokens, self.text = tokenizer, [], ""
+        self.ends: list = []  # per token: len(self.text) after its piece
+        self.settled: list = []  # per token: the text then held all of the tokens' text (no byte run, no partial character)
 
     def add(self, token: int) -> str:
         self.tokens.append(int(token))
         if _is_byte_token(self.tokenizer, token):
-            return ""
-        return self._grow(self.tokenizer.decode(self.tokens).rstrip("\ufffd"))
+            piece, settled = "", False
+        else:
+            decoded = self._decoded()
+            piece, settled = self._grow(decoded.rstrip("\ufffd")), not decoded.endswith("\ufffd")
+        self.ends.append(len(self.text))
+        self.settled.append(settled)
+        return piece
 
     def finalize(self) -> str:
-        return self._grow(self.tokenizer.decode(self.tokens)) if self.tokens else ""
+        return self._grow(self._decoded()) if self.tokens else ""
+
+    def _boundary(self, i: int) -> int:
+        """The largest ``j <= i`` after whose tokens the streamed text holds all of their text (0: none)."""
+        while i > 0 and not self.settled[i - 1]:
+            i -= 1
+        return i
+
+    def _decoded(self) -> str:
+        """``tokenizer.decode(self.tokens)``, from the streamed text and a decoding of the last tokens only."""
+        decode = self.tokenizer.decode
+        stable = self._boundary(len(self.tokens) - self.CONTEXT - 1)  # tokens [0, stable) are taken as streamed
+        start = self._boundary(stable - self.CONTEXT)
+        if start <= 0:
+            return decode(self.tokens)
+        head, window = decode(self.tokens[start:stable]), decode(self.tokens[start:])
+        if not window.startswith(head) or "\ufffd" in head:
+            return decode(self.tokens)
+        return self.text[: self.ends[stable - 1]] + window[len(head):]
 
     def _grow(self, decoded: str) -> str:
-        same = len(self.text) if decoded.startswith(self.text) else len(os.path.commonprefix([self.text, decoded]))
+        if decoded.startswith(self.text):
+            same = len(self.text)
+        else:  # earlier text rewritten: no token's text ends past the rewrite any more
+            same = len(os.path.commonprefix([self.text, decoded]))
+            self.ends = [min(e, same) for e in self.ends]
         piece, self.text = decoded[same:], decoded
         return piece
 
