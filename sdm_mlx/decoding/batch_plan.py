@@ -38,6 +38,17 @@ def _merges(cache) -> bool:
     return callable(getattr(type(cache), "merge", None))
 
 
+def plain_kv_caches(model) -> bool:
+    """Whether every layer of ``model`` uses mlx-lm's plain ``KVCache``: no ``make_cache``, or one that makes
+    only those (mlx-lm's Llama and Mistral define one, for their optional sliding-window layers).  Such models
+    prefill in right-padded batch passes and use the prompt cache."""
+    if not hasattr(model, "make_cache"):
+        return True
+    from mlx_lm.models.cache import KVCache
+
+    return all(type(c) is KVCache for c in model.make_cache())
+
+
 def decodes_in_batches(model) -> bool:
     """Whether requests on ``model`` can share a running batch: its layers use mlx-lm's plain KV caches, or its
     own cache types (``make_cache``: sliding windows, arrays) all merge into batch caches.  Otherwise (chunked

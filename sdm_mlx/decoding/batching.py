@@ -50,7 +50,7 @@ import numpy as np
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
-from .batch_plan import decodes_in_batches, length_chunks
+from .batch_plan import decodes_in_batches, length_chunks, plain_kv_caches
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
@@ -77,9 +77,10 @@ class DecodeEngine:
 
     ``heads``: an ``SDMHeads`` for joint neg+pos decoding, else plain decoding.  ``prefix_cache``: a
     :class:`PrefixCache` (default: one of :data:`~.prompt_cache.DEFAULT_MAX_BYTES`), or ``False``.
-    Models with their own cache types (``make_cache``: sliding windows, SSMs) prefill each prompt alone and
-    decode in batches of mlx-lm's merged caches (:func:`decodes_in_batches`; one row at a time when a cache
-    type does not merge), without the prompt cache.
+    Models with their own cache types (``make_cache`` making other than plain ``KVCache``: sliding windows,
+    SSMs; :func:`~.batch_plan.plain_kv_caches`) prefill each prompt alone and decode in batches of mlx-lm's
+    merged caches (:func:`decodes_in_batches`; one row at a time when a cache type does not merge), without
+    the prompt cache.
     """
 
     def __init__(self, model, tokenizer, heads=None, *, delimiter: str = _embed.DEFAULT_DELIMITER,
@@ -92,7 +93,7 @@ class DecodeEngine:
             raise InputError("max_batch must be >= 1")
         self.model, self.tokenizer, self.heads = model, tokenizer, heads
         self.delimiter, self.max_length = delimiter, int(max_length)
-        self.batchable = not hasattr(model, "make_cache")  # BatchKVCache prefill passes and the prompt cache
+        self.batchable = plain_kv_caches(model)  # BatchKVCache prefill passes and the prompt cache
         self.merges = decodes_in_batches(model)  # the model's own caches merge into a running batch
         self.max_batch = int(max_batch) if self.merges else 1
         if prefix_cache is None:

@@ -281,3 +281,32 @@ def test_caches_that_do_not_merge_decode_one_row_at_a_time():
     assert decodes_in_batches(Model([CacheList(KVCache(), RotatingKVCache(max_size=4))]))
     assert not decodes_in_batches(Model([KVCache(), QuantizedKVCache()]))
     assert not decodes_in_batches(Model([CacheList(KVCache(), QuantizedKVCache())]))
+
+
+def test_a_make_cache_of_plain_kv_caches_keeps_the_prompt_cache(tiny_llama_path):
+    """mlx-lm's Llama (and Mistral) define ``make_cache`` for optional sliding-window layers; without such
+    layers it makes plain ``KVCache`` objects, so the engine prefills in batch passes with the prompt cache (the
+    shared prefix prefilled once), and the answers equal those of a prompt-cache-less engine and of mlx-lm."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from sdm_mlx.decoding import DecodeEngine, DecodeRequest, SamplingParams
+    from sdm_mlx.decoding.batch_plan import plain_kv_caches
+
+    model, tok = load(str(tiny_llama_path))
+    assert hasattr(model, "make_cache") and plain_kv_caches(model)
+    texts = ["the film is warm and funny", "dull", "a long and boring film", "great", "lovely moving sharp"]
+    prompts = [E.encode(tok, E.chat_text(tok, t, system="You judge films. Answer in JSON.")) for t in texts]
+
+    def requests():
+        return [DecodeRequest(p, 6, SamplingParams(), features=True, stop_at_delimiter=False) for p in prompts]
+
+    cached = DecodeEngine(model, tok, max_batch=4)
+    assert cached.batchable and cached.prefix_cache is not None
+    with_cache = cached.run(requests())
+    assert cached.prefix_cache.hits >= 1  # the shared system message and template head, prefilled once
+    _assert_same(DecodeEngine(model, tok, max_batch=1, prefix_cache=False).run(requests()), with_cache)
+    for d, p in zip(with_cache, prompts):
+        ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=6), range(6))]
+        assert d.token_ids == ref[: len(d.token_ids)]
