@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     split = np.array([r["split"] for r in rows])
     report = {"rows": {s: int((split == s).sum()) for s in SPLITS}, "layers": {}}
     for key, X in feats.items():
-        report["layers"][str(key)] = {part: probe(X[:, cols].astype(np.float64), y, split)
-                                      for part, cols in (("mean+state", slice(None)), ("state", slice(X.shape[1] // 2, None)))}
+        parts = (("mean+state", slice(None)), ("state", slice(X.shape[1] // 2, None)))
+        report["layers"][str(key)] = {part: probe(X[:, cols].astype(np.float64), y, split) for part, cols in parts}
         for part, r in report["layers"][str(key)].items():
             h, g = r["heldout_topics"], r["generated"]
             print(f"layer {str(key):>5} {part:10} held-out acc {h['accuracy']:.3f} auc {h['auc']:.3f} "

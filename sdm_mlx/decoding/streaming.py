@@ -68,7 +68,7 @@ class TokenPieces:
     def __init__(self, tokenizer):
         self.tokenizer, self.tokens, self.text = tokenizer, [], ""
         self.ends: list = []  # per token: len(self.text) after its piece
-        self.settled: list = []  # per token: the text then held all of the tokens' text (no byte run, no partial character)
+        self.settled: list = []  # per token: the text then held all tokens' text (not in a byte run or a character)
 
     def add(self, token: int) -> str:
         self.tokens.append(int(token))

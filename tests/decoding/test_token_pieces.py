@@ -63,7 +63,8 @@ def test_window_pieces_equal_whole_answer_pieces(arch, request):
 @pytest.mark.parametrize("arch", ["phi3", "qwen2", "llama"])
 def test_each_token_decodes_a_bounded_window(arch, request):
     """A long answer (accents, CJK, emoji byte runs, clean-up): after the first tokens no decode call sees more
-    than 4 * CONTEXT tokens (2 * CONTEXT + 1, cuts moved back over byte runs: two emoji here), so a token costs O(1), not O(n)."""
+    than 4 * CONTEXT tokens (2 * CONTEXT + 1, cuts moved back over byte runs: two emoji here), so a token costs
+    O(1), not O(n)."""
     from mlx_lm.utils import load_tokenizer
     from pathlib import Path
 
