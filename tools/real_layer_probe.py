@@ -26,13 +26,13 @@ import numpy as np
 SPLITS = ("pool", "heldout_topics", "generated")
 
 
-def layer_features(model, tokenizer, seqs: list, layers: list, batch_size: int) -> dict:
+def layer_features(model, seqs: list, layers: list, batch_size: int) -> dict:
     """``{layer: float32 [N, 2D]}`` (and ``"final"``): the own positions' mean and the last kept state."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
     from sdm_mlx.llm.model import run_shared_prefix, tiled_cache, trunk
-    from sdm_mlx.llm.pooling import common_prefix_length
+    from sdm_mlx.llm.pooling import common_prefix_length, pool_states
 
     P = min(common_prefix_length(seqs), min(len(s) for s in seqs) - 1)
     prefix = run_shared_prefix(model, seqs[0][:P])
@@ -44,8 +44,8 @@ def layer_features(model, tokenizer, seqs: list, layers: list, batch_size: int) 
     for b0 in range(0, len(seqs), batch_size):
         idx = order[b0 : b0 + batch_size]
         own = [seqs[i][P:] for i in idx]
-        n = mx.array([len(o) for o in own])
-        width = max(len(o) for o in own)
+        n = [len(o) for o in own]
+        width = max(n)
         x = mx.array(np.array([o + [0] * (width - len(o)) for o in own], np.int32))
         cache = tiled_cache(prefix, len(idx))
         h = net.embed_tokens(x)
@@ -56,10 +56,7 @@ def layer_features(model, tokenizer, seqs: list, layers: list, batch_size: int) 
             if i in layers:
                 kept[i] = h
         kept["final"] = net.norm(h)
-        inside = (mx.arange(width)[None, :] < n[:, None])[..., None]
-        pooled = {k: mx.concatenate([mx.where(inside, s, 0).sum(1) / n[:, None].astype(mx.float32),
-                                     mx.take_along_axis(s, (n - 1)[:, None, None], axis=1)[:, 0]], axis=1)
-                  for k, s in kept.items()}
+        pooled = {k: pool_states(s, n) for k, s in kept.items()}  # the package's one pooling, own positions
         mx.eval(pooled)
         for k, v in pooled.items():
             out[k][idx] = np.array(v, dtype=np.float32)
@@ -125,7 +122,7 @@ def main(argv=None) -> int:
     template = PRESETS["factcheck"]["prompt_template"]
     seqs = [E.encode(tokenizer, E.chat_text(tokenizer, documents[r["id"]], system=PAPER_SYSTEM,
                                             prompt_template=template) + r["text"])[: r["n_kept"]] for r in rows]
-    feats = layer_features(model, tokenizer, seqs, args.layers, args.batch_size)
+    feats = layer_features(model, seqs, args.layers, args.batch_size)
     y = np.array([r["label"] for r in rows])
     split = np.array([r["split"] for r in rows])
     report = {"rows": {s: int((split == s).sum()) for s in SPLITS}, "layers": {}}

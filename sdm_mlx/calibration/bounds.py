@@ -45,9 +45,10 @@ def dkw_epsilon(n_hat: np.ndarray, alpha) -> np.ndarray:
     n_hat = np.asarray(n_hat)
     if np.ndim(alpha) == 0:
         log_term = math.log(2.0 / (1.0 - validation.level(alpha)))
-    else:
-        log_term = np.array([math.log(2.0 / (1.0 - validation.level(a))) for a in alpha])
-        log_term = log_term.reshape((-1,) + (1,) * (n_hat.ndim - 1))
+    else:  # one log per distinct level (the ladder's), not per row
+        levels, which = np.unique(np.asarray(alpha, dtype=np.float64), return_inverse=True)
+        logs = np.array([math.log(2.0 / (1.0 - validation.level(float(a)))) for a in levels])
+        log_term = logs[which.reshape(-1)].reshape((-1,) + (1,) * (n_hat.ndim - 1))
     safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
     return np.where(n_hat > 0, np.sqrt(log_term / (2.0 * safe)), 1.0)
 

@@ -139,11 +139,15 @@ class RowSampler:
         ids = list(ids)
         return ids + [t + self.vocab for t in ids] if width > self.vocab else ids
 
-    def _at(self, logits, ids):
-        """``logits.at`` the columns of ``ids`` in both halves of a joint row."""
+    def _columns(self, ids, logits):
+        """The columns of ``ids`` in both halves of a joint row, as an index array."""
         import mlx.core as mx
 
-        return logits.at[:, mx.array(self._both_halves(ids, logits.shape[-1]), dtype=mx.int32)]
+        return mx.array(self._both_halves(ids, logits.shape[-1]), dtype=mx.int32)
+
+    def _at(self, logits, ids):
+        """``logits.at`` the columns of ``ids`` (:meth:`_columns`)."""
+        return logits.at[:, self._columns(ids, logits)]
 
     def _per_column(self, values, logits):
         """``values`` (one per id given to :meth:`_at`) repeated for the pos half of a joint row."""
@@ -162,8 +166,7 @@ class RowSampler:
         if not context:
             return logits
         if p.repetition_penalty not in (None, 1.0):
-            idx = mx.array(self._both_halves(sorted(set(_window(context, p.repetition_context_size))),
-                                             logits.shape[-1]), dtype=mx.int32)
+            idx = self._columns(sorted(set(_window(context, p.repetition_context_size))), logits)
             picked = logits[:, idx]
             logits[:, idx] = mx.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
         if p.presence_penalty:

@@ -15,7 +15,7 @@ def test_features_equal_the_packages_and_the_blocks_outputs(tiny_qwen2_path):
     model, tok = load_model(tiny_qwen2_path, head=False)
     docs = ["a warm film", "dull and long, with no end", "great", "a lovely moving film about two old friends"]
     seqs = [E.encode(tok, E.chat_text(tok, d, system="Judge the film.")) for d in docs]
-    feats = L.layer_features(model, tok, seqs, [0], batch_size=3)
+    feats = L.layer_features(model, seqs, [0], batch_size=3)
     ref = E.document_features(model, tok, seqs, position="last", pooling="non-shared", batch_size=2)
     np.testing.assert_allclose(feats["final"], ref.embeddings, rtol=1e-4, atol=1e-5)
     P = E.common_prefix_length(seqs)
