@@ -117,7 +117,7 @@ def stage_commands(cfg: dict, out: str) -> dict:
                                      cfg["pool"], "--heldout", cfg["heldout"], "--generated", cfg["generated"],
                                      "--seed", cfg.get("seed", 0), "-o", p("task.jsonl")], False),
         "answers": (p("answers.jsonl"), [sys.executable, os.path.join(tools, "real_answers.py"), "--model",
-                                         cfg["model"], "--input", p("task.jsonl"), "--output", p("answers.jsonl"),
+                                         cfg["model"], "--input", p(answer_source(cfg)), "--output", p("answers.jsonl"),
                                          "--batch-size", cfg.get("generation_batch_size", 16), "--max-tokens",
                                          cfg.get("max_tokens", 32)], True),
         "split": (p("answers.pool.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"),
@@ -163,6 +163,21 @@ def stage_commands(cfg: dict, out: str) -> dict:
             "evaluate", "--model", p("verifier_forced"), "--input", p("forced_emb.heldout_topics.jsonl"), "--input",
             p("forced_emb.generated.jsonl"), "--report", p("evaluate_forced.json")), False),
     }
+
+
+def answer_source(cfg: dict) -> str:
+    """The task file the ``answers`` stage decodes: every statement, or with ``answer_splits`` in the recipe only
+    those splits' (e.g. the held-out and shifted statements, when the verifier is trained on force-decoded rows)."""
+    return "task_answers.jsonl" if cfg.get("answer_splits") else "task.jsonl"
+
+
+def write_answer_tasks(cfg: dict, out: str) -> None:
+    """``task_answers.jsonl``: the sample's rows of the recipe's ``answer_splits``."""
+    keep = set(cfg["answer_splits"])
+    with open(os.path.join(out, "task.jsonl")) as f:
+        lines = [x for x in f if x.strip() and json.loads(x)["split"] in keep]
+    with open(os.path.join(out, "task_answers.jsonl"), "w") as f:
+        f.writelines(lines)
 
 
 def write_forced_tasks(cfg: dict, out: str) -> None:
@@ -340,7 +355,7 @@ def main(argv=None) -> int:
     commands = stage_commands(cfg, out)
     for stage in args.only or STAGES:
         if stage == "table":
-            table = verified_generation_table(out)
+            table = verified_generation_table(out) if os.path.isdir(os.path.join(out, "verifier")) else {}
             if os.path.isdir(os.path.join(out, "verifier_forced")):
                 table["paper_encoding_verifier"] = verified_generation_table(out, "verifier_forced")
             network = network_table(out)
@@ -358,7 +373,7 @@ def main(argv=None) -> int:
                 write_network_rows(cfg, out)
             continue
         done_path, cmd, heavy = commands[stage]
-        done = {"answers": lambda: answers_done(out),
+        done = {"answers": lambda: answers_done(out, source=answer_source(cfg)),
                 "network_answers": lambda: answers_done(out, "network_answers.jsonl", "network_prompts.jsonl"),
                 "network": lambda: network_finished(out, cfg.get("network_epochs", 1)),
                 "forced_embed": lambda: answers_done(out, "forced_emb.jsonl", "forced.jsonl")}.get(
@@ -372,6 +387,8 @@ def main(argv=None) -> int:
             write_network_prompts(out)
         if stage == "forced_rows":
             write_forced_tasks(cfg, out)
+        if stage == "answers" and cfg.get("answer_splits"):
+            write_answer_tasks(cfg, out)
         runner.run(stage, cmd, heavy)
     return 0
 

@@ -55,3 +55,22 @@ def test_network_finished_reads_the_metrics(tmp_path):
     (tmp_path / "network_run" / "metrics.json").write_text(
         json.dumps({"finished": True, "epochs_completed": 3, "epochs": []}))
     assert P.network_finished(str(tmp_path), 3)
+
+
+def test_answer_splits_decode_only_the_named_splits(tmp_path):
+    """A recipe with ``answer_splits`` (a verifier trained on force-decoded rows) decodes only those splits' statements;
+    without it, the answers stage decodes the whole sample."""
+    task = [{"id": "p1", "label": 1, "document": "a", "split": "pool"},
+            {"id": "h1", "label": 0, "document": "b", "split": "heldout_topics"},
+            {"id": "g1", "label": 1, "document": "c", "split": "generated"}]
+    _write(tmp_path / "task.jsonl", task)
+    assert P.answer_source({}) == "task.jsonl"
+    cfg = {"answer_splits": ["heldout_topics", "generated"]}
+    assert P.answer_source(cfg) == "task_answers.jsonl"
+    P.write_answer_tasks(cfg, str(tmp_path))
+    kept = [json.loads(x)["id"] for x in (tmp_path / "task_answers.jsonl").read_text().splitlines()]
+    assert kept == ["h1", "g1"]
+    assert not P.answers_done(str(tmp_path), source="task_answers.jsonl")
+    _write(tmp_path / "answers.jsonl", [{"id": "h1"}, {"id": "g1"}])
+    assert P.answers_done(str(tmp_path), source="task_answers.jsonl")  # 2 of the 2 asked for, not 2 of 3
+    assert not P.answers_done(str(tmp_path))
