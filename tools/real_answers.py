@@ -110,6 +110,10 @@ def write_prefix_stats(args, rows, preset) -> None:
     print(f"shared prefix: {st['P']} tokens ({st['prefix_text']!r}) -> {args.prefix_stats}", file=sys.stderr)
 
 
+#: ``--forced`` writes (and can resume) after every chunk of this many batches
+FORCED_BATCHES_PER_CHUNK = 16
+
+
 def run_forced(args) -> int:
     """``--forced``: embed verification rows (id, prompt, completion, ...) with the shared prefix; resumable."""
     rows = read_rows(args.input)[: args.limit]
@@ -124,10 +128,11 @@ def run_forced(args) -> int:
     todo.sort(key=lambda r: -len(r["prompt"] + r["completion"]))
     t0 = time.time()
     with open(args.output, "a", encoding="utf-8") as f:
-        for b0 in range(0, len(todo), args.batch_size):
-            part = todo[b0: b0 + args.batch_size]
+        chunk = args.batch_size * FORCED_BATCHES_PER_CHUNK  # the shared prefix runs once per chunk, not per batch
+        for b0 in range(0, len(todo), chunk):
+            part = todo[b0: b0 + chunk]
             feats = _embed.prompt_completion_features(model, tokenizer, [r["prompt"] for r in part],
-                                                      [r["completion"] for r in part], batch_size=len(part),
+                                                      [r["completion"] for r in part], batch_size=args.batch_size,
                                                       shared_prefix=shared).embeddings
             for r, e in zip(part, feats):
                 f.write(json.dumps({**r, "embedding_source": "llm-hidden-states",

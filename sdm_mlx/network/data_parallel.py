@@ -10,7 +10,10 @@ here communicates.  What is split and what is replicated:
   of Alg. 4's selection count.  These functions sort their rows by length and pad per batch,
   so a row's float result depends on its batch: rank r of N takes the batches
   ``[r·nb/N, (r+1)·nb/N)`` of the single-process batch order (:meth:`DataParallel.aligned_parts`)
-  and gets bit-identical per-row results.  The token cache and per-document q, d are
+  and gets bit-identical force-decoded features.  Generations batch continuously (a prompt joins a running
+  batch when a row stops), so where a rank's running batch differs from the one-process run's, a row's decode
+  states differ by float rounding on CPUs whose BLAS rounds by row count (measured: up to 8e-7 relative).
+  The token cache and per-document q, d are
   all-gathered back into row order; the selection count and its parts are ``all_sum``-med, so
   every rank keeps the same epoch.
 * **Split per mini-batch**: the global token permutation (same seed on every rank) is cut
