@@ -31,7 +31,7 @@ def layer_features(model, seqs: list, layers: list, batch_size: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
-    from sdm_mlx.llm.model import run_shared_prefix, tiled_cache, trunk
+    from sdm_mlx.llm.model import prefix_caches, run_shared_prefix, trunk
     from sdm_mlx.llm.pooling import common_prefix_length, pool_states
 
     P = min(common_prefix_length(seqs), min(len(s) for s in seqs) - 1)
@@ -47,7 +47,7 @@ def layer_features(model, seqs: list, layers: list, batch_size: int) -> dict:
         n = [len(o) for o in own]
         width = max(n)
         x = mx.array(np.array([o + [0] * (width - len(o)) for o in own], np.int32))
-        cache = tiled_cache(prefix, len(idx))
+        cache = prefix_caches(prefix)
         h = net.embed_tokens(x)
         mask = create_attention_mask(h, cache[0])
         kept = {}

@@ -37,9 +37,9 @@ features do not depend on the batch composition (up to float rounding, ~1e-6).
 For the same reason the states of a token prefix that every document of a call
 shares (a chat template, system message and instruction: ~42 of ~59 tokens of
 a factcheck verification prompt) are the same in every document: that prefix
-runs through the model once, its mlx-lm KV cache is tiled over each batch and
+runs through the model once, its keys and values are broadcast over each batch and
 only each document's own tokens run; the prefix's states enter the mean as
-they are (:func:`run_shared_prefix`, :func:`tiled_cache`).
+they are (:func:`run_shared_prefix`, :func:`prefix_caches`).
 
 Pooling (DESIGN #21): ``pooling="all"`` (default, the paper's) takes the mean
 over all ``n`` kept positions; ``pooling="non-shared"`` starts the mean after
@@ -74,7 +74,7 @@ from .model import (  # re-exported: callers find the model access in sdm_mlx.ll
     logits_from_hidden,
     run_shared_prefix,
     SharedPrefix,
-    tiled_cache,
+    prefix_caches,
     trunk,
 )
 from .pooling import (  # re-exported: callers find the positions and the pooling in sdm_mlx.llm.embed
@@ -219,7 +219,7 @@ def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int
     import mlx.core as mx
 
     p = prefix.length if prefix is not None else 0
-    cache = tiled_cache(prefix, len(seqs)) if p else None
+    cache = prefix_caches(prefix) if p else None
     h = hidden_states(model, [s[p:] for s in seqs], cache=cache)
     if p:
         shared = mx.broadcast_to(prefix.states[None], (len(seqs),) + tuple(prefix.states.shape))
@@ -280,7 +280,7 @@ def document_features(
     ``"non-shared"`` (the mean leaves out each document's common prefix with
     ``shared_prefix``, token ids; default: the longest common token prefix of
     these documents — pass it when documents come one at a time).  The tokens
-    every document shares run through the model once (their KV cache is tiled
+    every document shares run through the model once (their keys and values are broadcast
     over each batch); documents are sorted by kept length and processed
     ``batch_size`` at a time with right padding; ``progress(k)`` is called after
     each batch of ``k``.

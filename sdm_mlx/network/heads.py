@@ -170,9 +170,9 @@ def token_hidden_states(
     ``positions[i]`` are indices into ``sequences[i]``; only ``sequences[i][:max(positions[i]) + 1]``
     is run (the model is causal).  The token prefix every cut sequence shares (up to the first chosen
     position; with ``prefix_ids``, also shared with it: data-parallel ranks pass the whole set's) is
-    prefilled once into an mlx-lm prompt cache, tiled over each batch, and only each row's own tokens run
-    (exact for causal models, as in :func:`sdm_mlx.llm.embed.document_features`).  Sequences are processed
-    ``batch_size`` at a time, longest first, with right padding.  Used to cache the frozen states of the
+    prefilled once into an mlx-lm prompt cache, its keys and values broadcast over each batch, and only each row's
+    own tokens run (exact for causal models, as in :func:`sdm_mlx.llm.embed.document_features`).  Sequences are
+    processed ``batch_size`` at a time, longest first, with right padding.  Used to cache the frozen states of the
     y = 1 completion tokens once (DESIGN #19).
     """
     n = len(sequences)
@@ -193,7 +193,7 @@ def token_hidden_states(
         idx = [i for i in order[b0 : b0 + batch_size] if need[i] > 0]
         if not idx:
             continue
-        cache = _embed.tiled_cache(prefix, len(idx)) if prefix is not None else None
+        cache = _embed.prefix_caches(prefix) if prefix is not None else None
         h = _embed.hidden_states(model, [list(sequences[i][shared : need[i]]) for i in idx], cache=cache)
         mx.eval(h)
         for k, i in enumerate(idx):

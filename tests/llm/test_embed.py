@@ -321,7 +321,7 @@ def _unshared_reference(model, seqs, first=None):
 
 
 def test_shared_prefix_runs_once_and_features_equal_unshared(lm, monkeypatch):
-    """The common token prefix of a call is prefilled once (KV cache tiled over each batch); only each row's
+    """The common token prefix of a call is prefilled once (its keys and values broadcast over each batch); only each row's
     own tokens run, and the features equal a full forward of every row within 1e-4 relative."""
     model, tok = lm
     ps = prompts(tok)
@@ -352,6 +352,30 @@ def test_shared_prefix_runs_once_and_features_equal_unshared(lm, monkeypatch):
     # a call with one document runs all but its last token as the prefix: the same features
     one = E.prompt_completion_features(model, tok, ps[2:3], COMPLETIONS[2:3])
     assert np.abs(one.embeddings[0] - ref[2]).max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_prefix_caches_equal_a_kv_cache_holding_the_prefix(arch, tiny_qwen2_path, tiny_llama_path):
+    """One forward pass of right-padded own-token rows on :func:`prefix_caches` (the prefix's keys and values
+    broadcast, the rows' own appended) gives the states of mlx-lm's ``KVCache`` holding the repeated prefix."""
+    from mlx_lm.models.cache import KVCache
+
+    model, tok = E.load_model({"qwen2": tiny_qwen2_path, "llama": tiny_llama_path}[arch])
+    seqs = [E.encode(tok, p + c) for p, c in zip(prompts(tok), COMPLETIONS)][:3]
+    shared = E.common_prefix_length(seqs)
+    prefix = E.run_shared_prefix(model, seqs[0][:shared])
+    own = [s[shared:] for s in seqs]
+    caches = E.prefix_caches(prefix)
+    got = E.hidden_states(model, own, cache=caches)
+    assert all(c.offset == shared + max(map(len, own)) for c in caches)
+    reference = []
+    for k, v in zip(prefix.keys, prefix.values):
+        c = KVCache()
+        c.update_and_fetch(mx.repeat(k, len(own), axis=0), mx.repeat(v, len(own), axis=0))
+        reference.append(c)
+    want = E.hidden_states(model, own, cache=reference)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    assert E.prefix_caches(prefix)[0].make_mask(4) == "causal"  # mlx-lm's mask for a pass of several tokens
 
 
 def test_shared_prefix_with_truncation_and_short_rows(phi3):
