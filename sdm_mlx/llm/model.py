@@ -170,8 +170,8 @@ class PrefixKV:
     mlx-lm's attention reads ``offset`` (the RoPE position of the rows' first token), calls
     ``update_and_fetch(keys, values)`` with the rows' own keys and values and builds its mask with ``make_mask``.
     Here the prefix's ``[1, H, P, d]`` keys and values are broadcast over the batch and the rows' own appended in one
-    concatenation, instead of the preallocated 256-position buffer and the copies of a ``KVCache`` (features equal
-    bit for bit; the own-token passes of 32 factcheck rows took 20.5 s instead of 24.8 s on an AVX2 box).  The
+    concatenation, instead of the preallocated 256-position buffer and the copies of a ``KVCache`` (on an AVX2 box
+    the own-token passes of 32 factcheck rows took 20.5 s instead of 24.8 s, the features equal bit for bit).  The
     cache is not for incremental decoding: each call appends to the prefix alone.
     """
 
