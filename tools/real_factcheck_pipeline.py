@@ -112,6 +112,7 @@ def stage_commands(cfg: dict, out: str) -> dict:
     tools = os.path.join(ROOT, "tools")
     template = PRESETS["factcheck"]["prompt_template"]
     a = cfg.get("alpha", 0.95)
+    first_split = (cfg.get("answer_splits") or ["pool"])[0]  # the split stage is done once its file exists
     return {
         "sample": (p("task.jsonl"), [sys.executable, os.path.join(tools, SAMPLERS[cfg.get("task", "factcheck")]), "--pool",
                                      cfg["pool"], "--heldout", cfg["heldout"], "--generated", cfg["generated"],
@@ -120,7 +121,7 @@ def stage_commands(cfg: dict, out: str) -> dict:
                                          cfg["model"], "--input", p(answer_source(cfg)), "--output", p("answers.jsonl"),
                                          "--batch-size", cfg.get("generation_batch_size", 16), "--max-tokens",
                                          cfg.get("max_tokens", 32)], True),
-        "split": (p("answers.pool.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"),
+        "split": (p(f"answers.{first_split}.jsonl"), [sys.executable, os.path.join(tools, "factcheck_sample.py"),
                                             "--split-file", p("answers.jsonl")], False),
         "train": (p("verifier"), cli("train", "--train", p("answers.pool.jsonl"), "--output", p("verifier"),
                                      "--normalize", "per-dimension", "--alpha", a, "--class-names", "wrong",

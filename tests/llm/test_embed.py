@@ -321,8 +321,8 @@ def _unshared_reference(model, seqs, first=None):
 
 
 def test_shared_prefix_runs_once_and_features_equal_unshared(lm, monkeypatch):
-    """The common token prefix of a call is prefilled once (its keys and values broadcast over each batch); only each row's
-    own tokens run, and the features equal a full forward of every row within 1e-4 relative."""
+    """The common token prefix of a call is prefilled once (its keys and values broadcast over each batch); only
+    each row's own tokens run, and the features equal a full forward of every row within 1e-4 relative."""
     model, tok = lm
     ps = prompts(tok)
     seqs = [E.encode(tok, p + c) for p, c in zip(ps, COMPLETIONS)]

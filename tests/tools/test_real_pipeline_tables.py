@@ -74,3 +74,7 @@ def test_answer_splits_decode_only_the_named_splits(tmp_path):
     _write(tmp_path / "answers.jsonl", [{"id": "h1"}, {"id": "g1"}])
     assert P.answers_done(str(tmp_path), source="task_answers.jsonl")  # 2 of the 2 asked for, not 2 of 3
     assert not P.answers_done(str(tmp_path))
+    # the split stage is done once the first named split's file exists (there are no pool answers to write)
+    sizes = {"model": "m", "pool": 1, "heldout": 1, "generated": 1}
+    assert P.stage_commands({**cfg, **sizes}, str(tmp_path))["split"][0].endswith("answers.heldout_topics.jsonl")
+    assert P.stage_commands(sizes, "o")["split"][0].endswith("answers.pool.jsonl")
