@@ -164,11 +164,15 @@ def ttft(port: int, texts: list, tokens: int, extra: dict) -> float:
     return float(np.median([f for f in firsts if f is not None]))
 
 
-def start_mlx_lm(model_path: str, port: int) -> subprocess.Popen:
-    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/runtime/blas.py)."""
+def start_mlx_lm(model_path: str, port: int, openblas_default_wait: bool = False) -> subprocess.Popen:
+    """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/runtime/blas.py);
+    ``openblas_default_wait``: without our ``OPENBLAS_THREAD_TIMEOUT`` (OpenBLAS's own busy-wait, as
+    ``LD_PRELOAD`` alone gives it)."""
     from sdm_mlx.runtime.blas import find_openblas
 
     env = dict(os.environ)
+    if openblas_default_wait:
+        env.pop("OPENBLAS_THREAD_TIMEOUT", None)
     if sys.platform.startswith("linux") and find_openblas():
         env["LD_PRELOAD"] = find_openblas()
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--port", str(port),
@@ -254,17 +258,24 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bare", action="store_true",
                     help="skip the second sdm server without a prompt cache (its time to first token): one model "
                          "fewer in memory, for large models")
+    ap.add_argument("--mlx-lm-openblas-default-wait", action="store_true",
+                    help="start mlx_lm.server without OPENBLAS_THREAD_TIMEOUT (OpenBLAS's default busy-wait after "
+                         "each product; sdm_mlx sets 4 when it loads OpenBLAS, see sdm_mlx/runtime/blas.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)
     report = {"size": args.size if args.model is None else os.path.basename(os.path.normpath(args.model)),
               "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
+              "openblas_thread_timeout": {
+                  "sdm": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "OpenBLAS default (28)"),
+                  "mlx_lm": ("OpenBLAS default (28)" if args.mlx_lm_openblas_default_wait else
+                             os.environ.get("OPENBLAS_THREAD_TIMEOUT", "OpenBLAS default (28)"))},
               "machine": platform.platform(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support, args.model)
         port = free_port()
-        proc = start_mlx_lm(model_path, port)
+        proc = start_mlx_lm(model_path, port, args.mlx_lm_openblas_default_wait)
         srv = bare = None
         argv = sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet", "--system",
                        "", "--prompt-template", "{document}", "--served-model-name", "bench", "--on-reject", "return")
@@ -294,7 +305,7 @@ def main(argv=None) -> int:
 
 def print_table(r: dict) -> None:
     print(f"\nmodel: {r['size']}, {r['tokens']} max tokens, verifier support {r['support']} rows; "
-          f"BLAS: {r['blas']}")
+          f"BLAS: {r['blas']}; OPENBLAS_THREAD_TIMEOUT: {r.get('openblas_thread_timeout')}")
     print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'errors':>8}")
     for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):
         for row in r[key]["load"]:

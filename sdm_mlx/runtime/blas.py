@@ -9,6 +9,13 @@ automatically on Linux when the library is installed and ``mlx.core`` is not
 imported yet (so import ``sdm_mlx`` before ``mlx`` in your own scripts, or
 export ``LD_PRELOAD=<path to libopenblas.so.0>``).  Opt out with
 ``SDM_MLX_NO_BLAS_PRELOAD=1``.  macOS (Accelerate / Metal) needs nothing.
+
+OpenBLAS's worker threads busy-wait (``sched_yield``) for 2^28 cycles (about 0.1 s) after every
+multi-threaded product before they sleep.  Between MLX's products that spinning takes a core from MLX's
+own stream thread and from Python: serving the tiny test model to one client, the spinning worker used
+4.1 s of system time in 8 s, and the median request took 65 ms against 48 ms with the wait cut short.
+So the library is loaded with ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles: a worker sleeps at once and is
+woken for the next product) unless the environment sets it; with ``LD_PRELOAD``, export it yourself.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ OPENBLAS_CANDIDATES = (
 )
 
 _loaded_in_process: str | None = None
+#: OpenBLAS's busy-wait after a job, as a power of two of CPU cycles (its default 28; see the module docstring)
+THREAD_TIMEOUT = "4"
 
 
 def find_openblas() -> str | None:
@@ -44,6 +53,7 @@ def preload_openblas() -> str | None:
     lib = find_openblas()
     if lib is None:
         return None
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # read once, when the library loads
     try:
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     except OSError:
