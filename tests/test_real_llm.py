@@ -4,7 +4,7 @@ Tier ``real_llm``, not in the default run.  Fetch the model once (~1.1 GB
 download, ~7.1 GB on disk), then run the tier::
 
     python tools/fetch_test_llm.py            # -> ~/.cache/sdm_mlx/test_llm/qwen2.5-coder-1.5b-instruct-float32
-    python -m pytest -m real_llm              # ~10-20 min on a shared 2-core CPU, ~7.5-13 GB RAM per model load
+    python -m pytest -m real_llm -n 0         # ~10-20 min on a shared 2-core CPU, ~7.5-13 GB RAM per model load
 
 ``SDM_MLX_TEST_LLM`` points to another model directory (default: the fetch
 tool's output directory, under ``$SDM_MLX_TEST_LLM_CACHE`` if set).  Every test

@@ -15,7 +15,8 @@ multi-threaded product before they sleep.  Between MLX's products that spinning 
 own stream thread and from Python: serving the tiny test model to one client, the spinning worker used
 4.1 s of system time in 8 s, and the median request took 65 ms against 48 ms with the wait cut short.
 So the library is loaded with ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles: a worker sleeps at once and is
-woken for the next product) unless the environment sets it; with ``LD_PRELOAD``, export it yourself.
+woken for the next product) unless the environment sets it.  A process started with ``LD_PRELOAD`` has
+read the variable already (export it yourself); ``import sdm_mlx`` still sets it for its child processes.
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ def preload_openblas() -> str | None:
     global _loaded_in_process
     if _loaded_in_process or not sys.platform.startswith("linux"):
         return _loaded_in_process
-    if os.environ.get("SDM_MLX_NO_BLAS_PRELOAD") or "mlx.core" in sys.modules or blas_preloaded():
+    if os.environ.get("SDM_MLX_NO_BLAS_PRELOAD"):
+        return None
+    # read once, when the library loads: here below, or in the child processes (with LD_PRELOAD too)
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
+    if "mlx.core" in sys.modules or blas_preloaded():
         return None
     lib = find_openblas()
     if lib is None:
         return None
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # read once, when the library loads
     try:
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     except OSError:

@@ -57,7 +57,7 @@ NOT_RUN = {
     "real_llm.md": [("pip install 'sdm_mlx[tools]'", "downloads a 1.5B model (about 3 GB)"),
                     ("python -m pytest -m real_llm", "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
     "verified-generation-real.md": [("MODEL=", "the real 1.5B model (7.5 GB per process) and hours of CPU"),
-                                    ("python -m pytest -m real_llm tests/test_real_llm.py",
+                                    ("python -m pytest -m real_llm -n 0 tests/test_real_llm.py",
                                      "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
 }
 

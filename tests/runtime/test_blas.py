@@ -30,3 +30,5 @@ def test_openblas_is_loaded_with_a_short_busy_wait_unless_the_environment_sets_o
     assert _run() == [THREAD_TIMEOUT, "True", "True"]
     assert _run(OPENBLAS_THREAD_TIMEOUT="28") == ["28", "True", "True"]
     assert _run(SDM_MLX_NO_BLAS_PRELOAD="1")[0] == "None"  # opted out: nothing loaded, nothing set
+    # preloaded at exec: the library has read its setting already; the child processes get the short wait
+    assert _run(LD_PRELOAD=find_openblas()) == [THREAD_TIMEOUT, "True", "False"]
