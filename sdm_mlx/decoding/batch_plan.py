@@ -31,6 +31,18 @@ def length_chunks(lengths: Sequence[int], pass_cost: int = PASS_COST_TOKENS) -> 
     return chunks[::-1]
 
 
+def prefill_batches(groups) -> list:
+    """``(hit, requests)`` of each right-padded prefill pass: every ``(hit, requests)`` group of requests that
+    share a cached prefix (``hit[0]`` tokens; ``hit`` None: none), split by :func:`length_chunks` so that padding
+    does not cost more than another pass."""
+    batches = []
+    for hit, reqs in groups:
+        start = 0 if hit is None else hit[0]
+        for chunk in length_chunks([len(r.prompt_ids) - start for r in reqs]):
+            batches.append((hit, [reqs[i] for i in chunk]))
+    return batches
+
+
 def _merges(cache) -> bool:
     """Whether an mlx-lm cache object merges with others of its type into one batch cache (``merge``)."""
     if type(cache).__name__ == "CacheList":

@@ -55,11 +55,11 @@ import numpy as np
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
-from .batch_plan import decodes_in_batches, length_chunks, plain_kv_caches
+from .batch_plan import decodes_in_batches, plain_kv_caches, prefill_batches
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
 from .sampling import RowSampler, token_logprobs
-from .streaming import AnswerStream, first_stop
+from .streaming import AnswerStream, cut_at_stop, first_stop
 
 __all__ = ["STOP_REASONS", "DecodeEngine", "DecodeRequest", "Decoded"]
 
@@ -160,13 +160,9 @@ class DecodeEngine:
         return done
 
     def _step_ahead(self, done: list) -> None:
-        """Every row greedy: the next forward pass is queued on the lazy picks *before* they are read.
-
-        As mlx-lm's ``generate_step`` and ``BatchGenerator``: the pass that feeds this step's picks (and the
-        picks it gives, :meth:`_argmax`) computes while Python reads the picks, accepts them, stops rows and
-        serves the caller (verification runs between two steps).  A row that stops here was fed its last
-        token in that pass as well; :meth:`_filter` drops it and its extra state.
-        """
+        """Every row greedy: the pass that feeds this step's picks is queued on them (lazy) before they are read
+        (see the module docstring).  A row that stops here was fed its last token in that pass too; :meth:`_filter`
+        drops it with its extra state."""
         import mlx.core as mx
 
         picks = self._ahead_picks()
@@ -261,7 +257,7 @@ class DecodeEngine:
                 hit = self.prefix_cache.lookup(req.prompt_ids) if self.prefix_cache is not None else None
                 groups.setdefault(None if hit is None else id(hit[1]), (hit, []))[1].append(req)
             rows, hs, joined = [], [], None
-            for hit, reqs in self._prefill_batches(groups.values()):
+            for hit, reqs in prefill_batches(groups.values()):
                 g_rows, g_cache, g_h = self._prefill_group(reqs, hit)
                 rows += g_rows
                 hs.append(g_h)
@@ -278,17 +274,6 @@ class DecodeEngine:
             self.cache, self.H = joined, mx.concatenate(hs, axis=0)
         self.rows.extend(rows)
         mx.async_eval(self.H)  # read with the first picks (no pipeline bubble here)
-
-    @staticmethod
-    def _prefill_batches(groups) -> list:
-        """``(hit, requests)`` of each right-padded prefill pass: every group of requests that share a cached
-        prefix, split by :func:`length_chunks` so that padding does not cost more than another pass."""
-        batches = []
-        for hit, reqs in groups:
-            start = 0 if hit is None else hit[0]
-            for chunk in length_chunks([len(r.prompt_ids) - start for r in reqs]):
-                batches.append((hit, [reqs[i] for i in chunk]))
-        return batches
 
     def _new_row(self, req: DecodeRequest, t0: float, cached: int, states) -> _Row:
         row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab, self.xtc_special), t0=t0, cached=cached)
@@ -419,8 +404,7 @@ class DecodeEngine:
         return is_closed(self.tokenizer.decode(tokens), self.delimiter)
 
     def _holds_last(self, t: int) -> bool:
-        """Whether token ``t`` decodes to text holding the delimiter's last character (memoised per token id:
-        a decode per generated token cost 20-30 µs, a tenth of a 16-row step of a small model)."""
+        """Whether token ``t``'s text holds the delimiter's last character (memoised: a decode costs 20-30 µs)."""
         held = self._last_char.get(t)
         if held is None:
             held = self._last_char[t] = self.delimiter[-1] in self.tokenizer.decode([t])
@@ -447,7 +431,7 @@ class DecodeEngine:
         tokens = row.tokens
         text = self.tokenizer.decode(tokens)
         if reason == "stop":
-            text, tokens = self._cut_at_stop(text, tokens, row.req.stop)
+            text, tokens = cut_at_stop(self.tokenizer, text, tokens, row.req.stop)
         if row.stream is not None:
             row.stream.end(len(tokens), row.logprobs[-1] if row.logprobs else None)
         dec = Decoded(row.req.prompt_ids, tokens, text, reason, time.perf_counter() - row.t0,
@@ -464,11 +448,3 @@ class DecodeEngine:
                 dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
         return dec
-
-    def _cut_at_stop(self, text: str, tokens: list, stop: Sequence[str]) -> tuple[str, list]:
-        """Text cut before the stop string; the longest token prefix whose text is a prefix of it."""
-        text = text[: first_stop(text, stop)]
-        tokens = list(tokens)
-        while tokens and not text.startswith(self.tokenizer.decode(tokens)):
-            tokens.pop()
-        return text, tokens

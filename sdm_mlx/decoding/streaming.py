@@ -13,6 +13,16 @@ def first_stop(text: str, stop: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def cut_at_stop(tokenizer, text: str, tokens: Sequence[int], stop: Sequence[str]) -> tuple[str, list]:
+    """``text`` cut before its first stop string, and the longest prefix of ``tokens`` whose text is a prefix
+    of the cut text."""
+    text = text[: first_stop(text, stop)]
+    tokens = list(tokens)
+    while tokens and not text.startswith(tokenizer.decode(tokens)):
+        tokens.pop()
+    return text, tokens
+
+
 class TextEmitter:
     """Forwards streamed text to ``on_text``, holding back a possible stop-string prefix and cutting at a stop.
 

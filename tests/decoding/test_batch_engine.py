@@ -198,21 +198,21 @@ def test_length_chunks_cover_every_row_once_at_least_cost(pass_cost):
 
 def test_prefill_split_into_many_passes_changes_nothing(setup, monkeypatch):  # noqa: F811
     """The engine's right-padded prefill passes, cut as finely as possible, give the answers of one request alone."""
-    from sdm_mlx.decoding import PrefixCache, batching
+    from sdm_mlx.decoding import PrefixCache, batch_plan
 
     gen = _generator(setup)
     model, tok = gen.model, gen.tokenizer
     prompts = _prompts(tok, 10, seed=7)
     alone = [_engine(model, tok, gen.heads, 1).run(_requests([p]))[0] for p in prompts]
     passes = []
-    real = batching.length_chunks
+    real = batch_plan.length_chunks
 
     def finest(lengths):
         chunks = real(lengths, pass_cost=0)
         passes.append(len(chunks))
         return chunks
 
-    monkeypatch.setattr(batching, "length_chunks", finest)
+    monkeypatch.setattr(batch_plan, "length_chunks", finest)
     _assert_same(alone, _engine(model, tok, gen.heads, 10).run(_requests(prompts)))
     _assert_same(alone, _engine(model, tok, gen.heads, 10, prefix_cache=PrefixCache()).run(_requests(prompts)))
     assert max(passes) > 1
