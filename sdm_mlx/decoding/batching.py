@@ -113,7 +113,6 @@ class DecodeEngine:
         self.H = None       # [B, D] final-norm state each row picks its next token from
         self._ahead, self._ahead_rows = None, 0  # argmax picks of the first rows, computed ahead (lazy)
         self._last_char: dict = {}  # token id -> its text holds the delimiter's last character (_holds_last)
-        self._side = None  # the stream finished rows are pooled on (made on the first use, on the engine's thread)
 
     @property
     def mode(self) -> str:
@@ -439,12 +438,9 @@ class DecodeEngine:
                       first_token_seconds=row.first, cached_prompt_tokens=row.cached,
                       error=None if row.stream is None else row.stream.error)
         if row.req.features:
-            if self._side is None:
-                self._side = mx.new_stream(mx.default_device())
             n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
                                               delimiter=self.delimiter, max_length=self.max_length,
                                               on_missing="prompt")
-            with mx.stream(self._side):  # its states are computed: no wait for the forward pass in flight
-                dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n).reshape(1, -1)
+            dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
         return dec
