@@ -57,6 +57,7 @@ from bench_generate import make_verifier  # noqa: E402
 from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
+OPENBLAS_DEFAULT_WAIT = "OpenBLAS default (28)"  # OPENBLAS_THREAD_TIMEOUT unset
 WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
 
 
@@ -268,9 +269,9 @@ def main(argv=None) -> int:
               "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
               "openblas_thread_timeout": {
-                  "sdm": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "OpenBLAS default (28)"),
-                  "mlx_lm": ("OpenBLAS default (28)" if args.mlx_lm_openblas_default_wait else
-                             os.environ.get("OPENBLAS_THREAD_TIMEOUT", "OpenBLAS default (28)"))},
+                  "sdm": os.environ.get("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_DEFAULT_WAIT),
+                  "mlx_lm": (OPENBLAS_DEFAULT_WAIT if args.mlx_lm_openblas_default_wait else
+                             os.environ.get("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_DEFAULT_WAIT))},
               "machine": platform.platform(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support, args.model)

@@ -168,24 +168,31 @@ class DecodeEngine:
         h = _embed.hidden_states(self.model, picks[:, None], cache=self.cache)[:, 0, :]
         nxt = self._argmax(h)
         mx.async_eval(nxt)
-        keep = []
-        for i, (row, t) in enumerate(zip(self.rows, picks.tolist())):
-            reason = self._accept(row, t, None)
-            if reason is None:
-                keep.append(i)
-                if row.req.features:
-                    row.states.append(h[i : i + 1])
-            else:
-                done.append((row.req, self._finish(row, reason)))
+        keep = self._accept_picks(picks.tolist(), None, done)
+        self._keep_states(h, keep)
         self.H, self._ahead, self._ahead_rows = h, nxt, len(self.rows)
         if len(keep) < len(self.rows):
             self._filter(keep)
 
     def _step_sampled(self, done: list) -> None:
-        """Some row samples (or wants logprobs): pick every row's token, then feed the picks."""
+        """Some row samples (or wants logprobs): pick every row's token, then feed the picks (the next step's
+        :meth:`_ahead_picks` starts from these states when every row left is greedy)."""
         import mlx.core as mx
 
         picks, lps = self._pick()
+        keep = self._accept_picks(picks, lps, done)
+        if len(keep) < len(self.rows):
+            self._filter(keep)
+        if not self.rows:
+            return
+        x = mx.array([[row.tokens[-1]] for row in self.rows], dtype=mx.int32)
+        self.H = _embed.hidden_states(self.model, x, cache=self.cache)[:, 0, :]
+        self._keep_states(self.H, range(len(self.rows)))
+        mx.async_eval(self.H)
+
+    def _accept_picks(self, picks: list, lps, done: list) -> list:
+        """Take every row's pick (and its log-probabilities, ``lps``: None or per row); finished rows go to
+        ``done``; returns the indices of the rows that go on."""
         keep = []
         for i, row in enumerate(self.rows):
             reason = self._accept(row, picks[i], None if lps is None else lps[i])
@@ -193,21 +200,13 @@ class DecodeEngine:
                 keep.append(i)
             else:
                 done.append((row.req, self._finish(row, reason)))
-        if len(keep) < len(self.rows):
-            self._filter(keep)
-        if not self.rows:
-            return
-        x = mx.array([[row.tokens[-1]] for row in self.rows], dtype=mx.int32)
-        h = _embed.hidden_states(self.model, x, cache=self.cache)[:, 0, :]
-        for i, row in enumerate(self.rows):
-            if row.req.features:
-                row.states.append(h[i : i + 1])
-        self.H = h
-        if self._all_argmax():  # the sampled rows finished: the next picks compute while the caller serves
-            self._ahead, self._ahead_rows = self._argmax(h), len(self.rows)
-            mx.async_eval(self._ahead)
-        else:
-            mx.eval(h)
+        return keep
+
+    def _keep_states(self, h, rows) -> None:
+        """Append each of ``rows``' state (``h[i]``, after feeding its pick) to the rows that want features."""
+        for i in rows:
+            if self.rows[i].req.features:
+                self.rows[i].states.append(h[i : i + 1])
 
     def _all_argmax(self) -> bool:
         return all(r.sampler.params.plain_argmax and r.logprobs is None for r in self.rows)
