@@ -14,6 +14,11 @@ subprocesses on loopback and get the same chat requests (a shared system
 message and instruction, then a distinct review; greedy,
 ``max_tokens=--tokens``; ours with no template of its own and
 ``on_reject=return`` so every request is one generation + one verification).
+Ours stops at the answer's closing brace (the verification unit); so that both
+servers generate the same tokens, ``mlx_lm.server`` gets ``stop: ["}"]``, as in
+the acceptance check ``serve_many.sh`` (``--mlx-lm-no-stop``: without it, every
+mlx_lm answer runs to ``--tokens``, the setting of the tables before
+2026-11-27's last section in docs/serving.md).
 Both servers keep their prompt caches (mlx_lm's ``LRUPromptCache``, our
 ``PrefixCache``).  Reported, for each number of concurrent clients of
 ``--clients`` (each sending ``--requests`` non-streaming requests back to back;
@@ -58,6 +63,7 @@ from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
 OPENBLAS_DEFAULT_WAIT = "OpenBLAS default (28)"  # OPENBLAS_THREAD_TIMEOUT unset
+MLX_LM_STOP = ["}"]  # mlx_lm.server's answers end where ours do: at the closing brace
 WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
 
 
@@ -262,12 +268,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mlx-lm-openblas-default-wait", action="store_true",
                     help="start mlx_lm.server without OPENBLAS_THREAD_TIMEOUT (OpenBLAS's default busy-wait after "
                          "each product; sdm_mlx sets 4 when it loads OpenBLAS, see sdm_mlx/runtime/blas.py)")
+    ap.add_argument("--mlx-lm-no-stop", action="store_true",
+                    help='do not send mlx_lm.server stop: ["}"] (its answers then run to --tokens, ours stop at the '
+                         "closing brace)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)
     report = {"size": args.size if args.model is None else os.path.basename(os.path.normpath(args.model)),
               "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
+              "mlx_lm_stop": None if args.mlx_lm_no_stop else MLX_LM_STOP,
               "openblas_thread_timeout": {
                   "sdm": os.environ.get("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_DEFAULT_WAIT),
                   "mlx_lm": (OPENBLAS_DEFAULT_WAIT if args.mlx_lm_openblas_default_wait else
@@ -284,7 +294,8 @@ def main(argv=None) -> int:
             srv = ServerProcess(argv, timeout=300)
             bare = None if args.no_bare else ServerProcess(argv + ["--prompt-cache-bytes", "0"], timeout=300)
             servers = {  # name: (port, request fields, TTFT modes)
-                "mlx_lm": (port, {"model": model_path}, {"mlx_lm": {}}),  # mlx_lm.server loads the named model
+                "mlx_lm": (port, {"model": model_path, **({} if args.mlx_lm_no_stop else {"stop": MLX_LM_STOP})},
+                           {"mlx_lm": {}}),  # mlx_lm.server loads the named model
                 "sdm": (srv.port, {}, {"sdm_return": {}, "sdm_abstain": {"sdm": {"on_reject": "abstain"}}}),
             }
             if bare is not None:
@@ -306,6 +317,7 @@ def main(argv=None) -> int:
 
 def print_table(r: dict) -> None:
     print(f"\nmodel: {r['size']}, {r['tokens']} max tokens, verifier support {r['support']} rows; "
+          f"mlx_lm stop: {r.get('mlx_lm_stop')}; "
           f"BLAS: {r['blas']}; OPENBLAS_THREAD_TIMEOUT: {r.get('openblas_thread_timeout')}")
     print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'errors':>8}")
     for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):
