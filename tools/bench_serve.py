@@ -31,7 +31,9 @@ servers alternated ``--repeats`` times, the best run of each kept):
   ``sdm return, no prompt cache`` (a second server with ``--prompt-cache-bytes 0``);
   ``sdm abstain`` (only verified text is released, so the first token arrives
   after generation + verification);
-* peak RSS of each server process (``VmHWM``) and the load average before and after.
+* peak RSS of each server process (``VmHWM``) and the load average before and after;
+* paired ratios: within each repeat, sdm / mlx_lm of requests/s, p50 and p95 (the two servers ran one
+  after the other), and their medians over the repeats.
 
 Prints a table, writes JSON with ``--json`` and names the BLAS MLX used.
 """
@@ -231,6 +233,18 @@ def best(runs: list) -> list:
     return [out[c] for c in sorted(out)]
 
 
+def paired_ratios(ours: list, theirs: list) -> dict:
+    """Per number of clients, sdm / mlx_lm of requests/s, p50 and p95 within each repeat (the two servers ran
+    one after the other), and their medians: on a noisy machine steadier than the ratio of the best runs."""
+    out: dict = {}
+    for a, b in zip(ours, theirs):
+        row = out.setdefault(str(a["clients"]), {"requests_per_s": [], "latency_p50_s": [], "latency_p95_s": []})
+        for key, values in row.items():
+            values.append(a[key] / b[key])
+    return {c: {key: {"each": [round(v, 3) for v in values], "median": float(np.median(values))}
+                for key, values in row.items()} for c, row in out.items()}
+
+
 def measure(servers: dict, texts: list, args) -> dict:
     """Alternate the servers ``--repeats`` times (load at each client count, then TTFT); keep the best runs."""
     runs = {name: [] for name in servers}
@@ -247,6 +261,7 @@ def measure(servers: dict, texts: list, args) -> dict:
                 firsts[key].append(ttft(port, few, args.tokens, {**extra, **mode}))
         print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
     out = {name: {"load": best(r), "all_runs": r} for name, r in runs.items() if r}
+    out["paired_ratios"] = paired_ratios(runs["sdm"], runs["mlx_lm"])
     out["ttft_s"] = {key: min(v) for key, v in firsts.items()}
     return out
 
@@ -328,6 +343,10 @@ def print_table(r: dict) -> None:
     for a, b in zip(r["sdm"]["load"], r["mlx_lm"]["load"]):
         print(f"latency ratio sdm/mlx_lm at {a['clients']} client(s): {a['latency_mean_s'] / b['latency_mean_s']:.2f}; "
               f"throughput ratio (req/s): {a['requests_per_s'] / b['requests_per_s']:.2f}")
+    for c, ratios in r.get("paired_ratios", {}).items():
+        print(f"paired ratios sdm/mlx_lm at {c} client(s), median of {len(ratios['requests_per_s']['each'])} repeats: "
+              + "; ".join(f"{key} {v['median']:.2f} ({', '.join(f'{x:.2f}' for x in v['each'])})"
+                          for key, v in ratios.items()))
     for row in r["sdm"]["load"]:
         print(f"sdm-mlx serve, {row['clients']} client(s): per request {row['server_generation_s']:.3f} s generation "
               f"+ {row['server_verification_s']:.3f} s verification (inside the server)")

@@ -7,7 +7,8 @@ created it.  A submitted call that returns a generator — a completion
 task of the generator's :class:`~sdm_mlx.verified.runner.BatchRunner`:
 completions are decoded together in one continuous batch (requests join and
 leave at token boundaries, a re-ask rejoins the batch), and the answers that
-wait for a verdict at a step are verified together.  Between two decoding
+wait for a verdict are verified together (batched while rows decode: see
+:mod:`sdm_mlx.verified.runner`).  Between two decoding
 steps the thread starts newly submitted calls, so a request never waits for
 another to finish.  That thread is a daemon that lives until the process
 exits: a thread that used mlx-lm's thread-local generation stream and then

@@ -7,8 +7,8 @@ sent the answer:
   request joins the running batch; a re-ask is just the next request, so a
   rejected answer's re-ask rejoins the batch instead of blocking the queue);
 * a :class:`~.verification.VerifyItem` → its :class:`~.verification.Verdict`
-  (every item waiting at a step is verified together: one batched feature pass
-  for the items without pooled features, one batched estimate);
+  (the items waiting are verified together: one batched feature pass for the
+  items without pooled features, one batched estimate; see below for when);
 
 and whose ``return`` value is the task's result.  :class:`BatchRunner` drives
 any number of tasks: ``start(task, on_done, on_error)`` then ``step()`` until

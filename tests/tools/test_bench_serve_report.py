@@ -1,0 +1,30 @@
+"""tools/bench_serve.py's report: ratios paired within each repeat, and the printed table."""
+
+import bench_serve as B  # tools/ is on pytest's pythonpath (pyproject.toml)
+
+
+def _run(clients, rps, p50, p95):
+    return {"clients": clients, "requests_per_s": rps, "latency_p50_s": p50, "latency_p95_s": p95,
+            "tokens_per_s": rps * 20, "latency_mean_s": p50, "errors": 0, "server_generation_s": 0.01,
+            "server_verification_s": 0.002}
+
+
+def test_ratios_are_paired_within_each_repeat():
+    ours = [_run(4, 50, 0.08, 0.12), _run(16, 90, 0.2, 0.3), _run(4, 40, 0.1, 0.2), _run(16, 60, 0.3, 0.4)]
+    theirs = [_run(4, 25, 0.08, 0.10), _run(16, 60, 0.25, 0.3), _run(4, 40, 0.05, 0.1), _run(16, 120, 0.15, 0.2)]
+    r = B.paired_ratios(ours, theirs)
+    assert r["4"]["requests_per_s"]["each"] == [2.0, 1.0] and r["4"]["requests_per_s"]["median"] == 1.5
+    assert r["16"]["requests_per_s"]["each"] == [1.5, 0.5] and r["16"]["latency_p95_s"]["each"] == [1.0, 2.0]
+    assert r["4"]["latency_p50_s"]["each"] == [1.0, 2.0]
+
+
+def test_the_table_prints_the_paired_ratios(capsys):
+    ours, theirs = [_run(4, 50, 0.08, 0.12)], [_run(4, 25, 0.08, 0.10)]
+    report = {"size": "tiny", "tokens": 32, "support": 10, "blas": "x", "mlx_lm_stop": ["}"],
+              "sdm": {"load": ours}, "mlx_lm": {"load": theirs}, "paired_ratios": B.paired_ratios(ours, theirs),
+              "ttft_s": {"mlx_lm": 0.01, "sdm_return": 0.01, "sdm_abstain": 0.05},
+              "peak_rss_mb": {"mlx_lm": 100, "sdm": 150}, "load_average_before": [1.0], "load_average_after": [1.0]}
+    B.print_table(report)
+    out = capsys.readouterr().out
+    assert "paired ratios sdm/mlx_lm at 4 client(s), median of 1 repeats: requests_per_s 2.00 (2.00)" in out
+    assert "mlx_lm stop: ['}']" in out
