@@ -14,15 +14,17 @@ subprocesses on loopback and get the same chat requests (a shared system
 message and instruction, then a distinct review; greedy,
 ``max_tokens=--tokens``; ours with no template of its own and
 ``on_reject=return`` so every request is one generation + one verification).
-Ours stops at the answer's closing brace (the verification unit); so that both
-servers generate the same tokens, ``mlx_lm.server`` gets ``stop: ["}"]``, as in
-the acceptance check ``serve_many.sh`` (``--mlx-lm-no-stop``: without it, every
-mlx_lm answer runs to ``--tokens``, the setting of the tables before
-2026-11-27's last section in docs/serving.md).
+Ours stops at the answer's closing brace (the verification unit).
+``mlx_lm.server`` gets ``stop: ["}"]``, as in the acceptance check ``serve_many.sh``
+(``--mlx-lm-no-stop``: without it).  mlx-lm matches a stop string as the token ids
+it encodes to, so this stops it only where the model writes that very token: the
+random models here write braces inside other tokens (``"}``), and mlx_lm's answers
+still run to ``--tokens`` while ours stop at 11-32 tokens.
 Both servers keep their prompt caches (mlx_lm's ``LRUPromptCache``, our
 ``PrefixCache``).  Reported, for each number of concurrent clients of
-``--clients`` (each sending ``--requests`` non-streaming requests back to back;
-servers alternated ``--repeats`` times, the best run of each kept):
+``--clients`` (each sending ``--requests`` non-streaming requests back to back; at each number of clients the
+servers run back to back, in an order alternating between the ``--repeats`` repeats;
+the best run of each kept):
 
 * requests/s and completion tokens/s, latency mean / p50 / p95, and the ratio
   sdm-mlx / mlx_lm of mean latency (the verification overhead, end to end);
@@ -65,7 +67,7 @@ from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
 OPENBLAS_DEFAULT_WAIT = "OpenBLAS default (28)"  # OPENBLAS_THREAD_TIMEOUT unset
-MLX_LM_STOP = ["}"]  # mlx_lm.server's answers end where ours do: at the closing brace
+MLX_LM_STOP = ["}"]  # as serve_many.sh sends it (mlx-lm stops at these token ids only)
 WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
 
 
@@ -246,17 +248,20 @@ def paired_ratios(ours: list, theirs: list) -> dict:
 
 
 def measure(servers: dict, texts: list, args) -> dict:
-    """Alternate the servers ``--repeats`` times (load at each client count, then TTFT); keep the best runs."""
+    """``--repeats`` times: at each number of clients, a load run of each server, back to back (the order
+    alternating between repeats), then the time to first token; keeps every run and the best of each."""
     runs = {name: [] for name in servers}
     clients = [int(c) for c in args.clients.split(",")]
     firsts = {key: [] for name, (_, _, modes) in servers.items() for key in modes}
     few = texts[: args.ttft_prompts]
     for name, (port, extra, _) in servers.items():  # warm-up (compilation, allocation)
         post(port, "/v1/chat/completions", chat(texts[0], args.tokens, **extra))
+    loaded = [(name, port, extra) for name, (port, extra, _) in servers.items() if not name.endswith("_nocache")]
     for rep in range(args.repeats):
+        for c in clients:  # the servers one after the other at each number of clients, first one then the other
+            for name, port, extra in (loaded if rep % 2 == 0 else loaded[::-1]):
+                runs[name].append(load_run(port, texts, args.tokens, c, args.requests, extra))
         for name, (port, extra, modes) in servers.items():
-            if not name.endswith("_nocache"):
-                runs[name] += [load_run(port, texts, args.tokens, c, args.requests, extra) for c in clients]
             for key, mode in modes.items():
                 firsts[key].append(ttft(port, few, args.tokens, {**extra, **mode}))
         print(f"  repeat {rep + 1}/{args.repeats} done", flush=True)
@@ -284,8 +289,8 @@ def main(argv=None) -> int:
                     help="start mlx_lm.server without OPENBLAS_THREAD_TIMEOUT (OpenBLAS's default busy-wait after "
                          "each product; sdm_mlx sets 4 when it loads OpenBLAS, see sdm_mlx/runtime/blas.py)")
     ap.add_argument("--mlx-lm-no-stop", action="store_true",
-                    help='do not send mlx_lm.server stop: ["}"] (its answers then run to --tokens, ours stop at the '
-                         "closing brace)")
+                    help='do not send mlx_lm.server stop: ["}"] (it stops only at that very token; ours stop at '
+                         "the closing brace)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)

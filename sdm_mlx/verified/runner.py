@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 from ..decoding.batching import DecodeEngine, DecodeRequest
+from ..errors import InputError
 from .verification import AnswerVerifier, VerifyItem
 
 
@@ -71,7 +72,7 @@ class BatchRunner:
     def __init__(self, engine: DecodeEngine, verifier: AnswerVerifier | None, *, verify_batch: int = VERIFY_BATCH,
                  verify_patience: float = VERIFY_PATIENCE):
         if verify_batch < 1 or not verify_patience >= 0:
-            raise ValueError("verify_batch must be >= 1 and verify_patience >= 0")
+            raise InputError("verify_batch must be >= 1 and verify_patience >= 0")
         self.engine, self.verifier = engine, verifier
         self.verify_batch, self.verify_patience = int(verify_batch), float(verify_patience)
         self._decoding: dict = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sdm_mlx.decoding.decode_types import DecodeRequest
+from sdm_mlx.errors import InputError
 from sdm_mlx.verified import runner as runner_module
 from sdm_mlx.verified.runner import BatchRunner
 from sdm_mlx.verified.verification import VerifyItem
@@ -122,7 +123,7 @@ def test_patience_zero_verifies_each_step(monkeypatch):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="verify_batch"):
+    with pytest.raises(InputError, match="verify_batch"):
         BatchRunner(None, None, verify_batch=0)
-    with pytest.raises(ValueError, match="verify_patience"):
+    with pytest.raises(InputError, match="verify_patience"):
         BatchRunner(None, None, verify_patience=float("nan"))
