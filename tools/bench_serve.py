@@ -14,12 +14,15 @@ subprocesses on loopback and get the same chat requests (a shared system
 message and instruction, then a distinct review; greedy,
 ``max_tokens=--tokens``; ours with no template of its own and
 ``on_reject=return`` so every request is one generation + one verification).
-Ours stops at the answer's closing brace (the verification unit).
-``mlx_lm.server`` gets ``stop: ["}"]``, as in the acceptance check ``serve_many.sh``
-(``--mlx-lm-no-stop``: without it).  mlx-lm matches a stop string as the token ids
-it encodes to, so this stops it only where the model writes that very token: the
-random models here write braces inside other tokens (``"}``), and mlx_lm's answers
-still run to ``--tokens`` while ours stop at 11-32 tokens.
+Ours stops at the answer's closing brace (the verification unit), after 11-32
+tokens on these random models.  mlx-lm cannot stop there: it matches a stop string
+as the token ids the string encodes to, and these models write the brace inside
+other tokens (``"}``).  So the answers are length-matched: each prompt is first
+sent to our server once, and ``mlx_lm.server`` then gets, for that prompt,
+``max_tokens`` = the number of tokens our answer had.  Both decode greedily with
+the same model, so both generate the same tokens and the latencies compare like
+for like (``--mlx-lm-full-length``: every mlx_lm answer runs to ``--tokens``, the
+setting of the tables before 2026-11-27's last section in docs/serving.md).
 Both servers keep their prompt caches (mlx_lm's ``LRUPromptCache``, our
 ``PrefixCache``).  Reported, for each number of concurrent clients of
 ``--clients`` (each sending ``--requests`` non-streaming requests back to back; at each number of clients the
@@ -67,7 +70,6 @@ from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
 OPENBLAS_DEFAULT_WAIT = "OpenBLAS default (28)"  # OPENBLAS_THREAD_TIMEOUT unset
-MLX_LM_STOP = ["}"]  # as serve_many.sh sends it (mlx-lm stops at these token ids only)
 WORDS = "warm funny dull wooden long moving sharp lovely boring awful great weak".split()
 
 
@@ -129,14 +131,17 @@ def peak_rss_mb(pid: int) -> float | None:
     return status_mb(pid, "VmHWM")
 
 
-def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int, extra: dict) -> dict:
-    """``clients`` threads each sending ``per_client`` non-streaming requests back to back."""
+def load_run(port: int, texts: list, tokens: int, clients: int, per_client: int, extra: dict,
+             lengths: dict | None = None) -> dict:
+    """``clients`` threads each sending ``per_client`` non-streaming requests back to back (``lengths``: a
+    prompt's ``max_tokens`` instead of ``tokens``)."""
     lat, ntok, gen_s, ver_s, errors = [], [], [], [], []
     lock = threading.Lock()
 
     def worker(c: int):
         for k in range(per_client):
-            body = chat(texts[(c * per_client + k) % len(texts)], tokens, **extra)
+            text = texts[(c * per_client + k) % len(texts)]
+            body = chat(text, tokens if lengths is None else lengths[text], **extra)
             try:
                 _, dt, data = post(port, "/v1/chat/completions", body)
             except Exception as e:  # reported, never silently dropped
@@ -247,6 +252,14 @@ def paired_ratios(ours: list, theirs: list) -> dict:
                 for key, values in row.items()} for c, row in out.items()}
 
 
+def our_lengths(port: int, texts: list, tokens: int) -> dict:
+    """Each prompt's answer length on our server (one request after another): mlx_lm's ``max_tokens`` for it."""
+    out = {}
+    for text in dict.fromkeys(texts):
+        out[text] = max(1, post(port, "/v1/chat/completions", chat(text, tokens))[2]["usage"]["completion_tokens"])
+    return out
+
+
 def measure(servers: dict, texts: list, args) -> dict:
     """``--repeats`` times: at each number of clients, a load run of each server, back to back (the order
     alternating between repeats), then the time to first token; keeps every run and the best of each."""
@@ -256,11 +269,12 @@ def measure(servers: dict, texts: list, args) -> dict:
     few = texts[: args.ttft_prompts]
     for name, (port, extra, _) in servers.items():  # warm-up (compilation, allocation)
         post(port, "/v1/chat/completions", chat(texts[0], args.tokens, **extra))
+    lengths = {"mlx_lm": None if args.mlx_lm_full_length else our_lengths(servers["sdm"][0], texts, args.tokens)}
     loaded = [(name, port, extra) for name, (port, extra, _) in servers.items() if not name.endswith("_nocache")]
     for rep in range(args.repeats):
         for c in clients:  # the servers one after the other at each number of clients, first one then the other
             for name, port, extra in (loaded if rep % 2 == 0 else loaded[::-1]):
-                runs[name].append(load_run(port, texts, args.tokens, c, args.requests, extra))
+                runs[name].append(load_run(port, texts, args.tokens, c, args.requests, extra, lengths.get(name)))
         for name, (port, extra, modes) in servers.items():
             for key, mode in modes.items():
                 firsts[key].append(ttft(port, few, args.tokens, {**extra, **mode}))
@@ -288,16 +302,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mlx-lm-openblas-default-wait", action="store_true",
                     help="start mlx_lm.server without OPENBLAS_THREAD_TIMEOUT (OpenBLAS's default busy-wait after "
                          "each product; sdm_mlx sets 4 when it loads OpenBLAS, see sdm_mlx/runtime/blas.py)")
-    ap.add_argument("--mlx-lm-no-stop", action="store_true",
-                    help='do not send mlx_lm.server stop: ["}"] (it stops only at that very token; ours stop at '
-                         "the closing brace)")
+    ap.add_argument("--mlx-lm-full-length", action="store_true",
+                    help="let every mlx_lm answer run to --tokens instead of matching each prompt's length to our "
+                         "answer's (ours stop at the closing brace)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     texts = prompts(max(int(c) for c in args.clients.split(",")) * args.requests)
     report = {"size": args.size if args.model is None else os.path.basename(os.path.normpath(args.model)),
               "tokens": args.tokens, "requests_per_client": args.requests,
               "support": args.support, "repeats": args.repeats, "blas": describe_blas(),
-              "mlx_lm_stop": None if args.mlx_lm_no_stop else MLX_LM_STOP,
+              "mlx_lm_lengths": "--tokens" if args.mlx_lm_full_length else "matched to ours per prompt",
               "openblas_thread_timeout": {
                   "sdm": os.environ.get("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_DEFAULT_WAIT),
                   "mlx_lm": (OPENBLAS_DEFAULT_WAIT if args.mlx_lm_openblas_default_wait else
@@ -314,8 +328,7 @@ def main(argv=None) -> int:
             srv = ServerProcess(argv, timeout=300)
             bare = None if args.no_bare else ServerProcess(argv + ["--prompt-cache-bytes", "0"], timeout=300)
             servers = {  # name: (port, request fields, TTFT modes)
-                "mlx_lm": (port, {"model": model_path, **({} if args.mlx_lm_no_stop else {"stop": MLX_LM_STOP})},
-                           {"mlx_lm": {}}),  # mlx_lm.server loads the named model
+                "mlx_lm": (port, {"model": model_path}, {"mlx_lm": {}}),  # mlx_lm.server loads the named model
                 "sdm": (srv.port, {}, {"sdm_return": {}, "sdm_abstain": {"sdm": {"on_reject": "abstain"}}}),
             }
             if bare is not None:
@@ -337,7 +350,7 @@ def main(argv=None) -> int:
 
 def print_table(r: dict) -> None:
     print(f"\nmodel: {r['size']}, {r['tokens']} max tokens, verifier support {r['support']} rows; "
-          f"mlx_lm stop: {r.get('mlx_lm_stop')}; "
+          f"mlx_lm answer lengths: {r.get('mlx_lm_lengths')}; "
           f"BLAS: {r['blas']}; OPENBLAS_THREAD_TIMEOUT: {r.get('openblas_thread_timeout')}")
     print(f"{'server':<16}{'clients':>8}{'req/s':>9}{'tok/s':>9}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'errors':>8}")
     for key, name in (("mlx_lm", "mlx_lm.server"), ("sdm", "sdm-mlx serve")):

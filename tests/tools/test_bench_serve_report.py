@@ -20,11 +20,11 @@ def test_ratios_are_paired_within_each_repeat():
 
 def test_the_table_prints_the_paired_ratios(capsys):
     ours, theirs = [_run(4, 50, 0.08, 0.12)], [_run(4, 25, 0.08, 0.10)]
-    report = {"size": "tiny", "tokens": 32, "support": 10, "blas": "x", "mlx_lm_stop": ["}"],
+    report = {"size": "tiny", "tokens": 32, "support": 10, "blas": "x", "mlx_lm_lengths": "matched to ours per prompt",
               "sdm": {"load": ours}, "mlx_lm": {"load": theirs}, "paired_ratios": B.paired_ratios(ours, theirs),
               "ttft_s": {"mlx_lm": 0.01, "sdm_return": 0.01, "sdm_abstain": 0.05},
               "peak_rss_mb": {"mlx_lm": 100, "sdm": 150}, "load_average_before": [1.0], "load_average_after": [1.0]}
     B.print_table(report)
     out = capsys.readouterr().out
     assert "paired ratios sdm/mlx_lm at 4 client(s), median of 1 repeats: requests_per_s 2.00 (2.00)" in out
-    assert "mlx_lm stop: ['}']" in out
+    assert "mlx_lm answer lengths: matched to ours per prompt" in out
