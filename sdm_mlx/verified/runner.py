@@ -115,9 +115,10 @@ class BatchRunner:
     def step(self) -> None:
         """Verify what waits, run one decoding step, hand finished decodings (and then verdicts) to their tasks."""
         self._verify_waiting()
-        t0 = time.perf_counter()
+        decoding, t0 = self.engine.busy, time.perf_counter()
         finished = self.engine.step()
-        self._step_cost = _average(self._step_cost, time.perf_counter() - t0)
+        if decoding:  # an idle engine's step costs nothing and says nothing about the next one
+            self._step_cost = _average(self._step_cost, time.perf_counter() - t0)
         for req, dec in finished:
             self._advance(self._decoding.pop(id(req)), dec)
         self._verify_waiting()

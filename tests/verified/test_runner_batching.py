@@ -127,3 +127,14 @@ def test_bad_settings_are_refused():
         BatchRunner(None, None, verify_batch=0)
     with pytest.raises(InputError, match="verify_patience"):
         BatchRunner(None, None, verify_patience=float("nan"))
+
+
+def test_an_idle_step_does_not_lower_the_step_cost(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(runner_module, "time", clock)
+    engine = ScriptedEngine(clock, 0.002)
+    runner = BatchRunner(engine, ScriptedVerifier(clock, 0.004))
+    runner.step()  # nothing to decode
+    assert runner._step_cost is None
+    runner.run([task(3, {}, clock)])
+    assert runner._step_cost == pytest.approx(0.002)
