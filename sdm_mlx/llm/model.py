@@ -21,12 +21,14 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
     The weights are read while the tokenizer loads on a helper thread.  ``head=False`` (features
     only): an untied LM head is left unread, loaded from its file on first use
     (saves its |V| x D weights of reading and memory when it is never used).  On the CPU the MLP layers
-    compute their activation with :func:`~sdm_mlx.llm.cpu_swiglu.swiglu` (3.5x faster than MLX's there).
+    compute their activation with :func:`~sdm_mlx.llm.cpu_swiglu.swiglu` (3.5x faster than MLX's there), and a
+    decoding step's RMSNorm and RoPE are compiled (:mod:`sdm_mlx.llm.cpu_decode_ops`; the same values).
     """
     import mlx.core as mx
     from mlx_lm.utils import _download, load_model as _lm_load_model, load_tokenizer as _lm_load_tokenizer
 
     from ..runtime.allocator import apply_after_load
+    from .cpu_decode_ops import use_cpu_decode_ops
     from .cpu_swiglu import use_cpu_swiglu
     from .model_path import check_model_reference, hub_errors_as_not_found
 
@@ -48,6 +50,7 @@ def load_model(path_or_id: str, *, head: bool = True, **kwargs):
         raise TypeError(f"load_model got unexpected keyword arguments {sorted(kwargs)}")
     trunk(model)  # validate early
     use_cpu_swiglu(model)
+    use_cpu_decode_ops(model)
     apply_after_load()  # batch commands: activations reuse freed heap memory (sdm_mlx.runtime.allocator)
     return model, tokenizer
 
