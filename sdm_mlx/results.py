@@ -13,6 +13,7 @@ key (:func:`_col`), so a new field is added in exactly one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 import numpy as np
 
@@ -100,6 +101,24 @@ class Column:
     def value(self, array, i):
         return array[i].tolist() if self.cast is None else self.cast(array[i])
 
+    def values(self, array) -> list:
+        """:meth:`value` of every row, in one conversion of the whole array (the same values and types)."""
+        if not isinstance(array, np.ndarray):
+            return [self.cast(x) for x in array]
+        items = array.tolist()
+        if self.cast is None or _PLAIN.get(self.cast) == array.dtype.kind:
+            return items  # tolist gives what the cast would: Python int, float or bool
+        return [self.cast(x) for x in items]
+
+    @property
+    def getter(self):
+        """``obj ↦`` the array behind this column (:meth:`array`, as one C-level attribute lookup)."""
+        return attrgetter(".".join(self.path))
+
+
+#: casts whose value ``tolist`` already gives for an array of this dtype kind
+_PLAIN = {int: "i", float: "f", bool: "b"}
+
 
 def _columns_of(cls, prefix: tuple) -> list[Column]:
     out = []
@@ -177,16 +196,36 @@ class Predictions:
                         "predicted_label": int(self.support_predictions[j]), "squared_distance": float(dist)})
         return out
 
+    def _all_exemplars(self) -> list[list[dict]]:
+        """:meth:`exemplars` of every row, the support rows' labels and predictions gathered at once."""
+        index = np.asarray(self.exemplar_index)
+        if (index.size == 0 or self.support_labels is None or self.support_predictions is None
+                or len(self.support_labels) == 0 or len(self.support_predictions) == 0):
+            return [self.exemplars(i) for i in range(len(self))]
+        at = np.maximum(index, 0)  # −1 (padding) is skipped below
+        labels, predictions = np.asarray(self.support_labels)[at], np.asarray(self.support_predictions)[at]
+        distances = np.asarray(self.exemplar_distance)
+        if labels.dtype.kind != "i" or predictions.dtype.kind != "i" or distances.dtype.kind != "f":
+            return [self.exemplars(i) for i in range(len(self))]  # (tolist would not give int / float)
+        ids = self.support_ids
+        return [[{"id": ids[j], "label": lab, "predicted_label": pred, "squared_distance": dist}
+                 for j, lab, pred, dist in zip(*row) if j >= 0]
+                for row in zip(index.tolist(), labels.tolist(), predictions.tolist(), distances.tolist())]
+
     def to_dicts(self) -> list[dict]:
         """One JSON-serialisable dict per row (ids preserved, input order): :data:`ROW_COLUMNS`, then
-        ``exemplars`` and, with class names, ``prediction_name``."""
-        arrays = [(col, col.array(self)) for col in ROW_COLUMNS]
+        ``exemplars`` and, with class names, ``prediction_name``.  Each column is converted in one go
+        (:meth:`Column.values`), not value by value."""
+        columns = [col.values(get(self)) for col, get in _ROW_GETTERS]
+        exemplars = self._all_exemplars()
+        names = self.class_names
+        predictions = np.asarray(self.prediction).tolist() if names else None
         rows = []
-        for i in range(len(self)):
-            row = {col.key: col.value(a, i) for col, a in arrays}
-            row["exemplars"] = self.exemplars(i)
-            if self.class_names:
-                row["prediction_name"] = self.class_names[int(self.prediction[i])]
+        for i, values in enumerate(zip(*columns)):
+            row = dict(zip(_ROW_KEYS, values))
+            row["exemplars"] = exemplars[i]
+            if names:
+                row["prediction_name"] = names[int(predictions[i])]
             rows.append(row)
         return rows
 
@@ -198,3 +237,5 @@ VERDICT_KEYS: tuple[str, ...] = tuple(c.key for c in ROW_COLUMNS if c.verdict)
 #: verdict keys whose value is a float (made JSON-safe: NaN / inf → null)
 VERDICT_FLOAT_KEYS: tuple[str, ...] = tuple(c.key for c in ROW_COLUMNS if c.verdict and c.cast is float)
 _COLUMN_BY_KEY: dict[str, Column] = {c.key: c for c in ROW_COLUMNS}
+_ROW_KEYS: tuple[str, ...] = tuple(c.key for c in ROW_COLUMNS)
+_ROW_GETTERS: tuple = tuple((c, c.getter) for c in ROW_COLUMNS)

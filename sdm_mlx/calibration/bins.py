@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._checks import _check_lists, _labels, _matrix, _vector
+from ._checks import _SortedTable, _check_lists, _labels, _matrix, _vector
 from ..errors import InputError
 
 
@@ -25,14 +25,17 @@ def v_vector(sdm: np.ndarray, ecdfs: Sequence[np.ndarray]) -> np.ndarray:
     return _v_of(sdm, _check_lists("output_ecdfs", ecdfs, num_classes))
 
 
-def _v_of(sdm: np.ndarray, ecdfs: list[np.ndarray]) -> np.ndarray:
-    """:func:`v_vector` of validated inputs."""
+def _v_of(sdm: np.ndarray, ecdfs: list[np.ndarray], table: _SortedTable | None = None) -> np.ndarray:
+    """:func:`v_vector` of validated inputs (``table``: the same eCDFs as one table, for a small batch)."""
+    below = None if table is None else table.below(sdm)
+    if below is not None:  # every class at once; a class without entries gives 0 (0 below, 0 / 1)
+        return np.where(sdm >= table.last, 1.0, below / table.divisor)
     v = np.zeros(sdm.shape, dtype=np.float64)
     for c, sorted_c in enumerate(ecdfs):
         if sorted_c.size == 0:
             continue  # empty list ⇒ 0
         s = sdm[:, c]
-        below = np.searchsorted(sorted_c, s, side="left")
+        below = sorted_c.searchsorted(s, side="left")
         v[:, c] = np.where(s >= sorted_c[-1], 1.0, below / sorted_c.size)
     return v
 
@@ -44,6 +47,12 @@ def unique_argmax_is(x: np.ndarray, y_hat: np.ndarray) -> np.ndarray:
     is_top = x == top
     rows = np.arange(x.shape[0])
     return (is_top.sum(axis=1) == 1) & is_top[rows, np.asarray(y_hat, dtype=np.int64)]
+
+
+def _unique_argmax_at(x: np.ndarray, y_hat: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """:func:`unique_argmax_is` of a float array ``x`` [N, C], int64 ŷ [N] and ``index`` = 0..N−1."""
+    is_top = x == np.maximum.reduce(x, axis=1, keepdims=True)
+    return (np.add.reduce(is_top, axis=1) == 1) & is_top[index, y_hat]
 
 
 def soft_qbin(v: np.ndarray, q: np.ndarray, y_hat: np.ndarray) -> np.ndarray:
@@ -78,3 +87,10 @@ def apply_ood(q_tilde: np.ndarray, ood: np.ndarray) -> tuple[np.ndarray, np.ndar
     ood = np.asarray(ood, dtype=bool).reshape(-1)
     q_proc = np.where(ood, 0.0, q_tilde)
     return q_proc, hard_qbin(q_proc, ood)
+
+
+def _apply_ood_of(q_tilde: np.ndarray, ood: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`apply_ood` of a finite float64 q~ [N] and a bool ``ood`` [N] (the estimator's own arrays); the
+    hard bin of an OOD row is floor(0) = 0 already."""
+    q_proc = np.where(ood, 0.0, q_tilde)
+    return q_proc, np.floor(np.maximum(q_proc, 0.0)).astype(np.int64)

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import validation
-from ._checks import _check_lists, _labels, _vector
+from ._checks import _SortedTable, _check_lists, _labels, _vector
 
 
 def sample_size_arrays(q_tilde_cal: np.ndarray, y_cal: np.ndarray, num_classes: int) -> list[np.ndarray]:
@@ -29,12 +29,16 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
     return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
 
 
-def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
-    """:func:`effective_sample_size` of validated inputs."""
+def _n_hat_of(q_tilde: np.ndarray, arrays: list[np.ndarray], table: _SortedTable | None = None) -> np.ndarray:
+    """:func:`effective_sample_size` of validated inputs (``table``: the same arrays as one table, for a small
+    batch)."""
+    below = None if table is None else table.below(q_tilde)
+    if below is not None:  # every class at once
+        return np.minimum(below, table.sizes - 1)
     n_hat = np.empty((q_tilde.shape[0], len(arrays)), dtype=np.int64)
     for c, arr in enumerate(arrays):
-        below = np.searchsorted(arr, q_tilde, side="left").astype(np.int64)
-        n_hat[:, c] = np.minimum(below, arr.size - 1)
+        below = arr.searchsorted(q_tilde, side="left").astype(np.int64, copy=False)
+        np.minimum(below, arr.size - 1, out=n_hat[:, c])
     return n_hat
 
 
@@ -44,13 +48,25 @@ def dkw_epsilon(n_hat: np.ndarray, alpha) -> np.ndarray:
     ``alpha``: one level, or one per row of ``n_hat`` (the nested ladder's levels stacked along the rows)."""
     n_hat = np.asarray(n_hat)
     if np.ndim(alpha) == 0:
-        log_term = math.log(2.0 / (1.0 - validation.level(alpha)))
+        log_term = _dkw_log(alpha)
     else:  # one log per distinct level (the ladder's), not per row
         levels, which = np.unique(np.asarray(alpha, dtype=np.float64), return_inverse=True)
-        logs = np.array([math.log(2.0 / (1.0 - validation.level(float(a)))) for a in levels])
+        logs = np.array([_dkw_log(float(a)) for a in levels])
         log_term = logs[which.reshape(-1)].reshape((-1,) + (1,) * (n_hat.ndim - 1))
-    safe = np.where(n_hat > 0, n_hat, 1).astype(np.float64)
-    return np.where(n_hat > 0, np.sqrt(log_term / (2.0 * safe)), 1.0)
+    return _epsilon_of(n_hat, log_term)
+
+
+def _dkw_log(alpha) -> float:
+    """ln(2/(1−α)), the level's factor of ``equation:dkw``."""
+    return math.log(2.0 / (1.0 - validation.level(alpha)))
+
+
+def _epsilon_of(n_hat: np.ndarray, log_term) -> np.ndarray:
+    """:func:`dkw_epsilon` of an integer n̂ array with ln(2/(1−α)) given (:func:`_dkw_log`): a float, or an
+    array broadcast against n̂ (levels along a leading axis: the nested ladder's, computed once per model)."""
+    positive = n_hat > 0
+    safe = np.where(positive, n_hat, 1).astype(np.float64)
+    return np.where(positive, np.sqrt(log_term / (2.0 * safe)), 1.0)
 
 
 def dkw_bounds(v: np.ndarray, epsilon: np.ndarray, y_hat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ The reported ladder is "admitted at α ⟺ region ≥ α": nested by constructio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import InputError
 from ..results import Estimate
 from ._checks import check_alpha
-from .conditional import _rows, estimate, levels_validity
+from .conditional import _ladder_estimate, _ladder_of, _one_level, _rows
 from .rounds import Calibration
 
 #: The default grid: 0.99, 0.98, …, 0.80 (the model's α' is always added).
@@ -125,17 +125,15 @@ def anchored_region(admitted: np.ndarray, grid: Sequence[float], anchor: int) ->
     n, L = A.shape
     if L != grid.size or not 0 <= anchor < L:
         raise InputError(f"admissions [N, {L}] do not fit a grid of {grid.size} levels with anchor {anchor}")
-    region = np.full(n, np.nan)
     # admitted at α': consecutive admissions from the anchor towards higher α (lower indices)
-    run = np.cumprod(A[:, anchor::-1], axis=1).sum(axis=1)
+    run = np.add.reduce(A[:, anchor::-1].cumprod(axis=1), axis=1)
     at_anchor = A[:, anchor]
-    region[at_anchor] = grid[anchor - (run[at_anchor] - 1)]
+    region = np.where(at_anchor, grid[anchor + 1 - np.maximum(run, 1)], np.nan)
     # rejected at α': the highest level below α' that admits the row
     below = A[:, anchor + 1:]
     if below.shape[1]:
-        first = below.argmax(axis=1)
-        hit = ~at_anchor & below.any(axis=1)
-        region[hit] = grid[anchor + 1 + first[hit]]
+        hit = ~at_anchor & np.logical_or.reduce(below, axis=1)
+        region = np.where(hit, grid[anchor + 1 + below.argmax(axis=1)], region)
     return region
 
 
@@ -147,31 +145,51 @@ def nested_admissions(region: np.ndarray, grid: Sequence[float]) -> np.ndarray:
 
 
 def decisions(region: np.ndarray, policy: DecisionPolicy) -> np.ndarray:
-    """allow / review / reject per row from its region (NaN: reject)."""
+    """allow / review / reject per row from its region (NaN: reject), an object array of str."""
     region = np.asarray(region, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        out = np.where(region >= policy.allow, "allow", np.where(region >= policy.review, "review", "reject"))
-    return out.astype(object)
+        allowed, reviewed = region >= policy.allow, region >= policy.review
+    return _DECISION_OF[np.where(allowed, 0, np.where(reviewed, 1, 2))]
+
+
+_DECISION_OF = np.array(DECISIONS, dtype=object)
+
+
+def _grid_of(nested: NestedCalibration) -> tuple[np.ndarray, int]:
+    """(the grid as float64, the anchor's index), kept on the frozen ``nested`` (read for every batch)."""
+    cached = nested.__dict__.get("_grid")
+    if cached is None:
+        cached = (np.asarray(nested.grid, dtype=np.float64), nested.anchor)
+        object.__setattr__(nested, "_grid", cached)
+    return cached
+
+
+def _admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(the fields of the estimate at α' but its regions and decision, the paper's admissions of the lower
+    and of the centroid estimator, bool [N, L] each): see :func:`level_admissions`."""
+    anchor = _grid_of(nested)[1]
+    rows = _rows(nested.levels[anchor], z, q, d, sdm)
+    return _ladder_estimate(_ladder_of(nested, nested.levels), anchor, rows)
 
 
 def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate, np.ndarray, np.ndarray]:
     """(the estimate at α', paper admissions of the lower and of the centroid estimator, bool [N, L] each).
 
     The threshold-free per-row work (v, the centroid's rescaled output, n̂) is done once for all levels;
-    each other level adds the lower variant at its ε and its thresholds."""
-    rows = _rows(nested.levels[nested.anchor], z, q, d, sdm)
-    main = estimate(nested.levels[nested.anchor], z, q, d, sdm, rows=rows)
-    a = nested.anchor  # its level is main's; the others at once
-    lower, centroid = levels_validity(nested.levels[:a] + nested.levels[a + 1:], rows)
-    return (main, np.insert(lower, a, main.admitted, axis=1),
-            np.insert(centroid, a, main.centroid.valid, axis=1))
+    each level adds the lower variant at its ε and its thresholds, all levels stacked along the rows
+    (:func:`~sdm_mlx.calibration.conditional._ladder_estimate`), and α' the upper variant and the reasons."""
+    fields, lower, centroid = _admissions(nested, z, q, d, sdm)
+    return _one_level(fields, nested.levels[_grid_of(nested)[1]].alpha), lower, centroid
 
 
 def estimate_nested(nested: NestedCalibration, z, q, d, sdm) -> Estimate:
     """The estimate at α' with ``alpha_region_lower``, ``alpha_region_centroid`` and ``decision`` over the grid."""
-    main, lower, centroid = level_admissions(nested, z, q, d, sdm)
-    region_lower = anchored_region(lower, nested.grid, nested.anchor)
-    region_centroid = anchored_region(centroid, nested.grid, nested.anchor)
+    fields, lower, centroid = _admissions(nested, z, q, d, sdm)
+    grid, anchor = _grid_of(nested)
+    n = lower.shape[0]
+    # both estimators' regions in one pass (rows are independent)
+    regions = anchored_region(np.concatenate([lower, centroid]), grid, anchor)
+    region_lower, region_centroid = regions[:n], regions[n:]
     chosen = region_lower if nested.policy.region == "lower" else region_centroid
-    return replace(main, alpha_region_lower=region_lower, alpha_region_centroid=region_centroid,
-                   decision=decisions(chosen, nested.policy))
+    return Estimate(**fields, alpha_region_lower=region_lower, alpha_region_centroid=region_centroid,
+                    decision=decisions(chosen, nested.policy))

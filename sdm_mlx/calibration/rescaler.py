@@ -80,9 +80,9 @@ def rescaler_logits(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray) -> np.nda
 def rescaled_output(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray) -> np.ndarray:
     """o = softmax((W'' v)·ln(2+q~)) row-wise, ``equation:rescaled-prediction-conditional-estimate`` (float64 [N, C])."""
     logits = rescaler_logits(W, v, q_tilde)
-    logits -= logits.max(axis=1, keepdims=True)
+    logits -= np.maximum.reduce(logits, axis=1, keepdims=True)  # (ndarray.max / .sum without their wrappers)
     e = np.exp(logits)
-    return e / e.sum(axis=1, keepdims=True)
+    return e / np.add.reduce(e, axis=1, keepdims=True)
 
 
 def rescaler_loss(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray, y: np.ndarray) -> np.ndarray:

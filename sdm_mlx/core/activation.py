@@ -32,11 +32,15 @@ def _as_row_vector(x, n: int) -> mx.array:
     return x.reshape(-1)
 
 
+def _log_base(q: mx.array) -> mx.array:
+    """ln(2+q) = 1 + ln(1 + (q − (e−2))/e) elementwise: exactly 1 at q = e−2, so SDM(d=1) is exactly softmax."""
+    return 1.0 + mx.log1p((q - Q_SOFTMAX) / math.e)
+
+
 def _scaled_logits(z: mx.array, q, d) -> tuple[mx.array, mx.array]:
     """Return (z'·d·ln(2+q), ln(2+q)[:, None])."""
     n = z.shape[0]
-    # ln(2+q) = 1 + ln(1 + (q − (e−2))/e): exactly 1 at q = e−2, so SDM(d=1) is exactly softmax
-    log_base = (1.0 + mx.log1p((_as_row_vector(q, n) - Q_SOFTMAX) / math.e))[:, None]
+    log_base = _log_base(_as_row_vector(q, n))[:, None]
     return z * (_as_row_vector(d, n)[:, None] * log_base), log_base
 
 
@@ -47,9 +51,14 @@ def sdm(z: mx.array, q, d) -> mx.array:
 
 
 def sdm_numpy(z: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """:func:`sdm` of host arrays, evaluated eagerly to NumPy (the estimator's scoring path)."""
-    out = sdm(mx.array(z), mx.array(q.astype(np.float32)), mx.array(d.astype(np.float32)))
-    return np.array(out)
+    """:func:`sdm` of host arrays [N, C], [N], [N], evaluated eagerly to NumPy (the estimator's scoring path).
+
+    The same float32 operations as :func:`sdm`, with q and d handed to MLX as columns [N, 1] already: no
+    reshapes in the graph, whose evaluation (a few µs per operation) is most of a single row's cost."""
+    n = z.shape[0]
+    q_col = mx.array(np.asarray(q).astype(np.float32).reshape(n, 1))
+    d_col = mx.array(np.asarray(d).astype(np.float32).reshape(n, 1))
+    return np.array(mx.softmax(mx.array(z) * (d_col * _log_base(q_col)), axis=-1))
 
 
 def log_sdm(z: mx.array, q, d) -> mx.array:

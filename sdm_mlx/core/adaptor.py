@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .exact_product import CHUNK_ROWS, ExactRowProduct
+from .exact_product import CHUNK_ROWS, ExactRowProduct, shared_products
 from ..errors import InputError
 
 
@@ -201,4 +201,5 @@ class InvariantForward:
         if self.basis is None:
             h = self._hidden(x_norm).astype(np.float32)
             return self._logits(h).astype(np.float32), h
-        return self._logits(x_norm).astype(np.float32), self._coordinates(x_norm).astype(np.float32)
+        logits, coordinates = shared_products(x_norm, (self._logits, self._coordinates))
+        return logits.astype(np.float32), coordinates.astype(np.float32)

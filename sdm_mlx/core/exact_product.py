@@ -60,7 +60,7 @@ def scale_rows(a: np.ndarray, beta: int) -> tuple[np.ndarray, np.ndarray]:
         raise InputError(f"expected a 2-D array, got shape {a.shape}")
     if not np.isfinite(a).all():
         raise InputError("exact product: input contains NaN or Inf values")
-    _, e = np.frexp(np.abs(a).max(axis=1, initial=0.0))  # max|a_i| < 2^e_i
+    _, e = np.frexp(np.maximum.reduce(np.abs(a), axis=1, initial=0.0))  # max|a_i| < 2^e_i
     e = e.astype(np.int64)
     return np.ldexp(a, (beta - e)[:, None]), e
 
@@ -97,17 +97,45 @@ class ExactRowProduct:
         return out
 
     def _chunk(self, x: np.ndarray) -> np.ndarray:
+        return self._product(self._slices(x))
+
+    def _slices(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the integer slices [x_hi; x_lo] [2N, D], the rows' power-of-two scalings [N, 1]) of x at β_x."""
         bx = self.beta_x
         x_hi, x_lo, x_exp = split_rows(x, bx)
-        slices = np.concatenate([x_hi, x_lo])
+        return np.concatenate([x_hi, x_lo]), np.ldexp(1.0, x_exp - bx)[:, None]
+
+    def _product(self, sliced: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """The rows' x Wᵀ + b from :meth:`_slices` (of this product, or of another with the same β_x)."""
+        slices, row_scale = sliced
         if slices.shape[0] * self.in_dim * self.out_dim <= HOST_MULTIPLY_ADDS:
             pq = slices @ self._w_t_host  # exact integers
         else:
             pq = np.array(mx.matmul(_f64(slices), self._w_t, stream=mx.cpu))  # exact integers
-        n = x.shape[0]
+        n = row_scale.shape[0]
         y = pq[n:]
-        y *= 2.0**-bx  # exact (a power of two)
+        y *= 2.0**-self.beta_x  # exact (a power of two)
         y += pq[:n]  # the one rounding
-        y *= np.ldexp(1.0, x_exp - bx)[:, None]  # exact power-of-two scalings, rows then columns
+        y *= row_scale  # exact power-of-two scalings, rows then columns
         y *= self._w_scale
         return y if self._bias is None else y + self._bias
+
+
+def shared_products(x: np.ndarray, products) -> list[np.ndarray]:
+    """``[p(x) for p in products]``, ``x`` [N, D] split into its integer slices once when the products share
+    the input width (hence β_x): the same values bit for bit (each row's slices depend on that row alone)."""
+    first = products[0]
+    if any(p.in_dim != first.in_dim or p.beta_x != first.beta_x for p in products):
+        return [p(x) for p in products]
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != first.in_dim:
+        raise InputError(f"exact product: expected rows of width {first.in_dim}, got shape {x.shape}")
+    if x.shape[0] <= CHUNK_ROWS:
+        sliced = first._slices(x)
+        return [p._product(sliced) for p in products]
+    outs = [np.empty((x.shape[0], p.out_dim), dtype=np.float64) for p in products]
+    for start in range(0, x.shape[0], CHUNK_ROWS):
+        sliced = first._slices(x[start : start + CHUNK_ROWS])
+        for p, out in zip(products, outs):
+            out[start : start + CHUNK_ROWS] = p._product(sliced)
+    return outs

@@ -12,6 +12,7 @@ from ..errors import InputError
 from ._arrays import _as_float32_matrix, _exclusion, _kept, check_predictions
 from .screening import (  # noqa: F401  (HOST_*, screening_tolerance: re-exported, callers find them here too)
     HOST_MATMUL_MULTIPLY_ADDS,
+    HOST_MATMUL_PRODUCTS,
     HOST_SCREEN_ELEMENTS,
     _count_before_first_bad,
     _evaluate,
@@ -53,6 +54,7 @@ class _Grouping:
         mx.eval(self.support, self.support_sq)
         self.support_sq_np = np.array(self.support_sq)
         self.support_host = _host_view(self.support)  # a NumPy view for host screening
+        self.seen = None  # the read-only mask last checked equal to good_by_class (ExactIndex._grouping)
 
 
 class ExactIndex:
@@ -166,8 +168,9 @@ class ExactIndex:
             if ex is not None:
                 d64[idx == ex[r, None]] = np.inf
             order = np.lexsort((idx, d64), axis=-1)[:, :n]
-            out_d[r, : order.shape[1]] = np.take_along_axis(d64, order, 1)
-            out_i[r, : order.shape[1]] = np.take_along_axis(idx, order, 1)
+            at = np.arange(order.shape[0])[:, None]  # (take_along_axis without its per-call index building)
+            out_d[r, : order.shape[1]] = d64[at, order]
+            out_i[r, : order.shape[1]] = idx[at, order]
 
     def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out_d, out_i) -> None:
         """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
@@ -178,6 +181,9 @@ class ExactIndex:
             return
         key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
         easy = count <= first.shape[1]
+        if easy.all():  # (the usual case: no row has more near-tied candidates than screened)
+            self._rerank_into(queries, rows, perm[first], ex, out_d, out_i)
+            return
         self._rerank_into(queries, rows[easy], perm[first[easy]], ex, out_d, out_i)
         hard = np.flatnonzero(~easy)  # rows with more near-tied candidates (e.g. duplicates)
         if hard.size:
@@ -221,8 +227,12 @@ class ExactIndex:
     # -- similarity q and d0 ------------------------------------------------------------------
     def _grouping(self, good_by_class: np.ndarray) -> _Grouping:
         cached = getattr(self, "_grouping_cache", None)
+        if cached is not None and good_by_class is cached.seen:
+            return cached  # the same read-only mask as last time (the estimator keeps one per support set)
         if cached is None or not np.array_equal(cached.good_by_class, good_by_class):
             cached = self._grouping_cache = _Grouping(good_by_class, self._support, self._support_sq)
+        # a mask that owns its data and is read-only cannot change: the next call may skip the comparison
+        cached.seen = good_by_class if not good_by_class.flags.writeable and good_by_class.base is None else None
         return cached
 
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None):
@@ -257,9 +267,11 @@ class ExactIndex:
         q_out = np.zeros(queries.shape[0], dtype=np.int64)
         top_d = np.full((queries.shape[0], max(n, 1)), np.inf, dtype=np.float64)
         top_i = np.full((queries.shape[0], max(n, 1)), -1, dtype=np.int64)
-        cols = mx.arange(self.size)
-        for c in range(good_np.shape[0]):
-            rows_c = np.flatnonzero(y_hat == c)
+        cols = None if ex is None else mx.arange(self.size)
+        for c, count in enumerate(np.bincount(y_hat, minlength=good_np.shape[0]).tolist()):
+            if not count:
+                continue
+            rows_c = np.arange(count) if count == y_hat.size else np.flatnonzero(y_hat == c)
             for start in range(0, rows_c.size, self.block_rows):
                 rows = rows_c[start : start + self.block_rows]
                 host = self._on_host(rows.size)
@@ -281,11 +293,12 @@ class ExactIndex:
         """Uncapped q of one block of queries predicted c: float32 count, exact where ambiguous."""
         a, b = int(grouping.bounds[c]), int(grouping.bounds[c + 1])
         xp = _xp(dist)
-        first_bad = xp.full((rows.size,), float("inf"), dtype=xp.float32)
-        if a > 0:
-            first_bad = xp.minimum(first_bad, dist[:, :a].min(axis=1))
-        if b < self.size:
-            first_bad = xp.minimum(first_bad, dist[:, b:].min(axis=1))
+        # the nearest bad neighbour: the row-min over the columns outside the good group (inf: none)
+        sides = ([dist[:, :a].min(axis=1)] if a > 0 else []) + ([dist[:, b:].min(axis=1)] if b < self.size else [])
+        if len(sides) == 2:
+            first_bad = xp.minimum(*sides)
+        else:
+            first_bad = sides[0] if sides else xp.full((rows.size,), float("inf"), dtype=xp.float32)
         if b == a:
             return np.zeros(rows.size, dtype=np.int64)
         good_sq = grouping.support_sq_np[a:b] if xp is np else grouping.support_sq[a:b]
@@ -293,8 +306,8 @@ class ExactIndex:
             dist[:, a:b], first_bad, q_sq, good_sq, self._tau, self._max_support_sq
         )
         _evaluate(count, ambiguous, first_bad)
-        q = np.array(count).astype(np.int64)
-        for r in np.flatnonzero(np.array(ambiguous)):
+        q = np.asarray(count).astype(np.int64)
+        for r in np.flatnonzero(np.asarray(ambiguous)):
             q[r] = self._resolve_near_ties(
                 queries[rows[r]], np.asarray(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
                 float(q_sq[int(r)].item()), grouping=grouping,

@@ -31,9 +31,30 @@ def finite_or_none(x):
     return x if math.isfinite(x) else None
 
 
+#: the exact types :func:`strict` returns unchanged
+_JSON_SCALARS = frozenset({str, int, bool, type(None)})
+
+
 def strict(obj):
     """``obj`` as plain JSON values: NumPy scalars/arrays and dataclasses converted, non-finite floats → None."""
-    if obj is None or isinstance(obj, (bool, str)):
+    # the plain JSON types first, by exact type (a verdict's row is made of them), their items inline
+    kind = type(obj)
+    if kind is float:
+        return obj if math.isfinite(obj) else None
+    if kind in _JSON_SCALARS:
+        return obj
+    if kind is dict:
+        return {str(k): v if type(v) in _JSON_SCALARS else (v if math.isfinite(v) else None) if type(v) is float
+                else strict(v) for k, v in obj.items()}
+    if kind is list:
+        return [v if type(v) in _JSON_SCALARS else (v if math.isfinite(v) else None) if type(v) is float else strict(v)
+                for v in obj]
+    return _strict_other(obj)
+
+
+def _strict_other(obj):
+    """:func:`strict` of anything but an exact float, str, int, bool, None, dict or list."""
+    if isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, (int, np.integer)) and not isinstance(obj, np.bool_):
         return int(obj)

@@ -189,3 +189,26 @@ def test_similarity_and_neighbours_equals_separate_calls(random_data, backend, s
     np.testing.assert_array_equal(top_i, si)
     np.testing.assert_allclose(top_d, sd, rtol=1e-5)
     np.testing.assert_allclose(top_d[:, 0], d0, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("self_excluded", [False, True])
+def test_host_matmul_in_products_of_a_few_rows_gives_the_same_answers(random_data, monkeypatch, self_excluded):
+    """A block's float32 distances from one NumPy product, from several products of a few rows
+    (:data:`~sdm_mlx.index.screening.HOST_MATMUL_PRODUCTS`) or from MLX: the same q, d0 and neighbours."""
+    from sdm_mlx.index import screening
+
+    support, queries, labels, preds, _ = random_data
+    queries = np.concatenate([queries, support[:20]])  # exact duplicates of support rows
+    good = good_neighbours_by_class(labels, preds, 3)
+    y_hat = np.random.default_rng(2).integers(0, 3, queries.shape[0])
+    exclude = np.where(np.arange(queries.shape[0]) >= 40, np.arange(queries.shape[0]) - 40, -1) if self_excluded else None
+    per_row = support.shape[0] * support.shape[1]
+    answers = []
+    for adds, products in ((1 << 40, 2), (3 * per_row, 30), (3 * per_row + 5, 30), (per_row, 1), (0, 2)):
+        monkeypatch.setattr(screening, "HOST_MATMUL_MULTIPLY_ADDS", adds)
+        monkeypatch.setattr(screening, "HOST_MATMUL_PRODUCTS", products)
+        answers.append(ExactIndex(support).similarity_and_neighbours(queries, y_hat, good, 60, 7, exclude))
+    for other in answers[1:]:
+        for a, b in zip(answers[0], other):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    np.testing.assert_array_equal(answers[0][0], ref_q(queries, support, y_hat, good, 60, exclude))
