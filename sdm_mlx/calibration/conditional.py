@@ -46,7 +46,7 @@ def _geometry(W, v_var, log_base, y_hat, sdm_flip, index) -> tuple:
     return v_var, q_proc, bins, ood, o, floor_ok, o_flip
 
 
-def _validity(geometry: tuple, y_hat, index, offset, psi, min_valid_own, robust_min) -> tuple:
+def _validity(geometry: tuple, y_hat, index, offset, *, psi, min_valid_own, robust_min) -> tuple:
     """(p, validity, singleton) of a variant's rows: p = clip(o_ŷ − offset, 0, 1) and the thresholds.
 
     ``offset``: the rows' offsets m[ŷ][bin]; ``psi`` [C] or one row per input row [N, C]; the two minima
@@ -263,7 +263,7 @@ def _ladder_pass(ladder: _Ladder, rows: dict, j0: int, j1: int, keep: int | None
     geometry = (None,) + tuple(np.concatenate([a, tiled(c, m)]) for a, c in zip(shifted_geometry[1:5], cen[1:5]))
     y = tiled(y_hat, k + m)
     offset = ladder.offsets_at(block_levels, level, y_hat, y, geometry[2])
-    p, valid, singleton = _validity(geometry, y, at, offset, psi, min_valid, robust_min)
+    p, valid, singleton = _validity(geometry, y, at, offset, psi=psi, min_valid_own=min_valid, robust_min=robust_min)
     lower, centroid = valid[: m * n].reshape(m, n).T, valid[k * n:].reshape(m, n).T
     if keep is None:
         return lower, centroid, None
