@@ -284,17 +284,9 @@ def _ladder_estimate(ladder: _Ladder, anchor: int, rows: dict) -> tuple[dict, np
     """(the fields of the estimate at level ``anchor`` but its α regions and decision, lower valid =
     admitted and centroid valid at every level, bool [N, L] each) from :func:`_rows` of the same model.
 
-    The levels go through :func:`_ladder_pass` up to :data:`STACKED_ROWS` stacked rows at a time (one level
-    at a time for levels of different W''); the anchor's level adds the upper variant and the reasons."""
-    n, L = rows["n"], ladder.size
-    lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
-    group = max(1, STACKED_ROWS // max(n, 1)) if ladder.one_model else 1
-    for j0 in range(0, L, group):
-        j1 = min(L, j0 + group)
-        keep = anchor if j0 <= anchor < j1 else None
-        lower[:, j0:j1], centroid[:, j0:j1], kept = _ladder_pass(ladder, rows, j0, j1, keep)
-        if kept is not None:
-            eps, low, cen, up = kept
+    The levels go through :func:`_ladder_levels`; the anchor's level adds the upper variant and the reasons."""
+    n = rows["n"]
+    lower, centroid, (eps, low, cen, up) = _ladder_levels(ladder, rows, anchor)
     _, _, min_valid_own, robust_min, _, _, _ = ladder.checked[anchor]
     reason, rejected = _rejection_reasons(n, min_valid_own, robust_min, rows["sdm_flip"], rows["d"], cen, low=low)
     admitted = low[0].valid
@@ -335,16 +327,26 @@ def levels_validity(calibrations, rows: dict) -> tuple[np.ndarray, np.ndarray]:
     19 levels takes 0.25 ms instead of 2.4 ms one level at a time.  The same values as the per-level calls (the
     nested tests compare them with the full estimator at every level, and with a reference computed one level
     and one variant at a time)."""
-    n, L = rows["n"], len(calibrations)
+    if not calibrations:
+        return np.empty((rows["n"], 0), dtype=bool), np.empty((rows["n"], 0), dtype=bool)
+    lower, centroid, _ = _ladder_levels(_Ladder(calibrations), rows)
+    return lower, centroid
+
+
+def _ladder_levels(ladder: _Ladder, rows: dict, anchor: int | None = None):
+    """(lower valid, centroid valid) at every level of ``ladder``, bool [N, L] each, through :func:`_ladder_pass`
+    up to :data:`STACKED_ROWS` stacked rows at a time (one level at a time for levels of different W''), and
+    with ``anchor`` that level's ε and variants (:func:`_ladder_pass`'s last item; else None)."""
+    n, L = rows["n"], ladder.size
     lower, centroid = np.empty((n, L), dtype=bool), np.empty((n, L), dtype=bool)
-    if L == 0:
-        return lower, centroid
-    ladder = _Ladder(calibrations)
     group = max(1, STACKED_ROWS // max(n, 1)) if ladder.one_model else 1
+    at_anchor = None
     for j0 in range(0, L, group):
         j1 = min(L, j0 + group)
-        lower[:, j0:j1], centroid[:, j0:j1], _ = _ladder_pass(ladder, rows, j0, j1)
-    return lower, centroid
+        keep = anchor if anchor is not None and j0 <= anchor < j1 else None
+        lower[:, j0:j1], centroid[:, j0:j1], kept = _ladder_pass(ladder, rows, j0, j1, keep)
+        at_anchor = kept if kept is not None else at_anchor
+    return lower, centroid, at_anchor
 
 
 def estimate(calibration: "Calibration", z: np.ndarray, q: np.ndarray, d: np.ndarray, sdm: np.ndarray,
