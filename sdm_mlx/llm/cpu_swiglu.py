@@ -21,6 +21,8 @@ import functools
 
 import mlx.core as mx
 
+from ..runtime.compiled import BoundedCompile
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693359375  # ln 2 split so that n * _LN2_HI is exact for |n| <= 128
 _LN2_LO = -2.12194440e-4
@@ -39,10 +41,14 @@ def _exp(v):
     return p * two_n
 
 
-@mx.compile
-def _swiglu_forward(gate, x):
+def _swiglu_float32(gate, x):
     gate, x = gate.astype(mx.float32), x.astype(mx.float32)
     return gate / (1.0 + _exp(-gate)) * x
+
+
+#: compiled once per input shape (a prompt's ``[B, L, F]`` is a new one with almost every batch), so with a
+#: bound on the traces kept (:mod:`sdm_mlx.runtime.compiled`)
+_swiglu_forward = BoundedCompile(_swiglu_float32)
 
 
 @mx.custom_function
