@@ -180,7 +180,7 @@ def ttft(port: int, texts: list, tokens: int, extra: dict) -> float:
     return float(np.median([f for f in firsts if f is not None]))
 
 
-def start_mlx_lm(model_path: str, port: int, openblas_default_wait: bool = False) -> subprocess.Popen:
+def start_mlx_lm(model_path: str, port: int, openblas_default_wait: bool = False, options=()) -> subprocess.Popen:
     """``mlx_lm.server`` with the same BLAS as ours (on Linux: OpenBLAS preloaded, see sdm_mlx/runtime/blas.py);
     ``openblas_default_wait``: without our ``OPENBLAS_THREAD_TIMEOUT`` (OpenBLAS's own busy-wait, as
     ``LD_PRELOAD`` alone gives it)."""
@@ -192,7 +192,7 @@ def start_mlx_lm(model_path: str, port: int, openblas_default_wait: bool = False
     if sys.platform.startswith("linux") and find_openblas():
         env["LD_PRELOAD"] = find_openblas()
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--port", str(port),
-                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             "--log-level", "WARNING", *map(str, options)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """Benchmark: does ``sdm-mlx serve``'s memory stay flat under a long bounded load?
 
-    python tools/bench_serve_soak.py [--size tiny] [--seconds 300] [--clients 16] [--json soak.json]
+    python tools/bench_serve_soak.py [--size tiny] [--seconds 300] [--clients 16] [--max-words N]
+                                     [--server sdm|mlx_lm] [--json soak.json]
 
 Builds the same random Phi-3-architecture model and verifier as ``tools/bench_serve.py``, starts
 ``sdm-mlx serve`` with its default bounds (prompt cache ``--prompt-cache-bytes``, verdict store
@@ -11,6 +12,12 @@ policies rotate over ``return``, ``abstain`` and ``reask`` (2 attempts).  The se
 (``VmRSS``) is sampled every ``--every`` seconds.  Reported: the samples, the peak (``VmHWM``), the
 requests and errors, and the growth over the second half of the run (MiB and % of its start) — the
 stores fill in the first minute or two, so a flat server shows ≈ 0 there.
+
+``--max-words N`` gives each review a random 1..N words (default: 2, as in the earlier runs), so that prompt
+lengths, and so the shapes the model computes, vary as in real traffic: whatever is kept per shape (compiled
+traces, see ``sdm_mlx/runtime/compiled.py``) shows up here.  ``--server mlx_lm`` runs ``mlx_lm.server`` on the
+same model under the same load (its own ``--prompt-cache-bytes``, no ``sdm`` policies): the baseline of the
+Python and MLX runtime that a flat server is judged against.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))  # server_process.py
 
 from bench_common import SIZES, write_report  # noqa: E402
-from bench_serve import WORDS, build, chat, peak_rss_mb, post, status_mb  # noqa: E402
+from bench_serve import WORDS, build, chat, free_port, peak_rss_mb, post, start_mlx_lm, status_mb  # noqa: E402
 from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 from server_process import ServerProcess, sdm_mlx  # noqa: E402
 
@@ -44,7 +51,10 @@ def rss_mb(pid: int) -> float | None:
     return status_mb(pid, "VmRSS")
 
 
-def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float) -> dict:
+def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float,
+         mlx_lm_model: str | None = None, max_words: int = 2) -> dict:
+    """``mlx_lm_model``: the server is ``mlx_lm.server``, which loads the model a request names (and has no
+    ``sdm`` policies)."""
     stop = time.perf_counter() + seconds
     counter = itertools.count()
     done, errors, lock = [0], [], threading.Lock()
@@ -54,9 +64,11 @@ def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, ever
     def worker(c: int):
         while time.perf_counter() < stop:
             k = next(counter)
-            text = f"Review {k}: the film is {' and '.join(rng.choice(words, 2, replace=False))}. Sentiment as JSON?"
+            n = 2 if max_words <= 2 else int(rng.integers(1, max_words + 1))
+            text = f"Review {k}: the film is {' and '.join(rng.choice(words, n, replace=n > 2))}. Sentiment as JSON?"
             stream = k % 4 == 0
-            body = chat(text, tokens, stream=stream, sdm=POLICIES[k % len(POLICIES)])
+            body = chat(text, tokens, stream=stream, **({"model": mlx_lm_model} if mlx_lm_model
+                                                        else {"sdm": POLICIES[k % len(POLICIES)]}))
             try:
                 post(port, "/v1/chat/completions", body, stream=stream, timeout=120)
                 with lock:
@@ -96,24 +108,44 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-cache-bytes", type=int, default=None,
                     help="the server's prompt-cache bound (default: serve's); a small one fills within the first "
                          "minute, so the rest of the run shows whether anything else grows")
+    ap.add_argument("--max-words", type=int, default=2,
+                    help="words in each review: 2 (as in earlier runs), or a random 1..N, so that prompt lengths "
+                         "(and so the shapes the model sees) vary as in real traffic")
+    ap.add_argument("--server", choices=("sdm", "mlx_lm"), default="sdm",
+                    help="soak `sdm-mlx serve` (verified), or `mlx_lm.server` on the same model and load, as the "
+                         "baseline a flat server is judged against")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    report = {"size": args.size, "seconds": args.seconds, "clients": args.clients, "tokens": args.tokens,
-              "prompt_cache_bytes": args.prompt_cache_bytes,
+    report = {"server": args.server, "max_words": args.max_words, "size": args.size, "seconds": args.seconds,
+              "clients": args.clients, "tokens": args.tokens, "prompt_cache_bytes": args.prompt_cache_bytes,
               "blas": describe_blas(), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support)
-        srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet",
-                                    "--system", "", "--prompt-template", "{document}", "--served-model-name",
-                                    "bench", *(["--prompt-cache-bytes", args.prompt_cache_bytes]
-                                               if args.prompt_cache_bytes is not None else [])), timeout=300)
-        try:
-            post(srv.port, "/v1/chat/completions", chat("warm-up", args.tokens))
-            report.update(soak(srv.port, srv.proc.pid, seconds=args.seconds, clients=args.clients,
-                               tokens=args.tokens, every=args.every))
-            report["load_average_after"] = os.getloadavg()
-        finally:
-            report["sdm_exit_code"] = srv.stop()
+        if args.server == "mlx_lm":
+            port = free_port()
+            options = ["--prompt-cache-bytes", args.prompt_cache_bytes] if args.prompt_cache_bytes is not None else []
+            report["mlx_lm_options"] = options
+            proc = start_mlx_lm(model_path, port, options=options)
+            try:
+                post(port, "/v1/chat/completions", chat("warm-up", args.tokens, model=model_path))
+                report.update(soak(port, proc.pid, seconds=args.seconds, clients=args.clients, tokens=args.tokens,
+                                   every=args.every, mlx_lm_model=model_path, max_words=args.max_words))
+                report["load_average_after"] = os.getloadavg()
+            finally:
+                proc.terminate()
+                report["server_exit_code"] = proc.wait(timeout=30)
+        else:
+            srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet",
+                                        "--system", "", "--prompt-template", "{document}", "--served-model-name",
+                                        "bench", *(["--prompt-cache-bytes", args.prompt_cache_bytes]
+                                                   if args.prompt_cache_bytes is not None else [])), timeout=300)
+            try:
+                post(srv.port, "/v1/chat/completions", chat("warm-up", args.tokens))
+                report.update(soak(srv.port, srv.proc.pid, seconds=args.seconds, clients=args.clients,
+                                   tokens=args.tokens, every=args.every, max_words=args.max_words))
+                report["load_average_after"] = os.getloadavg()
+            finally:
+                report["server_exit_code"] = srv.stop()
     for s in report["samples"]:
         print(f"{s['t_s']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MiB  {s['requests']:>6} requests")
     print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
