@@ -6,8 +6,8 @@ broadcasts between them), and each of their operations is a task with a fixed co
 its size.  A decoding step of a small model is mostly such tasks: a 16-row step of the 2-layer tiny test model
 is 303 operations, 71 of them broadcasts.  Here the one-token inputs of a decoding step (``[B, 1, D]`` for a
 norm, ``[B, H, 1, d]`` with per-row offsets for RoPE, as mlx-lm's ``BatchKVCache`` gives them) go through one
-``mx.compile``'d function each (:class:`~sdm_mlx.runtime.compiled.BoundedCompile`: one trace per batch size,
-at most 128 kept), which computes what the fallback computes, bit for bit
+``mx.compile``'d function each (one trace per batch size, so as many as the rows decoded at once: a bounded
+number, unlike the prompt shapes of :mod:`.cpu_swiglu`), which computes what the fallback computes, bit for bit
 (``tests/llm/test_cpu_decode_ops.py``), in fused kernels.  Every other input (a prompt's many positions, an
 integer offset, the traditional RoPE, another dtype than float32) goes to the layer's own ``__call__``.
 
@@ -28,7 +28,6 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.compiled import BoundedCompile
 from .cpu_swiglu import on_cpu
 
 
@@ -40,7 +39,7 @@ def _norm_step(eps: float):
         y = x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
         return weight * y
 
-    return BoundedCompile(norm)
+    return mx.compile(norm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +56,7 @@ def _rope_step(dims: int, base: float, scale: float):
         x1, x2 = x[..., :half], x[..., half:dims]
         return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dims:]], axis=-1)
 
-    return BoundedCompile(rope)
+    return mx.compile(rope)
 
 
 class StepRMSNorm(nn.RMSNorm):

@@ -46,9 +46,16 @@ def _swiglu_float32(gate, x):
     return gate / (1.0 + _exp(-gate)) * x
 
 
-#: compiled once per input shape (a prompt's ``[B, L, F]`` is a new one with almost every batch), so with a
-#: bound on the traces kept (:mod:`sdm_mlx.runtime.compiled`)
-_swiglu_forward = BoundedCompile(_swiglu_float32)
+#: a decoding step's ``[B, 1, F]``: one trace per batch size, as many as the rows decoded at once
+_swiglu_step = mx.compile(_swiglu_float32)
+#: a prompt's ``[B, L, F]``: a new shape with almost every prompt batch, so at most 128 traces kept
+#: (:mod:`sdm_mlx.runtime.compiled`; the bound's bookkeeping costs about 4 µs a call, kept off the step)
+_swiglu_prompt = BoundedCompile(_swiglu_float32)
+
+
+def _swiglu_forward(gate, x):
+    step = gate.ndim == 3 and gate.shape[1] == 1
+    return (_swiglu_step if step else _swiglu_prompt)(gate, x)
 
 
 @mx.custom_function

@@ -90,9 +90,20 @@ def test_memory_stays_flat_over_many_prompt_lengths_where_mx_compile_grows():
     assert held_bounded < 5, held_bounded
 
 
-def test_the_cpu_activations_use_a_bounded_compile():
-    from sdm_mlx.llm import cpu_decode_ops
-
-    assert isinstance(cpu_swiglu._swiglu_forward, BoundedCompile)
-    assert isinstance(cpu_decode_ops._norm_step(1e-5), BoundedCompile)
-    assert isinstance(cpu_decode_ops._rope_step(8, 10000.0, 1.0), BoundedCompile)
+def test_the_cpu_swiglu_bounds_the_traces_of_prompt_shapes_and_keeps_its_values():
+    """Prompt shapes [B, L, F] go through the bounded compile; a step's [B, 1, F] through the plain one (one trace
+    per batch size); either way the values are mx.compile's."""
+    prompt = cpu_swiglu._swiglu_prompt
+    assert isinstance(prompt, BoundedCompile) and not isinstance(cpu_swiglu._swiglu_step, BoundedCompile)
+    reference = mx.compile(cpu_swiglu._swiglu_float32)
+    rng = np.random.default_rng(1)
+    resets = prompt.resets
+    for n in range(2, 2 + prompt.max_traces + 5):
+        gate, x = (mx.array(rng.normal(size=(1, n, 4)).astype(np.float32) * 4) for _ in range(2))
+        assert np.array_equal(np.array(cpu_swiglu.swiglu(gate, x)), np.array(reference(gate, x)))
+    assert prompt.traces <= prompt.max_traces and prompt.resets > resets
+    step_traces = prompt.traces
+    for b in (1, 3):
+        gate = mx.array(rng.normal(size=(b, 1, 4)).astype(np.float32))
+        assert np.array_equal(np.array(cpu_swiglu.swiglu(gate, gate)), np.array(reference(gate, gate)))
+    assert prompt.traces == step_traces  # the step's shapes did not go through the bounded compile
