@@ -10,8 +10,10 @@ review text (so the prompt cache keeps admitting, and evicting once full: with `
 bound of 256 MiB that takes a tiny model's ~4,000 prompts; ``--prompt-cache-bytes`` lowers it), a quarter of them stream, and the
 policies rotate over ``return``, ``abstain`` and ``reask`` (2 attempts).  The server's resident set
 (``VmRSS``) is sampled every ``--every`` seconds.  Reported: the samples, the peak (``VmHWM``), the
-requests and errors, and the growth over the second half of the run (MiB and % of its start) — the
-stores fill in the first minute or two, so a flat server shows ≈ 0 there.
+requests and errors, the growth over the second half of the run (MiB and % of its start) — the
+stores fill in the first minute or two, so a flat server shows ≈ 0 there — and the median RSS of each quarter
+of the run (single readings swing by ±10 MiB; the medians of the second and the last quarter are the steadier
+comparison).
 
 ``--max-words N`` gives each review a random 1..N words (default: 2, as in the earlier runs), so that prompt
 lengths, and so the shapes the model computes, vary as in real traffic: whatever is kept per shape (compiled
@@ -49,6 +51,19 @@ POLICIES = ({"on_reject": "return"}, {"on_reject": "abstain"}, {"on_reject": "re
 def rss_mb(pid: int) -> float | None:
     """Current resident set size of a live process (Linux ``VmRSS``), in MiB."""
     return status_mb(pid, "VmRSS")
+
+
+def quarter_medians(samples: list, seconds: float) -> list:
+    """The median RSS of the samples in each quarter of the run (None for a quarter without samples).  Two
+    readings 10 s apart differ by up to ±10 MiB, so the end points of a half mislead; medians over 75 s of a
+    5-minute run do not."""
+    out = []
+    for q in range(4):
+        lo, hi = q * seconds / 4, (q + 1) * seconds / 4
+        vals = [s["rss_mb"] for s in samples if s["rss_mb"] is not None and (lo <= s["t_s"] < hi or
+                                                                             (q == 3 and s["t_s"] >= hi))]
+        out.append(float(np.median(vals)) if vals else None)
+    return out
 
 
 def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float,
@@ -90,9 +105,13 @@ def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, ever
     samples.append({"t_s": round(time.perf_counter() - t0, 1), "rss_mb": rss_mb(pid), "requests": done[0]})
     half = [s for s in samples if s["t_s"] >= seconds / 2 and s["rss_mb"] is not None]
     grow = half[-1]["rss_mb"] - half[0]["rss_mb"] if len(half) >= 2 else None
+    quarters = quarter_medians(samples, seconds)
     return {"samples": samples, "requests": done[0], "errors": len(errors), "error_samples": errors[:3],
             "requests_per_s": done[0] / (time.perf_counter() - t0),
             "second_half_growth_mb": grow,
+            "rss_quarter_medians_mb": quarters,
+            "growth_second_to_last_quarter_mb": (quarters[3] - quarters[1]
+                                                 if None not in (quarters[1], quarters[3]) else None),
             "second_half_growth_pct": 100 * grow / half[0]["rss_mb"] if grow is not None else None,
             "peak_rss_mb": peak_rss_mb(pid)}
 
@@ -150,7 +169,8 @@ def main(argv=None) -> int:
         print(f"{s['t_s']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MiB  {s['requests']:>6} requests")
     print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
           f"{report['peak_rss_mb']:.0f} MiB; second half growth {report['second_half_growth_mb']:+.1f} MiB "
-          f"({report['second_half_growth_pct']:+.1f} %); load average {report['load_average_before'][0]:.1f} -> "
+          f"({report['second_half_growth_pct']:+.1f} %); median RSS by quarter "
+          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB; load average {report['load_average_before'][0]:.1f} -> "
           f"{report['load_average_after'][0]:.1f}")
     if args.json:
         write_report(args.json, report)

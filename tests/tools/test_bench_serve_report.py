@@ -28,3 +28,14 @@ def test_the_table_prints_the_paired_ratios(capsys):
     out = capsys.readouterr().out
     assert "paired ratios sdm/mlx_lm at 4 client(s), median of 1 repeats: requests_per_s 2.00 (2.00)" in out
     assert "mlx_lm answer lengths: matched to ours per prompt" in out
+
+
+def test_soak_quarter_medians_are_robust_to_single_readings():
+    import bench_serve_soak as S
+
+    samples = [{"t_s": t, "rss_mb": 100.0 + (50 if t == 170 else 0)} for t in range(0, 301, 10)]
+    assert S.quarter_medians(samples, 300) == [100.0, 100.0, 100.0, 100.0]  # one 150 MiB reading moves no median
+    samples = [{"t_s": t, "rss_mb": 100.0 + t / 10} for t in range(0, 301, 10)]
+    q = S.quarter_medians(samples, 300)
+    assert q[0] < q[1] < q[2] < q[3] and q[3] == 126.5  # 230..300 s: the last quarter includes the final reading
+    assert S.quarter_medians([{"t_s": 200, "rss_mb": 1.0}], 300) == [None, None, 1.0, None]
