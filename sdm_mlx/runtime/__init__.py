@@ -10,7 +10,8 @@ Nothing is imported until used (PEP 562).
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "preload_openblas": "blas", "BoundedCompile": "compiled", "keep_freed_buffers": "allocator", "keep_freed_buffers_after_load": "allocator",
+    "preload_openblas": "blas", "BoundedCompile": "compiled",
+    "keep_freed_buffers": "allocator", "keep_freed_buffers_after_load": "allocator",
     "Callback": "callbacks", "CallbackList": "callbacks",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
