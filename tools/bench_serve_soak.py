@@ -141,36 +141,35 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path, verifier = build(tmp, args.size, args.support)
         if args.server == "mlx_lm":
-            port = free_port()
-            options = ["--prompt-cache-bytes", args.prompt_cache_bytes] if args.prompt_cache_bytes is not None else []
+            port, options = free_port(), (["--prompt-cache-bytes", args.prompt_cache_bytes]
+                                          if args.prompt_cache_bytes is not None else [])
             report["mlx_lm_options"] = options
             proc = start_mlx_lm(model_path, port, options=options)
-            try:
-                post(port, "/v1/chat/completions", chat("warm-up", args.tokens, model=model_path))
-                report.update(soak(port, proc.pid, seconds=args.seconds, clients=args.clients, tokens=args.tokens,
-                                   every=args.every, mlx_lm_model=model_path, max_words=args.max_words))
-                report["load_average_after"] = os.getloadavg()
-            finally:
+            pid, model = proc.pid, model_path  # mlx_lm.server loads the model a request names
+
+            def stop() -> int:
                 proc.terminate()
-                report["server_exit_code"] = proc.wait(timeout=30)
+                return proc.wait(timeout=30)
         else:
             srv = ServerProcess(sdm_mlx("serve", "--model", model_path, "--verifier", verifier, "--port", 0, "--quiet",
                                         "--system", "", "--prompt-template", "{document}", "--served-model-name",
                                         "bench", *(["--prompt-cache-bytes", args.prompt_cache_bytes]
                                                    if args.prompt_cache_bytes is not None else [])), timeout=300)
-            try:
-                post(srv.port, "/v1/chat/completions", chat("warm-up", args.tokens))
-                report.update(soak(srv.port, srv.proc.pid, seconds=args.seconds, clients=args.clients,
-                                   tokens=args.tokens, every=args.every, max_words=args.max_words))
-                report["load_average_after"] = os.getloadavg()
-            finally:
-                report["server_exit_code"] = srv.stop()
+            port, pid, model, stop = srv.port, srv.proc.pid, None, srv.stop
+        try:
+            post(port, "/v1/chat/completions", chat("warm-up", args.tokens, **({"model": model} if model else {})))
+            report.update(soak(port, pid, seconds=args.seconds, clients=args.clients, tokens=args.tokens,
+                               every=args.every, mlx_lm_model=model, max_words=args.max_words))
+            report["load_average_after"] = os.getloadavg()
+        finally:
+            report["server_exit_code"] = stop()
     for s in report["samples"]:
         print(f"{s['t_s']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MiB  {s['requests']:>6} requests")
     print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
           f"{report['peak_rss_mb']:.0f} MiB; second half growth {report['second_half_growth_mb']:+.1f} MiB "
           f"({report['second_half_growth_pct']:+.1f} %); median RSS by quarter "
-          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB; load average {report['load_average_before'][0]:.1f} -> "
+          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB; "
+          f"load average {report['load_average_before'][0]:.1f} -> "
           f"{report['load_average_after'][0]:.1f}")
     if args.json:
         write_report(args.json, report)

@@ -6,7 +6,8 @@ On this box (MLX 0.32.4, CPU) that is 40–60 KB per trace.  A function that see
 activations meets a new ``(B, L)`` with almost every batch of prompts, so a server that has run for a while
 holds thousands of traces.  Under a 16-client load with prompts of 1–30 words, the median RSS of ``sdm-mlx
 serve`` grew by 22.3 MiB from the second to the last quarter of a 5-minute run, while MLX's buffers and
-Python's objects stayed flat.  With this bound it grew by 6.4–10.5 MiB (``docs/serving.md``).  ``shapeless=True`` would keep one trace, but MLX cannot infer
+Python's objects stayed flat.  With this bound it grew by 6.4–10.5 MiB (``docs/serving.md``).
+``shapeless=True`` would keep one trace, but MLX cannot infer
 every primitive's output shape (``view``, which :mod:`sdm_mlx.llm.cpu_swiglu`'s exponent needs, raises).
 
 :class:`BoundedCompile` keeps the compiled function and counts the distinct input signatures it has been

@@ -101,11 +101,12 @@ def test_the_cpu_swiglu_bounds_the_traces_of_prompt_shapes_and_keeps_its_values(
     rng = np.random.default_rng(1)
     resets = prompt.resets
     for n in range(2, 2 + prompt.max_traces + 5):
-        gate, x = (mx.array(rng.normal(size=(1, n, 4)).astype(np.float32) * 4) for _ in range(2))
+        # F = 13: shapes no other test traces, so the 133 lengths are all new signatures
+        gate, x = (mx.array(rng.normal(size=(1, n, 13)).astype(np.float32) * 4) for _ in range(2))
         assert np.array_equal(np.array(cpu_swiglu.swiglu(gate, x)), np.array(reference(gate, x)))
     assert prompt.traces <= prompt.max_traces and prompt.resets > resets
     step_traces = prompt.traces
     for b in (1, 3):
-        gate = mx.array(rng.normal(size=(b, 1, 4)).astype(np.float32))
+        gate = mx.array(rng.normal(size=(b, 1, 13)).astype(np.float32))
         assert np.array_equal(np.array(cpu_swiglu.swiglu(gate, gate)), np.array(reference(gate, gate)))
     assert prompt.traces == step_traces  # the step's shapes did not go through the bounded compile
