@@ -124,13 +124,18 @@ def load_engine(args):
         path = getattr(cfg, name)
         if path and not os.path.isdir(path):
             raise CLIError(f"--{name} {path}: no such directory")
+    from ..runtime.allocator import freeze_loaded_objects, limit_arenas
     from ..serve.engine import Engine
     from ..verified import VerifiedGenerator
 
+    limit_arenas()  # before the server's threads allocate (sdm_mlx.runtime.allocator)
+
     name, aliases = model_names(cfg, getattr(args, "served_model_name", None))
     persist = verifier_directory(cfg) if getattr(args, "persist_feedback", False) else None
-    return Engine(lambda: VerifiedGenerator.from_config(cfg), name, aliases=aliases, max_verdicts=args.max_verdicts,
-                  persist_feedback=persist)
+    engine = Engine(lambda: VerifiedGenerator.from_config(cfg), name, aliases=aliases,
+                    max_verdicts=args.max_verdicts, persist_feedback=persist)
+    freeze_loaded_objects()  # full collections walk only what requests create (sdm_mlx.runtime.allocator)
+    return engine
 
 
 def say_to_stderr(prefix: str, quiet: bool):

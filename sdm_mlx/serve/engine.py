@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from ..llm import embed as _embed
+from ..runtime.allocator import HeapTrimmer
 from ..verified.runner import Cancelled
 from ..verified.verification import VerifyItem
 from ..errors import InputError
@@ -63,14 +64,17 @@ class UnknownVerdict(LookupError):
 class ModelThread:
     """A single daemon worker thread running submitted calls (see the module docstring).
 
-    ``runner`` (set once the generator is loaded) drives the calls that return a generator.
+    ``runner`` (set once the generator is loaded) drives the calls that return a generator.  ``trimmer``
+    gives the heap's free pages back between two decoding steps or once the thread idles, at most every
+    ``trimmer.every_s`` seconds (:class:`~sdm_mlx.runtime.allocator.HeapTrimmer`).
     """
 
-    def __init__(self, name: str = "sdm-model"):
+    def __init__(self, name: str = "sdm-model", *, trimmer: HeapTrimmer | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending, self._closed = 0, False
         self.runner = None
+        self.trimmer = trimmer if trimmer is not None else HeapTrimmer()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
@@ -113,11 +117,20 @@ class ModelThread:
 
         self.runner.start(out, done, failed)
 
+    def _next_job(self):
+        """The next submitted call, once there is one; an idle thread releases the heap's free pages when due."""
+        while True:
+            try:
+                return self._jobs.get(timeout=self.trimmer.due_in())
+            except queue.Empty:
+                self.trimmer.maybe_release()
+
     def _run(self) -> None:
         while True:
             runner = self.runner
             if runner is None or not runner.busy:
-                self._start(self._jobs.get())
+                self._start(self._next_job())
+                self.trimmer.worked()
                 continue
             while True:  # calls submitted since the last step join now
                 try:
@@ -128,6 +141,8 @@ class ModelThread:
                 runner.step()
             except Exception as e:  # our own bug: every running request gets it, the thread lives on
                 runner.fail_all(e)
+            self.trimmer.worked()
+            self.trimmer.maybe_release()
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new calls, cancel queued ones, wait for the running ones; True if idle (the thread stays)."""
