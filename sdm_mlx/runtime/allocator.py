@@ -27,7 +27,7 @@ does three things once its model is loaded, measured under 16 clients on the tin
 
 * :func:`freeze_loaded_objects`.  Every closed HTTP connection left asyncio's transport in a reference cycle
   that only a full collection frees, and with the loaded objects in the collector's reach a full collection
-  came after tens of thousands of requests: ``gc.collect()`` every 30 s found 700-950 such objects each time.
+  came after tens of thousands of requests: ``gc.collect()`` every 30 s found 700-3,000 such objects each time.
   After the freeze a full collection came every 30 s or so by itself.
 * :func:`limit_arenas` (2).  glibc had given the server's threads 9 heaps, each fragmenting apart.
 * :class:`HeapTrimmer` on the model thread (``sdm_mlx.serve.engine.ModelThread``): at most every 10 s, between
@@ -141,6 +141,8 @@ class HeapTrimmer:
     ----------
     releases : int
         Releases made so far.
+    failures : int
+        Releases that raised (counted, not propagated: the owner's work goes on).
     """
 
     def __init__(self, *, every_s: float = 10.0, release: Callable[[], bool] = release_free_memory,
@@ -150,7 +152,7 @@ class HeapTrimmer:
         self.every_s, self._release, self._clock = float(every_s), release, clock
         self._last = clock()
         self._dirty = False
-        self.releases = 0
+        self.releases = self.failures = 0
 
     def worked(self) -> None:
         """Note that work was done (memory may have been freed since the last release)."""
@@ -166,8 +168,12 @@ class HeapTrimmer:
         """Release now if work was done and ``every_s`` passed since the last release; whether it did."""
         if self.due_in() != 0.0:
             return False
-        self._release()
         self._last, self._dirty = self._clock(), False
+        try:
+            self._release()
+        except Exception:  # giving memory back is never worth failing the owner's work over
+            self.failures += 1
+            return False
         self.releases += 1
         return True
 
@@ -198,7 +204,7 @@ def freeze_loaded_objects() -> int:
 
     A server calls this once its model is loaded.  CPython runs a full collection only when the objects that
     survived into the oldest generation since the last one exceed a quarter of those that survived it, and a
-    loaded model, tokenizer and verifier are about 100,000 such objects.  Without the freeze, the cycles a
+    loaded model, tokenizer and verifier are about 85,000 such objects.  Without the freeze, the cycles a
     request leaves behind that outlive a few young collections (each closed connection leaves asyncio's
     ``_SelectorSocketTransport`` in a cycle with its own bound method) wait for a full collection that comes
     after tens of thousands of requests, and hold their memory until then.  Frozen objects are never walked

@@ -159,3 +159,16 @@ def test_freeze_loaded_objects_leaves_full_collections_only_the_new_objects():
             "found = gc.collect()\n"
             "print(n >= 200000, found >= 2, len(gc.get_objects()) < 100000)")  # the walked objects: not the frozen
     assert _run(code) == "True True True"
+
+
+def test_a_release_that_raises_is_counted_and_does_not_reach_the_owner():
+    clock = _Clock()
+
+    def broken():
+        raise OSError("no")
+
+    trimmer = allocator.HeapTrimmer(every_s=1.0, release=broken, clock=clock)
+    trimmer.worked()
+    clock.now += 1.0
+    assert not trimmer.maybe_release() and (trimmer.failures, trimmer.releases) == (1, 0)
+    assert trimmer.due_in() is None  # the next try waits for new work and the period
