@@ -1,4 +1,4 @@
-"""Keep freed activation buffers in the process (glibc ``mallopt``), so MLX's CPU kernels do not page-fault.
+"""glibc's allocator for MLX's CPU buffers: kept freed buffers for batch work, bounded memory for a server.
 
 On Linux, MLX's CPU buffers come from glibc ``malloc``.  glibc serves a request above its mmap threshold
 (128 KiB, raised dynamically up to the size of the largest block freed so far) with a fresh ``mmap`` and
@@ -61,6 +61,18 @@ _done = False
 _wanted = False
 
 
+def _glibc(name: str, argtypes: tuple) -> Callable | None:
+    """glibc's function ``name`` (returning a C int), or None on other platforms and C libraries (e.g. musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def keep_freed_buffers_after_load() -> None:
     """Ask :func:`sdm_mlx.llm.model.load_model` to call :func:`keep_freed_buffers` once its weights are read (the
     batch commands do; a long-running server does not, see the module docstring)."""
@@ -78,31 +90,20 @@ def keep_freed_buffers() -> bool:
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux") or os.environ.get("SDM_MLX_KEEP_FREED_BUFFERS", "1") == "0":
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None or os.environ.get("SDM_MLX_KEEP_FREED_BUFFERS", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _done
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (e.g. musl)
-        return None
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return trim
+def _server_tuning_off() -> bool:
+    """``SDM_MLX_TRIM_HEAP=0``: the opt-out of the three server measures (module docstring)."""
+    return os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0"
 
 
-_trim = _malloc_trim()
+_trim = _glibc("malloc_trim", (ctypes.c_size_t,))
 
 
 def release_free_memory() -> bool:
@@ -114,7 +115,7 @@ def release_free_memory() -> bool:
     Only the collection where there is no glibc (other platforms and C libraries); nothing with
     ``SDM_MLX_TRIM_HEAP=0``.
     """
-    if os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0":
+    if _server_tuning_off():
         return False
     gc.collect()
     if _trim is None:
@@ -189,13 +190,9 @@ def limit_arenas(n: int = SERVER_ARENAS) -> bool:
     fragments and keeps its free pages apart.  A server calls this before it starts its threads.  Opt out with
     ``SDM_MLX_TRIM_HEAP=0``.
     """
-    if not sys.platform.startswith("linux") or os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0":
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None or _server_tuning_off():
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(_M_ARENA_MAX, int(n)))
 
 
@@ -210,7 +207,7 @@ def freeze_loaded_objects() -> int:
     after tens of thousands of requests, and hold their memory until then.  Frozen objects are never walked
     again, so full collections come often and cost little.  Nothing with ``SDM_MLX_TRIM_HEAP=0`` (returns 0).
     """
-    if os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0":
+    if _server_tuning_off():
         return 0
     gc.collect()
     gc.freeze()
