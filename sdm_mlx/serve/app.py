@@ -241,19 +241,18 @@ class Routes:
         return await read_json(request, self.limits.max_body_bytes, self.limits.body_timeout)
 
     async def count(self, messages, prompt, extra: str = "", template_kwargs: dict | None = None) -> int:
-        """Prompt tokens (+ ``extra``), counted off the event loop and off the model thread (a chat template
-        that fails on the request's ``chat_template_kwargs``: 400)."""
+        """Prompt tokens (+ ``extra``), counted on the counter's thread (a chat template that fails on the
+        request's ``chat_template_kwargs``: 400)."""
         return await self._off_loop(self.counter.count, messages, prompt, extra, template_kwargs)
 
     async def prompt_ids(self, req: GenerationRequest) -> list | None:
-        """The request's prompt token ids, made off the event loop and off the model thread (or None: the
-        model thread makes them)."""
+        """The request's prompt token ids, made on the counter's thread (or None: the model thread makes
+        them)."""
         return await self._off_loop(self.counter.prompt_ids, req.messages, req.prompt, req.chat_template_kwargs)
 
-    @staticmethod
-    async def _off_loop(fn, *args):
+    async def _off_loop(self, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            return await self.counter.off_loop(fn, *args)
         except InputError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
 

@@ -132,8 +132,7 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
         """
         if not question.strip() or not answer.strip():
             raise ToolError("question and answer must be non-empty strings")
-        n = await asyncio.get_running_loop().run_in_executor(
-            None, counter.count, [{"role": "user", "content": question}], None, answer)
+        n = await counter.off_loop(counter.count, [{"role": "user", "content": question}], None, answer)
         if n > max_prompt_tokens:  # refused before any forward pass
             raise ToolError(f"prompt too long ({n} tokens, limit {max_prompt_tokens})")
         try:
