@@ -50,11 +50,11 @@ class PromptCounter:
     """Token counts of request prompts, rendered exactly as the engine renders them, on a private tokenizer copy.
 
     The event loop awaits them through :meth:`off_loop`, which runs them on the counter's one thread.  One
-    thread, not the event loop's pool of workers: the ``tokenizers`` library keeps its BPE word cache
-    (10,000 words) per thread that encodes.  Measured with ``tokenizers`` 0.23 alone on the tiny test
-    model's tokenizer, 80,000 distinct words grew the heap's live bytes by 2.7 MiB from 1 thread (the bound
-    was reached at 10,000 words) and by 18.6 MiB from 6 threads (reached after 60,000): in a server under
-    load, part of a slow creep of its memory (docs/serving.md).
+    thread, not the event loop's pool of workers: what the ``tokenizers`` library keeps of the words it has
+    encoded grows with the number of threads that encode.  Measured with ``tokenizers`` 0.23 alone on the
+    tiny test model's tokenizer, 80,000 distinct words grew the heap's live bytes by 2.7 MiB from 1 thread
+    (flat after 10,000 words, its word cache's capacity) and by 18.6 MiB from 6 threads (flat after
+    60,000): in a server under load, part of a slow creep of its memory (docs/serving.md).
     """
 
     def __init__(self, engine):
