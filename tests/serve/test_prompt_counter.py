@@ -1,5 +1,6 @@
-"""PromptCounter runs its calls on one thread of its own (sdm_mlx.serve.limits): every thread that encodes
-keeps its own tokenizer word cache, so counting from the event loop's pool of workers grew the heap."""
+"""PromptCounter runs its calls on one thread of its own (sdm_mlx.serve.limits): what the tokenizers library
+keeps of the words it encoded grows with the threads that encode, so counting on the event loop's pool of
+workers grew the server's heap."""
 
 import asyncio
 import threading
@@ -29,7 +30,7 @@ def test_concurrent_calls_run_on_one_thread_off_the_event_loop():
     assert len(idents) == 1 and loop_thread not in idents
 
 
-def test_off_loop_returns_results_and_raises_errors_in_order():
+def test_off_loop_returns_the_result_and_raises_the_error_of_the_call():
     counter = _counter()
 
     def fail():
