@@ -73,6 +73,10 @@ def _glibc(name: str, argtypes: tuple) -> Callable | None:
     return fn
 
 
+_mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+_trim = _glibc("malloc_trim", (ctypes.c_size_t,))
+
+
 def keep_freed_buffers_after_load() -> None:
     """Ask :func:`sdm_mlx.llm.model.load_model` to call :func:`keep_freed_buffers` once its weights are read (the
     batch commands do; a long-running server does not, see the module docstring)."""
@@ -90,20 +94,16 @@ def keep_freed_buffers() -> bool:
     global _done
     if _done:
         return True
-    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
-    if mallopt is None or os.environ.get("SDM_MLX_KEEP_FREED_BUFFERS", "1") == "0":
+    if _mallopt is None or os.environ.get("SDM_MLX_KEEP_FREED_BUFFERS", "1") == "0":
         return False
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    _done = bool(_mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _done
 
 
 def _server_tuning_off() -> bool:
     """``SDM_MLX_TRIM_HEAP=0``: the opt-out of the three server measures (module docstring)."""
     return os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0"
-
-
-_trim = _glibc("malloc_trim", (ctypes.c_size_t,))
 
 
 def release_free_memory() -> bool:
@@ -190,10 +190,9 @@ def limit_arenas(n: int = SERVER_ARENAS) -> bool:
     fragments and keeps its free pages apart.  A server calls this before it starts its threads.  Opt out with
     ``SDM_MLX_TRIM_HEAP=0``.
     """
-    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
-    if mallopt is None or _server_tuning_off():
+    if _mallopt is None or _server_tuning_off():
         return False
-    return bool(mallopt(_M_ARENA_MAX, int(n)))
+    return bool(_mallopt(_M_ARENA_MAX, int(n)))
 
 
 def freeze_loaded_objects() -> int:
