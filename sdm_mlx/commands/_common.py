@@ -124,11 +124,12 @@ def load_engine(args):
         path = getattr(cfg, name)
         if path and not os.path.isdir(path):
             raise CLIError(f"--{name} {path}: no such directory")
-    from ..runtime.allocator import freeze_loaded_objects, limit_arenas
+    from ..runtime.allocator import freeze_loaded_objects, limit_arenas, limit_buffer_cache
     from ..serve.engine import Engine
     from ..verified import VerifiedGenerator
 
     limit_arenas()  # before the server's threads allocate (sdm_mlx.runtime.allocator)
+    limit_buffer_cache()  # glibc, not MLX's cache, reuses a server's freed buffers (sdm_mlx.runtime.allocator)
 
     name, aliases = model_names(cfg, getattr(args, "served_model_name", None))
     persist = verifier_directory(cfg) if getattr(args, "persist_feedback", False) else None

@@ -13,7 +13,7 @@ _EXPORTS = {
     "preload_openblas": "blas", "BoundedCompile": "compiled",
     "keep_freed_buffers": "allocator", "keep_freed_buffers_after_load": "allocator",
     "HeapTrimmer": "allocator", "release_free_memory": "allocator", "limit_arenas": "allocator",
-    "freeze_loaded_objects": "allocator",
+    "limit_buffer_cache": "allocator", "freeze_loaded_objects": "allocator",
     "Callback": "callbacks", "CallbackList": "callbacks",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -19,10 +19,10 @@ buffers kept (13,219 requests; +12.9 MiB over the second half), against 207-219 
 requests; +2.2 MiB).  It does nothing on other platforms or C libraries.  Opt out with
 ``SDM_MLX_KEEP_FREED_BUFFERS=0``.
 
-A server's memory (:func:`freeze_loaded_objects`, :func:`limit_arenas`, :class:`HeapTrimmer`)
---------------------------------------------------------------------------------------------
+A server's memory (:func:`freeze_loaded_objects`, :func:`limit_arenas`, :class:`HeapTrimmer`, :func:`limit_buffer_cache`)
+-----------------------------------------------------------------------------------------------------------------
 A server keeps glibc's defaults, and ``load_engine`` (``sdm_mlx.commands._common``, for ``serve`` and ``mcp``)
-does three things once its model is loaded, measured under 16 clients on the tiny model for 10 minutes
+does four things once its model is loaded, measured under 16 clients on the tiny model for 10 minutes
 (``tools/bench_serve_soak.py``, table in ``docs/serving.md``):
 
 * :func:`freeze_loaded_objects`.  Every closed HTTP connection left asyncio's transport in a reference cycle
@@ -36,8 +36,12 @@ does three things once its model is loaded, measured under 16 clients on the tin
   batch shape allocates and frees buffers of new sizes between long-lived ones (prompt-cache entries,
   verdicts): before these changes its free bytes (``mallinfo2``) rose from 45 to 79 MiB in 10 minutes while
   its live bytes stayed at 80-95 MiB.
+* :func:`limit_buffer_cache` (0 bytes): MLX's CPU buffer cache is off, so glibc reuses the freed buffers.  The
+  cache kept 32 MiB of buffers whose sizes later prompts rarely matched; without it RSS settled 35-55 MiB
+  lower, the heap's free bytes stayed flat after the first 100 s (they had risen from 36 to 55 MiB over 12
+  minutes), and requests/s did not fall (measured in ``docs/serving.md``).
 
-Opt out of all three with ``SDM_MLX_TRIM_HEAP=0``.
+Opt out of all four with ``SDM_MLX_TRIM_HEAP=0``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import os
 import sys
 import time
 from typing import Callable
+
+from ..errors import InputError
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -102,7 +108,7 @@ def keep_freed_buffers() -> bool:
 
 
 def _server_tuning_off() -> bool:
-    """``SDM_MLX_TRIM_HEAP=0``: the opt-out of the three server measures (module docstring)."""
+    """``SDM_MLX_TRIM_HEAP=0``: the opt-out of the four server measures (module docstring)."""
     return os.environ.get("SDM_MLX_TRIM_HEAP", "1") == "0"
 
 
@@ -193,6 +199,43 @@ def limit_arenas(n: int = SERVER_ARENAS) -> bool:
     if _mallopt is None or _server_tuning_off():
         return False
     return bool(_mallopt(_M_ARENA_MAX, int(n)))
+
+
+#: MLX's CPU buffer cache of a server process, in bytes (:func:`limit_buffer_cache`)
+SERVER_BUFFER_CACHE_BYTES = 0
+
+
+def limit_buffer_cache(n: int | None = None) -> int | None:
+    """Set MLX's CPU buffer cache to ``n`` bytes (default :data:`SERVER_BUFFER_CACHE_BYTES`, or the environment's
+    ``SDM_MLX_BUFFER_CACHE_BYTES``); the limit set, or None where it does not apply.
+
+    MLX keeps freed CPU buffers in its own cache (32 MiB by default) and hands one out again only for a request
+    within two pages of its size; once the cache is full it frees the newly freed buffer instead.  A server's
+    buffer sizes change with every prompt length and batch size, so the cache fills with the sizes freed first,
+    pins them across the heap, and most frees and allocations pass it by anyway.  Without it glibc's bins reuse
+    freed memory for any size and join freed neighbours.  Measured under 16 clients on the tiny model
+    (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's buffers (Linux,
+    computing on the CPU); opt out with ``SDM_MLX_TRIM_HEAP=0``.
+    """
+    if _mallopt is None or _server_tuning_off():
+        return None
+    import mlx.core as mx
+
+    if mx.metal.is_available() or mx.default_device() != mx.cpu:
+        return None
+    if n is None:
+        raw = os.environ.get("SDM_MLX_BUFFER_CACHE_BYTES", str(SERVER_BUFFER_CACHE_BYTES))
+        try:
+            n = int(raw)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise InputError(f"SDM_MLX_BUFFER_CACHE_BYTES must be a whole number of bytes >= 0, got {raw!r}: "
+                             f"unset it for the default ({SERVER_BUFFER_CACHE_BYTES})")
+    if n < 0:
+        raise InputError(f"MLX's buffer cache must be >= 0 bytes, got {n}")
+    mx.set_cache_limit(int(n))
+    return int(n)
 
 
 def freeze_loaded_objects() -> int:

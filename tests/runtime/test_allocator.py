@@ -1,5 +1,6 @@
-"""``keep_freed_buffers``: glibc's mmap and trim thresholds are set once on Linux, only for processes that ask
-(the batch commands), and the opt-out is honoured."""
+"""``sdm_mlx.runtime.allocator``: glibc's mmap and trim thresholds are set once on Linux, only for processes that
+ask (the batch commands); a server's arenas, heap trims, frozen objects and MLX buffer cache; each opt-out is
+honoured."""
 
 from __future__ import annotations
 
@@ -172,3 +173,39 @@ def test_a_release_that_raises_is_counted_and_does_not_reach_the_owner():
     clock.now += 1.0
     assert not trimmer.maybe_release() and (trimmer.failures, trimmer.releases) == (1, 0)
     assert trimmer.due_in() is None  # the next try waits for new work and the period
+
+
+_BUFFER_CACHE = """
+import mlx.core as mx
+from sdm_mlx.runtime.allocator import limit_buffer_cache
+done = limit_buffer_cache()
+for n in (1000, 3000, 7000):  # freed buffers of three sizes: kept by MLX's cache, or handed to glibc
+    x = mx.ones((n, 64)) * 2.0
+    mx.eval(x)
+    del x
+print(done, mx.get_cache_memory())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's setting is for glibc's heap")
+def test_a_server_hands_freed_buffers_to_glibc_and_the_limit_can_be_set_or_opted_out():
+    done, cached = _run(_BUFFER_CACHE, SDM_MLX_TRIM_HEAP="1").split()
+    if done == "None":  # not glibc, or not computing on the CPU: MLX's default is left alone
+        return
+    assert (done, cached) == ("0", "0")
+    done, cached = _run(_BUFFER_CACHE, SDM_MLX_TRIM_HEAP="1", SDM_MLX_BUFFER_CACHE_BYTES="33554432").split()
+    assert done == "33554432" and int(cached) > 0
+    done, cached = _run(_BUFFER_CACHE, SDM_MLX_TRIM_HEAP="0").split()
+    assert done == "None" and int(cached) > 0  # the opt-out keeps MLX's own 32 MiB cache
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5"])
+def test_a_bad_buffer_cache_setting_names_the_variable_and_the_fix(raw, monkeypatch):
+    import mlx.core as mx
+
+    if allocator._mallopt is None or mx.metal.is_available():
+        pytest.skip("not glibc, or not computing on the CPU: the setting is not read")
+    monkeypatch.setenv("SDM_MLX_BUFFER_CACHE_BYTES", raw)
+    monkeypatch.setenv("SDM_MLX_TRIM_HEAP", "1")
+    with pytest.raises(allocator.InputError, match="SDM_MLX_BUFFER_CACHE_BYTES.*unset it"):
+        allocator.limit_buffer_cache()
