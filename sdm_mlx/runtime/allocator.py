@@ -39,7 +39,8 @@ does four things once its model is loaded, measured under 16 clients on the tiny
 * :func:`limit_buffer_cache` (0 bytes): MLX's CPU buffer cache is off, so glibc reuses the freed buffers.  The
   cache kept 32 MiB of buffers whose sizes later prompts rarely matched; without it RSS settled 35-55 MiB
   lower, the heap's free bytes stayed flat after the first 100 s (they had risen from 36 to 55 MiB over 12
-  minutes), and requests/s did not fall (measured in ``docs/serving.md``).
+  minutes), and requests/s did not fall on the tiny model (on the real model, 0.97x at 4 clients, the
+  median of 6 alternating pairs, inside the noise; measured in ``docs/serving.md``).
 
 Opt out of all four with ``SDM_MLX_TRIM_HEAP=0``.
 """
