@@ -53,17 +53,30 @@ def rss_mb(pid: int) -> float | None:
     return status_mb(pid, "VmRSS")
 
 
+def quarter_values(samples: list, seconds: float) -> list:
+    """The RSS readings of each quarter of the run (the final reading, taken after the clients stopped, counts
+    in the last quarter)."""
+    out = []
+    for q in range(4):
+        lo, hi = q * seconds / 4, (q + 1) * seconds / 4
+        out.append([s["rss_mb"] for s in samples if s["rss_mb"] is not None and (lo <= s["t_s"] < hi or
+                                                                                 (q == 3 and s["t_s"] >= hi))])
+    return out
+
+
 def quarter_medians(samples: list, seconds: float) -> list:
     """The median RSS of the samples in each quarter of the run (None for a quarter without samples).  Two
     readings 10 s apart differ by up to ±10 MiB, so the end points of a half mislead; medians over 75 s of a
     5-minute run do not."""
-    out = []
-    for q in range(4):
-        lo, hi = q * seconds / 4, (q + 1) * seconds / 4
-        vals = [s["rss_mb"] for s in samples if s["rss_mb"] is not None and (lo <= s["t_s"] < hi or
-                                                                             (q == 3 and s["t_s"] >= hi))]
-        out.append(float(np.median(vals)) if vals else None)
-    return out
+    return [float(np.median(v)) if v else None for v in quarter_values(samples, seconds)]
+
+
+def quarter_ranges(samples: list, seconds: float) -> list:
+    """``[lowest, highest]`` RSS of each quarter (None without samples).  A server that gives its heap's free
+    pages back (``malloc_trim``) swings between the two as a batch's buffers are faulted in and given back: on a
+    larger model the readings can be bimodal, and a median then jumps between the modes while the lowest
+    (what is kept) and the highest (the working peak) hold."""
+    return [[min(v), max(v)] if v else None for v in quarter_values(samples, seconds)]
 
 
 def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, every: float,
@@ -106,10 +119,12 @@ def soak(port: int, pid: int, *, seconds: float, clients: int, tokens: int, ever
     half = [s for s in samples if s["t_s"] >= seconds / 2 and s["rss_mb"] is not None]
     grow = half[-1]["rss_mb"] - half[0]["rss_mb"] if len(half) >= 2 else None
     quarters = quarter_medians(samples, seconds)
+    ranges = quarter_ranges(samples, seconds)
     return {"samples": samples, "requests": done[0], "errors": len(errors), "error_samples": errors[:3],
             "requests_per_s": done[0] / (time.perf_counter() - t0),
             "second_half_growth_mb": grow,
             "rss_quarter_medians_mb": quarters,
+            "rss_quarter_ranges_mb": ranges,
             "growth_second_to_last_quarter_mb": (quarters[3] - quarters[1]
                                                  if None not in (quarters[1], quarters[3]) else None),
             "second_half_growth_pct": 100 * grow / half[0]["rss_mb"] if grow is not None else None,
@@ -168,7 +183,8 @@ def main(argv=None) -> int:
     print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
           f"{report['peak_rss_mb']:.0f} MiB; second half growth {report['second_half_growth_mb']:+.1f} MiB "
           f"({report['second_half_growth_pct']:+.1f} %); median RSS by quarter "
-          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB; "
+          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB "
+          f"(lowest-highest {' / '.join('-' if r is None else f'{r[0]:.0f}-{r[1]:.0f}' for r in report['rss_quarter_ranges_mb'])}); "
           f"load average {report['load_average_before'][0]:.1f} -> "
           f"{report['load_average_after'][0]:.1f}")
     if args.json:

@@ -39,3 +39,13 @@ def test_soak_quarter_medians_are_robust_to_single_readings():
     q = S.quarter_medians(samples, 300)
     assert q[0] < q[1] < q[2] < q[3] and q[3] == 126.5  # 230..300 s: the last quarter includes the final reading
     assert S.quarter_medians([{"t_s": 200, "rss_mb": 1.0}], 300) == [None, None, 1.0, None]
+
+
+def test_soak_quarter_ranges_keep_both_modes_of_a_swinging_server():
+    import bench_serve_soak as S
+
+    # a trimmed heap: readings alternate between what is kept (100) and the working peak (300)
+    samples = [{"t_s": t, "rss_mb": 100.0 if (t // 10) % 2 else 300.0} for t in range(0, 301, 10)]
+    assert S.quarter_ranges(samples, 300) == [[100.0, 300.0]] * 4
+    # a reading that failed (None) is left out
+    assert S.quarter_ranges([{"t_s": 0, "rss_mb": None}, {"t_s": 80, "rss_mb": 5.0}], 300) == [None, [5.0, 5.0], None, None]
