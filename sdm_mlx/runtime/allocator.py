@@ -20,7 +20,7 @@ requests; +2.2 MiB).  It does nothing on other platforms or C libraries.  Opt ou
 ``SDM_MLX_KEEP_FREED_BUFFERS=0``.
 
 A server's memory (:func:`freeze_loaded_objects`, :func:`limit_arenas`, :class:`HeapTrimmer`, :func:`limit_buffer_cache`)
------------------------------------------------------------------------------------------------------------------
+-------------------------------------------------------------------------------------------------------------------------
 A server keeps glibc's defaults, and ``load_engine`` (``sdm_mlx.commands._common``, for ``serve`` and ``mcp``)
 does four things once its model is loaded, measured under 16 clients on the tiny model for 10 minutes
 (``tools/bench_serve_soak.py``, table in ``docs/serving.md``):
@@ -37,10 +37,11 @@ does four things once its model is loaded, measured under 16 clients on the tiny
   verdicts): before these changes its free bytes (``mallinfo2``) rose from 45 to 79 MiB in 10 minutes while
   its live bytes stayed at 80-95 MiB.
 * :func:`limit_buffer_cache` (0 bytes): MLX's CPU buffer cache is off, so glibc reuses the freed buffers.  The
-  cache kept 32 MiB of buffers whose sizes later prompts rarely matched; without it RSS settled 35-55 MiB
-  lower, the heap's free bytes stayed flat after the first 100 s (they had risen from 36 to 55 MiB over 12
-  minutes), and requests/s did not fall on the tiny model (on the real model, 0.97x at 4 clients, the
-  median of 6 alternating pairs, inside the noise; measured in ``docs/serving.md``).
+  cache kept 32 MiB of buffers whose sizes later prompts rarely matched.  Without it RSS settled 35-55 MiB
+  lower on the tiny model and the heap's free bytes stayed flat after the first 100 s (they had risen from 36
+  to 55 MiB over 12 minutes); on the small model the memory kept between batches was 104-115 MiB lower.
+  Requests/s did not fall on the tiny model; on the real model they were 0.97x at 4 clients (the median of 6
+  alternating pairs, inside the noise).  Measured in ``docs/serving.md``.
 
 Opt out of all four with ``SDM_MLX_TRIM_HEAP=0``.
 """
@@ -214,8 +215,8 @@ def limit_buffer_cache(n: int | None = None) -> int | None:
     within two pages of its size; once the cache is full it frees the newly freed buffer instead.  A server's
     buffer sizes change with every prompt length and batch size, so the cache fills with the sizes freed first,
     pins them across the heap, and most frees and allocations pass it by anyway.  Without it glibc's bins reuse
-    freed memory for any size and join freed neighbours.  Measured under 16 clients on the tiny model
-    (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's buffers (Linux,
+    freed memory for any size and join freed neighbours.  Measured under 16 clients on the tiny and small
+    models (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's buffers (Linux,
     computing on the CPU); opt out with ``SDM_MLX_TRIM_HEAP=0``.
     """
     if _mallopt is None or _server_tuning_off():
