@@ -77,16 +77,20 @@ class PromptCounter:
         that fails on ``template_kwargs`` raises :class:`~sdm_mlx.errors.InputError`."""
         if self.tokenizer is None:
             return None
-        text = self.engine.gen.prompts.prompt_text(messages, prompt, template_kwargs, self.tokenizer) + extra
-        return _embed.encode(self.tokenizer, text)
+        return self._ids(self.tokenizer, messages, prompt, template_kwargs, extra)
+
+    def _ids(self, tokenizer, messages, prompt, template_kwargs, extra) -> list:
+        text = self.engine.gen.prompts.prompt_text(messages, prompt, template_kwargs, tokenizer) + extra
+        return _embed.encode(tokenizer, text)
 
     def count(self, messages: list | None = None, prompt: str | None = None, extra: str = "",
               template_kwargs: dict | None = None) -> int:
-        """Tokens of :meth:`prompt_ids` (counted on the model thread without a private tokenizer)."""
+        """Tokens of :meth:`prompt_ids`; without a private tokenizer, counted the same way with the model's own
+        tokenizer on the model thread."""
         ids = self.prompt_ids(messages, prompt, template_kwargs, extra)
         if ids is None:
-            ids = self.engine.submit(self.engine.prompt_ids, messages, prompt, template_kwargs).result()
-            return len(ids) + len(extra)
+            ids = self.engine.submit(self._ids, self.engine.gen.tokenizer, messages, prompt, template_kwargs,
+                                     extra).result()
         return len(ids)
 
 

@@ -190,3 +190,31 @@ def test_prompt_ids_made_off_the_model_thread_equal_the_engine_s(setup):
         expected = E.encode(gen.tokenizer, gen.prompts.prompt_text(messages, prompt, kwargs))
         assert counter.prompt_ids(messages, prompt, kwargs) == expected
         assert counter.count(messages, prompt, "", kwargs) == len(expected)
+
+
+def test_without_a_tokenizer_copy_the_model_thread_counts_the_prompt_and_extra_text_exactly(setup):
+    """A tokenizer that cannot be copied: the count (prompt + an answer to verify) is made with the model's own
+    tokenizer on the model thread, in tokens (it added the answer's characters before)."""
+    import concurrent.futures
+    import types
+
+    from sdm_mlx.llm import embed as E
+    from sdm_mlx.serve.limits import PromptCounter
+    from sdm_mlx.verified.generator import VerifiedGenerator
+
+    gen = VerifiedGenerator(setup.model_path, setup.verifier_dir, head_path=setup.head_dir)
+    on_model_thread = []
+
+    def submit(fn, *args):
+        on_model_thread.append(fn)
+        done = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done
+
+    counter = PromptCounter(types.SimpleNamespace(gen=gen, submit=submit))
+    counter.tokenizer = None  # as when copy.deepcopy of the tokenizer failed
+    chat = [{"role": "user", "content": reviews(1, seed=69)[0][0]}]
+    extra = ' {"sentiment": "positive", "reason": "the acting"}'
+    expected = E.encode(gen.tokenizer, gen.prompts.prompt_text(chat, None, None) + extra)
+    assert counter.count(chat, None, extra) == len(expected) and len(on_model_thread) == 1
+    assert counter.count(None, "raw text", extra) == len(E.encode(gen.tokenizer, "raw text" + extra))
