@@ -280,5 +280,30 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def run(argv: list[str] | None = None):
+    """The process entry point (``sdm-mlx``, ``python -m sdm_mlx``): end the process with :func:`main`'s exit code.
+
+    After a verb that ran a model thread (``serve``, ``mcp``: :class:`~sdm_mlx.serve.engine.ModelThread`, a daemon
+    that lives until the process exits), the process ends with ``os._exit`` once the ``atexit`` functions ran and
+    stdout and stderr are flushed, skipping the native teardown of MLX's threads and streams.  That teardown
+    aborted a server that had already stopped cleanly ("terminate called without an active exception", exit -6,
+    once in the test suite), as it does when such a thread ends (the module docstring of
+    :mod:`sdm_mlx.serve.engine`).  Every other verb exits normally.
+    """
+    code = main(argv)
+    engine = sys.modules.get("sdm_mlx.serve.engine")
+    if engine is None or not engine.ModelThread.started:
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs first: logging's flush, temporary directories, ...
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

@@ -14,7 +14,9 @@ another to finish.  That thread is a daemon that lives until the process
 exits: a thread that used mlx-lm's thread-local generation stream and then
 ends makes the process abort at exit ("terminate called without an active
 exception") about half the time (measured: 6 of 16 runs joined, 0 of 16 kept
-alive), so ``close()`` waits for the running job but never ends the thread.
+alive), so ``close()`` waits for the running job but never ends the thread, and the
+process entry point ends such a process without MLX's native teardown
+(:func:`sdm_mlx.cli.run`).
 
 Prompts (:mod:`sdm_mlx.verified.prompts`, shared with ``generate``)
 -------------------------------------------------------------------
@@ -67,7 +69,15 @@ class ModelThread:
     ``runner`` (set once the generator is loaded) drives the calls that return a generator.  ``trimmer``
     gives the heap's free pages back between two decoding steps or once the thread idles, at most every
     ``trimmer.every_s`` seconds (:class:`~sdm_mlx.runtime.allocator.HeapTrimmer`).
+
+    Attributes
+    ----------
+    started : bool
+        Class-wide: whether this process started a model thread (the process entry point then ends it without
+        MLX's native teardown, :func:`sdm_mlx.cli.run`).
     """
+
+    started = False
 
     def __init__(self, name: str = "sdm-model", *, trimmer: HeapTrimmer | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -76,6 +86,7 @@ class ModelThread:
         self.runner = None
         self.trimmer = trimmer if trimmer is not None else HeapTrimmer()
         threading.Thread(target=self._run, name=name, daemon=True).start()
+        ModelThread.started = True
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         fut: Future = Future()
