@@ -180,11 +180,12 @@ def main(argv=None) -> int:
             report["server_exit_code"] = stop()
     for s in report["samples"]:
         print(f"{s['t_s']:>7.1f} s  RSS {s['rss_mb']:>7.1f} MiB  {s['requests']:>6} requests")
+    medians = " / ".join("-" if m is None else f"{m:.1f}" for m in report["rss_quarter_medians_mb"])
+    ranges = " / ".join("-" if r is None else f"{r[0]:.0f}-{r[1]:.0f}" for r in report["rss_quarter_ranges_mb"])
     print(f"{report['requests']} requests ({report['requests_per_s']:.1f}/s), {report['errors']} errors; peak RSS "
           f"{report['peak_rss_mb']:.0f} MiB; second half growth {report['second_half_growth_mb']:+.1f} MiB "
-          f"({report['second_half_growth_pct']:+.1f} %); median RSS by quarter "
-          f"{' / '.join('-' if m is None else f'{m:.1f}' for m in report['rss_quarter_medians_mb'])} MiB "
-          f"(lowest-highest {' / '.join('-' if r is None else f'{r[0]:.0f}-{r[1]:.0f}' for r in report['rss_quarter_ranges_mb'])}); "
+          f"({report['second_half_growth_pct']:+.1f} %); median RSS by quarter {medians} MiB "
+          f"(lowest-highest {ranges}); "
           f"load average {report['load_average_before'][0]:.1f} -> "
           f"{report['load_average_after'][0]:.1f}")
     if args.json:

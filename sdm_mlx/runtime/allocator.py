@@ -216,8 +216,8 @@ def limit_buffer_cache(n: int | None = None) -> int | None:
     buffer sizes change with every prompt length and batch size, so the cache fills with the sizes freed first,
     pins them across the heap, and most frees and allocations pass it by anyway.  Without it glibc's bins reuse
     freed memory for any size and join freed neighbours.  Measured under 16 clients on the tiny and small
-    models (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's buffers (Linux,
-    computing on the CPU); opt out with ``SDM_MLX_TRIM_HEAP=0``.
+    models (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's
+    buffers (Linux, computing on the CPU); opt out with ``SDM_MLX_TRIM_HEAP=0``.
     """
     if _mallopt is None or _server_tuning_off():
         return None
@@ -225,19 +225,13 @@ def limit_buffer_cache(n: int | None = None) -> int | None:
 
     if mx.metal.is_available() or mx.default_device() != mx.cpu:
         return None
-    if n is None:
-        raw = os.environ.get("SDM_MLX_BUFFER_CACHE_BYTES", str(SERVER_BUFFER_CACHE_BYTES))
-        try:
-            n = int(raw)
-        except ValueError:
-            n = -1
-        if n < 0:
-            raise InputError(f"SDM_MLX_BUFFER_CACHE_BYTES must be a whole number of bytes >= 0, got {raw!r}: "
-                             f"unset it for the default ({SERVER_BUFFER_CACHE_BYTES})")
-    if n < 0:
-        raise InputError(f"MLX's buffer cache must be >= 0 bytes, got {n}")
-    mx.set_cache_limit(int(n))
-    return int(n)
+    raw = os.environ.get("SDM_MLX_BUFFER_CACHE_BYTES", str(SERVER_BUFFER_CACHE_BYTES)) if n is None else str(n)
+    if not (raw.isascii() and raw.isdigit()):  # also refuses "-1" and "1.5"
+        fix = (f"unset it for the default ({SERVER_BUFFER_CACHE_BYTES})" if n is None else "pass 0 or more")
+        raise InputError(f"{'SDM_MLX_BUFFER_CACHE_BYTES' if n is None else 'n'} must be a whole number of bytes "
+                         f">= 0, got {raw!r}: {fix}")
+    mx.set_cache_limit(int(raw))
+    return int(raw)
 
 
 def freeze_loaded_objects() -> int:
