@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("network", ("network", "decoding")),
     ("verified", ("verified",)),
     ("serve", ("serve",)),
+    ("pipeline", ("pipeline",)),
     ("cli", ("commands", "cli", "__main__", "")),
 ]
 

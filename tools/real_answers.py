@@ -70,7 +70,7 @@ def decode_rows(engine, tokenizer, rows, args, completions, template):
     prefilled once by its prefix cache): the tokens and features ``sdm-mlx generate`` computes."""
     prompts = [_embed.chat_text(tokenizer, r["document"], system=args.system, prompt_template=template) for r in rows]
     ids = [_embed.encode(tokenizer, p) for p in prompts]
-    decs = engine.run([DecodeRequest(i, args.max_tokens, features=True) for i in ids])
+    decs = engine.run([DecodeRequest(i, args.max_tokens, features=True, feature_parts=args.feature_parts) for i in ids])
     result = []
     for r, i, dec in zip(rows, ids, decs):
         text = tokenizer.decode(dec.token_ids)
@@ -79,7 +79,8 @@ def decode_rows(engine, tokenizer, rows, args, completions, template):
             "id": r["id"], "split": r.get("split"), "task_label": int(r["label"]), "answer_label": int(pred),
             "form": answer_form(text), "label": int(pred == int(r["label"])), "text": text,
             "n_kept": int(dec.feature_info["n_kept"]), "prompt_tokens": len(i), "generated_tokens": len(dec.token_ids),
-            "embedding_source": "llm-hidden-states", "embedding": [float(x) for x in np.asarray(dec.features).ravel()],
+            "embedding_source": "llm-hidden-states", "feature_parts": list(args.feature_parts),
+            "embedding": [float(x) for x in np.asarray(dec.features).ravel()],
         })
     return result
 
@@ -133,9 +134,9 @@ def run_forced(args) -> int:
             part = todo[b0: b0 + chunk]
             feats = _embed.prompt_completion_features(model, tokenizer, [r["prompt"] for r in part],
                                                       [r["completion"] for r in part], batch_size=args.batch_size,
-                                                      shared_prefix=shared).embeddings
+                                                      shared_prefix=shared, parts=args.feature_parts).embeddings
             for r, e in zip(part, feats):
-                f.write(json.dumps({**r, "embedding_source": "llm-hidden-states",
+                f.write(json.dumps({**r, "embedding_source": "llm-hidden-states", "feature_parts": list(args.feature_parts),
                                     "embedding": [float(x) for x in e]}) + "\n")
             f.flush()
             print(f"{b0 + len(part)}/{len(todo)} rows, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -156,7 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("--forced", action="store_true",
                     help="instead: --input holds verification rows (id, prompt, completion); write their force-decoded "
                          "features (sdm-mlx embed's: the shared prompt prefix run once)")
+    ap.add_argument("--feature-parts", default="mean,last",
+                    help="pooled parts of the features, concatenated in the order max, mean, last (DESIGN #21); "
+                         "'max,mean,last' keeps all three, so either encoding can be sliced out later")
     args = ap.parse_args(argv)
+    args.feature_parts = _embed.check_feature_parts(args.feature_parts)
     if args.forced:
         return run_forced(args)
     preset = PRESETS[args.preset]

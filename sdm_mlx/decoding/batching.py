@@ -440,6 +440,7 @@ class DecodeEngine:
             n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
                                               delimiter=self.delimiter, max_length=self.max_length,
                                               on_missing="prompt")
-            dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n).reshape(1, -1)
+            dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n,
+                                              parts=row.req.feature_parts).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
         return dec

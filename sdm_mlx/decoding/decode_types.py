@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import InputError
+from ..llm.pooling import FEATURE_PARTS, check_feature_parts
 from .sampling import GREEDY, SamplingParams
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
@@ -27,6 +28,7 @@ class DecodeRequest:
     stop: Sequence[str] = ()
     stop_at_delimiter: bool = True
     features: bool = False
+    feature_parts: tuple = ("mean", "last")
     on_text: Callable[[str], None] | None = None
     cancel: Callable[[], bool] | None = None
     on_tokens: Callable[[str, list], None] | None = None
@@ -36,7 +38,8 @@ class DecodeRequest:
 class Decoded:
     """A finished decoding: generated ``token_ids`` (EOS not kept), their ``text``, why it stopped, timings.
 
-    ``features``: with ``features=True``, the verifier input ``[1, 2D]`` float32 of prompt + answer and
+    ``features``: with ``features=True``, the verifier input ``[1, len(feature_parts) * D]`` float32 of prompt +
+    answer (the request's ``feature_parts``, :data:`sdm_mlx.llm.pooling.FEATURE_PARTS` order) and
     ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
     ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token;
     ``token`` is the text the token adds to ``text`` (:class:`~.streaming.TokenPieces`: the tokens join to it).
@@ -63,4 +66,6 @@ def check_request(req: DecodeRequest) -> None:
         raise InputError("empty prompt")
     if any(not isinstance(s, str) or not s for s in req.stop):
         raise InputError("stop strings must be non-empty strings")
+    if req.features and tuple(req.feature_parts) != check_feature_parts(req.feature_parts):
+        raise InputError(f"feature_parts must be written in the order {FEATURE_PARTS}, got {req.feature_parts!r}")
     req.sampling.validate()

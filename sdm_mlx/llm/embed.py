@@ -78,10 +78,13 @@ from .model import (  # re-exported: callers find the model access in sdm_mlx.ll
     trunk,
 )
 from .pooling import (  # re-exported: callers find the positions and the pooling in sdm_mlx.llm.embed
+    DEFAULT_FEATURE_PARTS,
     DEFAULT_MAX_LENGTH,
+    FEATURE_PARTS,
     ON_MISSING,
     POOLINGS,
     POSITIONS,
+    check_feature_parts,
     common_prefix_length,
     generated_n_kept,
     kept_positions,
@@ -100,6 +103,9 @@ from .tokens import (  # re-exported: callers find the text/token helpers in sdm
 )
 
 __all__ = [
+    "DEFAULT_FEATURE_PARTS",
+    "FEATURE_PARTS",
+    "check_feature_parts",
     "DEFAULT_MAX_LENGTH",
     "POSITIONS",
     "ON_MISSING",
@@ -213,8 +219,9 @@ def _check_feature_options(n_docs: int, completion_spans, position: str, on_miss
     return spans
 
 
-def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int], first: list[int]) -> np.ndarray:
-    """Pooled features float32 [B, 2D] of one batch of kept tokens: the shared prefix comes from its cache
+def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int], first: list[int],
+                  parts: tuple = DEFAULT_FEATURE_PARTS) -> np.ndarray:
+    """Pooled features float32 [B, len(parts) * D] of one batch of kept tokens: the shared prefix comes from its cache
     and states, only each row's own tokens (right-padded) run through the trunk."""
     import mlx.core as mx
 
@@ -224,12 +231,13 @@ def _pooled_batch(model, prefix: SharedPrefix | None, seqs: list, lens: list[int
     if p:
         shared = mx.broadcast_to(prefix.states[None], (len(seqs),) + tuple(prefix.states.shape))
         h = mx.concatenate([shared, h], axis=1)
-    feats = pool_states(h, lens, first)
+    feats = pool_states(h, lens, first, parts)
     mx.eval(feats)
     return np.array(feats, dtype=np.float32)
 
 
-def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress, *, prefix_ids) -> np.ndarray:
+def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress, *, prefix_ids,
+                parts: tuple = DEFAULT_FEATURE_PARTS) -> np.ndarray:
     """Features of every (cut) sequence: their common prefix with ``prefix_ids`` runs once, then batches of
     ``batch_size`` rows, longest first.  Each row keeps at least one own token (its last state comes from its
     own pass).  The prefix run once depends only on ``prefix_ids`` and the rows' own tokens, so callers that
@@ -242,7 +250,7 @@ def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress,
     for b0 in range(0, len(seqs), batch_size):
         idx = order[b0 : b0 + batch_size]
         feats = _pooled_batch(model, prefix, [seqs[i] for i in idx], [int(n_kept[i]) for i in idx],
-                              [int(first[i]) for i in idx])
+                              [int(first[i]) for i in idx], parts)
         if out is None:
             out = np.empty((len(seqs), feats.shape[1]), dtype=np.float32)
         out[idx] = feats
@@ -265,6 +273,7 @@ def document_features(
     pooling: str = "all",
     shared_prefix: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    parts: Sequence[str] | str = DEFAULT_FEATURE_PARTS,
 ) -> Features:
     """Features ``concat(mean, state)`` for each document (see the module docstring for the positions).
 
@@ -283,12 +292,14 @@ def document_features(
     every document shares run through the model once (their keys and values are broadcast
     over each batch); documents are sorted by kept length and processed
     ``batch_size`` at a time with right padding; ``progress(k)`` is called after
-    each batch of ``k``.
+    each batch of ``k``.  ``parts``: the pooled parts concatenated (:data:`FEATURE_PARTS`; default
+    ``("mean", "last")``, DESIGN #21; ``"max,mean,last"`` adds the element-wise max).
     """
     n_docs = len(documents)
     spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
     if pooling not in POOLINGS:
         raise InputError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    parts = check_feature_parts(parts)
     plans = [
         _plan(tokenizer, d, s, position, delimiter, max_length, on_missing=on_missing, idx=i)
         for i, (d, s) in enumerate(zip(documents, spans))
@@ -299,7 +310,7 @@ def document_features(
         shared_prefix = seqs[0][: common_prefix_length(seqs)] if seqs else []
     shared_prefix = [int(t) for t in shared_prefix]
     first = np.array([pooled_from(s, len(s), pooling, shared_prefix) for s in seqs], dtype=np.int64)
-    out = (_pooled_all(model, seqs, first, batch_size, progress, prefix_ids=shared_prefix) if n_docs
+    out = (_pooled_all(model, seqs, first, batch_size, progress, prefix_ids=shared_prefix, parts=parts) if n_docs
            else np.zeros((0, 0), np.float32))
     return Features(
         embeddings=out,

@@ -28,6 +28,9 @@ __all__ = [
     "pool_hidden",
     "common_prefix_length",
     "pooled_from",
+    "FEATURE_PARTS",
+    "DEFAULT_FEATURE_PARTS",
+    "check_feature_parts",
 ]
 
 #: Default number of kept positions (the research code's 500-position cut).
@@ -36,6 +39,25 @@ POSITIONS = ("delimiter", "last")
 #: Mean half of the feature: over all kept positions (the paper's) or without the shared prompt prefix (DESIGN #21).
 POOLINGS = ("all", "non-shared")
 ON_MISSING = ("error", "last", "prompt")
+#: The pooled parts a feature may concatenate, in the order they are concatenated: the element-wise max over
+#: the kept positions (the author's current encoding adds it), the mean, and the last kept state (DESIGN #21).
+FEATURE_PARTS = ("max", "mean", "last")
+#: The default feature: ``concat(mean, last)`` (DESIGN #21), 2D wide.
+DEFAULT_FEATURE_PARTS = ("mean", "last")
+
+
+def check_feature_parts(parts) -> tuple[str, ...]:
+    """``parts`` as a tuple in :data:`FEATURE_PARTS` order, after checking it names known, distinct parts.
+
+    Accepts a sequence or a comma-separated string (``"max,mean,last"``)."""
+    if isinstance(parts, str):
+        parts = [p.strip() for p in parts.split(",") if p.strip()]
+    parts = tuple(parts)
+    unknown = [p for p in parts if p not in FEATURE_PARTS]
+    if not parts or unknown or len(set(parts)) != len(parts):
+        raise InputError(f"feature parts must be distinct names from {FEATURE_PARTS} (e.g. 'mean,last' or "
+                         f"'max,mean,last'), got {parts!r}")
+    return tuple(p for p in FEATURE_PARTS if p in parts)
 
 
 def kept_positions(n_tokens: int, target: int, max_length: int) -> tuple[int, bool]:
@@ -83,7 +105,7 @@ def generated_n_kept(
     return n, {"delimiter_index": j, "truncated": truncated, "missing_delimiter": missing}
 
 
-def pool_states(states, n_kept, first=None):
+def pool_states(states, n_kept, first=None, parts=DEFAULT_FEATURE_PARTS):
     """The one pooling of the features (DESIGN #21): per row ``concat(mean(h[first:n]), h[n-1])``, float32 ``mx.array``.
 
     ``states``: ``[B, T, D]`` hidden states (``mx.array`` or NumPy; positions
@@ -91,7 +113,9 @@ def pool_states(states, n_kept, first=None):
     ``[B]`` kept positions ``n``; ``first``: ``[B]`` first pooled position of
     the mean (default 0: the paper's pooling over all kept positions; see
     :func:`pooled_from` for ``pooling="non-shared"``).  The second half is always
-    the state at ``n - 1``.
+    the state at ``n - 1``.  ``parts`` (checked by the caller, :func:`check_feature_parts`) chooses
+    what is concatenated, in :data:`FEATURE_PARTS` order: ``("max", "mean", "last")`` prepends the
+    element-wise max over the same positions as the mean (``[B, 3D]``).
     """
     import mlx.core as mx
 
@@ -101,21 +125,26 @@ def pool_states(states, n_kept, first=None):
     f = mx.zeros_like(n) if first is None else mx.array(np.asarray(first, dtype=np.int32).reshape(-1))
     t = mx.arange(h.shape[1])[None, :]
     mask = ((t >= f[:, None]) & (t < n[:, None]))[..., None]
-    mean = mx.where(mask, h, 0.0).sum(axis=1) / (n - f).astype(mx.float32)[:, None]
-    last = mx.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0, :]
-    return mx.concatenate([mean, last], axis=1)
+    pooled = {}
+    if "max" in parts:
+        pooled["max"] = mx.where(mask, h, -mx.inf).max(axis=1)
+    if "mean" in parts:
+        pooled["mean"] = mx.where(mask, h, 0.0).sum(axis=1) / (n - f).astype(mx.float32)[:, None]
+    if "last" in parts:
+        pooled["last"] = mx.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0, :]
+    return mx.concatenate([pooled[p] for p in parts], axis=1)
 
 
-def pool_hidden(hidden, n_kept: int, first: int = 0) -> np.ndarray:
+def pool_hidden(hidden, n_kept: int, first: int = 0, parts=DEFAULT_FEATURE_PARTS) -> np.ndarray:
     """:func:`pool_states` of one document's ``[T, D]`` states (``mx.array``, pooled in MLX without a NumPy
-    round trip, or NumPy), as float32 NumPy ``[2D]``."""
+    round trip, or NumPy), as float32 NumPy ``[len(parts) * D]``."""
     import mlx.core as mx
 
     h = hidden if isinstance(hidden, mx.array) else np.asarray(hidden, dtype=np.float32)
     if h.ndim != 2 or not 1 <= n_kept <= h.shape[0] or not 0 <= first < n_kept:
         raise InputError(f"need 0 <= first < n_kept <= T for hidden states of shape {tuple(h.shape)}, "
                          f"got first={first}, n_kept={n_kept}")
-    return np.array(pool_states(h[None], [n_kept], [first])[0], dtype=np.float32)
+    return np.array(pool_states(h[None], [n_kept], [first], parts)[0], dtype=np.float32)
 
 
 def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

@@ -458,3 +458,42 @@ def test_cli_embed_pooling_non_shared_records_its_prefix(tmp_path, tiny_phi3_pat
     bad = subprocess.run([c if c != str(inp) else str(tmp_path / "more.jsonl") for c in cmd] + ["--pooling", "all"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "(pooling, " in bad.stderr and "use another --output" in bad.stderr
+
+
+def test_feature_parts_max_mean_last():
+    """``parts`` adds the element-wise max over the mean's positions, concatenated in FEATURE_PARTS order; the
+    default stays concat(mean, last) (DESIGN #21); a bad or repeated part is an InputError naming the choices."""
+    h = np.random.default_rng(1).normal(size=(3, 7, 4)).astype(np.float32)
+    out = np.array(E.pool_states(h, [7, 3, 5], [0, 1, 4], ("max", "mean", "last")))
+    for i, (n, f) in enumerate([(7, 0), (3, 1), (5, 4)]):
+        want = np.concatenate([h[i, f:n].max(0), h[i, f:n].mean(0), h[i, n - 1]])
+        np.testing.assert_allclose(out[i], want, atol=1e-6)
+        np.testing.assert_allclose(E.pool_hidden(h[i], n, f, parts=("max", "mean", "last")), want, atol=1e-6)
+    assert E.check_feature_parts("last, max") == ("max", "last")
+    for bad in ("", "median", "mean,mean", ["max", "sum"]):
+        with pytest.raises(E.InputError, match="feature parts"):
+            E.check_feature_parts(bad)
+
+
+def test_feature_parts_through_embed_and_the_decode_engine(phi3):
+    """The force-decoded path and the batched decoder's features carry the same parts: their mean+last columns
+    are the default features (same computation, so equal to float32 rounding of the max's extra reduction)."""
+    from sdm_mlx.decoding import DecodeEngine, DecodeRequest
+
+    model, tok = phi3
+    ps = prompts(tok)
+    full = E.prompt_completion_features(model, tok, ps, COMPLETIONS, parts="max,mean,last").embeddings
+    base = E.prompt_completion_features(model, tok, ps, COMPLETIONS).embeddings
+    d = base.shape[1] // 2
+    assert full.shape == (len(ps), 3 * d)
+    np.testing.assert_allclose(full[:, d:], base, atol=1e-5)
+    ids = [E.encode(tok, p) for p in ps[:3]]
+    eng = DecodeEngine(model, tok, max_batch=3)
+    three = eng.run([DecodeRequest(i, 4, features=True, feature_parts=("max", "mean", "last")) for i in ids])
+    two = eng.run([DecodeRequest(i, 4, features=True) for i in ids])
+    for a, b in zip(three, two):
+        if a.token_ids == b.token_ids:  # two decodings: a greedy token may differ by float drift
+            np.testing.assert_allclose(np.asarray(a.features)[0, d:], np.asarray(b.features)[0], atol=1e-5)
+        assert np.asarray(a.features).shape == (1, 3 * d)
+    with pytest.raises(E.InputError, match="order"):
+        eng.run([DecodeRequest(ids[0], 2, features=True, feature_parts=("last", "max"))])
