@@ -52,3 +52,43 @@ def first_json_object(text: str):
             pass
         start = text.find("{", start + 1)
     return None
+
+
+def answer_in_layout(text: str, completions, label: int) -> str | None:
+    """``text`` with its JSON answer replaced by completion ``label``'s value, the model's layout kept (fence,
+    spacing, key order); None when ``text`` holds no answer of the completions' form.
+
+    The completions are one-key JSON objects of the same key (the presets': ``{"sentiment": "negative"}``,
+    ``{"correctness": true}``).  Only the value that follows the key in ``text``'s first JSON object is
+    rewritten, so a constructed negative (the inverted answer, force-decoded) reads as the model's own answer
+    would, and its features differ from the own answer's only by the answer itself."""
+    objs = [first_json_object(c) for c in completions]
+    if any(o is None or len(o) != 1 for o in objs) or len({next(iter(o)) for o in objs}) != 1:
+        return None
+    key = next(iter(objs[0]))
+    start = text.find("{")
+    obj = first_json_object(text)
+    if obj is None or key not in obj or len(obj) != 1:
+        return None
+    dec = json.JSONDecoder()
+    span_start = start
+    while span_start >= 0:  # the first object's span, as first_json_object found it
+        try:
+            found, end = dec.raw_decode(text, span_start)
+            if isinstance(found, dict):
+                break
+        except json.JSONDecodeError:
+            pass
+        span_start = text.find("{", span_start + 1)
+    body = text[span_start:end]
+    k = body.find(json.dumps(key))
+    colon = body.find(":", k + len(json.dumps(key)))
+    v0 = colon + 1
+    while v0 < len(body) and body[v0] in " \t\r\n":
+        v0 += 1
+    try:
+        _, v1 = dec.raw_decode(body, v0)
+    except json.JSONDecodeError:
+        return None
+    value = json.dumps(objs[label][key])
+    return text[:span_start] + body[:v0] + value + body[v1:] + text[end:]
