@@ -75,6 +75,17 @@ def stdout_closed() -> bool:
     return closed
 
 
+def check_stdout() -> None:
+    """Refuse to run, before any work, when standard output cannot be written (closed with ``1>&-``, or open for
+    reading only): every verb prints its results, summary, log or protocol there, and a verb that printed into
+    nothing must not report success (:func:`sdm_mlx.storage.files.stdout_problem`)."""
+    from .storage.files import stdout_problem
+
+    problem = stdout_problem()
+    if problem is not None:
+        raise CLIError(problem)
+
+
 def _settings_classes(mod) -> tuple:
     """The settings dataclasses whose fields are ``mod``'s options (``SETTINGS`` of a command module)."""
     return tuple(getattr(mod, "SETTINGS", ()))
@@ -242,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sub_parser, mod = subparsers[args.verb]
     try:
+        check_stdout()
         if args.config:
             sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
             args = parse_verb_arguments(parser, subparsers, argv)

@@ -49,8 +49,8 @@ def add_access_arguments(p) -> None:
 
     g = p.add_argument_group("access and limits")
     g.add_argument("--api-key", default=None,
-                   help="API key clients send as 'Authorization: Bearer KEY' (default: $SDM_MLX_API_KEY); "
-                        "/v1/feedback and --persist-feedback need one")
+                   help="API key clients send as 'Authorization: Bearer KEY', visible ASCII characters only "
+                        "(default: $SDM_MLX_API_KEY); /v1/feedback and --persist-feedback need one")
     g.add_argument("--api-key-routes", choices=["feedback", "all"], default="feedback",
                    help="routes that need the key: feedback (/v1/feedback only) or all (every /v1 route)")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -72,9 +72,14 @@ def api_key(args) -> str | None:
     """``--api-key``, else ``$SDM_MLX_API_KEY``, else None (an empty key is refused)."""
     from ..serve.guard import API_KEY_ENV
 
+    from ..serve.guard import key_problem
+
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
         raise CLIError(f"--api-key / {API_KEY_ENV} is empty; give a non-empty key")
+    problem = None if key is None else key_problem(key)
+    if problem is not None:
+        raise CLIError(f"{'--api-key' if args.api_key is not None else API_KEY_ENV}: {problem}")
     return key
 
 
@@ -87,7 +92,8 @@ def check_access_arguments(args) -> None:
         raise CLIError("--max-prompt-tokens must be >= 1")
     if not args.body_timeout > 0:
         raise CLIError("--body-timeout must be > 0")
-    if args.persist_feedback and api_key(args) is None:
+    key = api_key(args)  # a key no client could send: exit 2 before the model loads
+    if args.persist_feedback and key is None:
         raise CLIError("--persist-feedback writes client feedback to disk: it needs --api-key (or SDM_MLX_API_KEY) "
                        "so that only clients holding the key can change the verifier")
 

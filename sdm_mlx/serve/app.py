@@ -30,7 +30,7 @@ import threading
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -40,7 +40,8 @@ from ..estimator.feedback import PersistError
 from . import responses as R
 from .engine import Cancelled, Engine, UnknownVerdict
 from .guard import AccessGuard, AccessPolicy
-from .limits import PromptCounter, RequestLimits, check_max_tokens, check_prompt_tokens, context_length
+from .limits import (PromptCounter, PromptTooLong, RequestLimits, check_max_tokens, check_prompt_tokens,
+                     context_length)
 from .schema import APIError, GenerationRequest, parse_generation, parse_json, parse_verify, shown
 
 log = logging.getLogger("sdm_mlx.serve")
@@ -229,12 +230,22 @@ def _feedback_request(body: dict) -> tuple[str, object]:
     return vid, body["label"]
 
 
+def _prompt_field(req) -> str:
+    """The request field holding its prompt: ``messages`` (chat) or ``prompt``."""
+    return "messages" if req.messages else "prompt"
+
+
+def _too_long(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
 class Routes:
     """The route handlers of one app: ``engine`` behind the per-request caps ``limits``; ``sampling``: the
     server's sampling settings, for the fields a request leaves out."""
 
     def __init__(self, engine: Engine, limits: RequestLimits, sampling: SamplingParams = GREEDY):
-        self.engine, self.limits, self.counter = engine, limits, PromptCounter(engine)
+        self.engine, self.limits = engine, limits
+        self.counter = PromptCounter(engine, limit=limits.max_prompt_tokens)
         self.sampling = sampling
 
     async def body_of(self, request: Request) -> dict:
@@ -242,12 +253,13 @@ class Routes:
 
     async def count(self, messages, prompt, extra: str = "", template_kwargs: dict | None = None) -> int:
         """Prompt tokens (+ ``extra``), counted on the counter's thread (a chat template that fails on the
-        request's ``chat_template_kwargs``: 400)."""
+        request's ``chat_template_kwargs``: 400); :class:`~.limits.PromptTooLong` for a text whose length alone
+        is over the limit (not tokenised)."""
         return await self._off_loop(self.counter.count, messages, prompt, extra, template_kwargs)
 
     async def prompt_ids(self, req: GenerationRequest) -> list | None:
         """The request's prompt token ids, made on the counter's thread (or None: the model thread makes
-        them)."""
+        them); :class:`~.limits.PromptTooLong` as :meth:`count`."""
         return await self._off_loop(self.counter.prompt_ids, req.messages, req.prompt, req.chat_template_kwargs)
 
     async def _off_loop(self, fn, *args):
@@ -256,16 +268,39 @@ class Routes:
         except InputError as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
 
+    async def check_verify_length(self, req) -> None:
+        """``/v1/verify``: the prompt and the completion together within the limit, else a 400 naming the field
+        at fault: the prompt (``prompt`` / ``messages``) when it is over the limit alone, else ``completion``."""
+        limit, field = self.limits.max_prompt_tokens, _prompt_field(req)
+        try:
+            n = await self.count(req.messages, req.prompt, req.completion)
+            if n <= limit:
+                return
+            whole = f"{n} tokens"
+        except PromptTooLong as e:
+            whole = f"at least {e.at_least} tokens by its length alone"
+        try:
+            alone = await self.count(req.messages, req.prompt)
+        except PromptTooLong as e:
+            raise _too_long(str(e), field) from None
+        if alone > limit:
+            raise _too_long(f"prompt too long ({alone} tokens, limit {limit})", field)
+        raise _too_long(f"prompt too long with the completion ({whole}, of which the prompt {alone}; limit {limit})",
+                        "completion")
+
     async def completions(self, request: Request, kind: str):
         engine = self.engine
         req = parse_generation(await self.body_of(request), kind, self.sampling)
         check_model(engine, req.model)
         check_decoding(engine, req)
         check_max_tokens(self.limits, req.max_tokens)
-        req.prompt_ids = await self.prompt_ids(req)  # tokenized once, here: the model thread reuses them
-        n = len(req.prompt_ids) if req.prompt_ids is not None else await self.count(
-            req.messages, req.prompt, template_kwargs=req.chat_template_kwargs)
-        check_prompt_tokens(self.limits, n, "messages" if req.messages else "prompt")
+        try:
+            req.prompt_ids = await self.prompt_ids(req)  # tokenized once, here: the model thread reuses them
+            n = len(req.prompt_ids) if req.prompt_ids is not None else await self.count(
+                req.messages, req.prompt, template_kwargs=req.chat_template_kwargs)
+        except PromptTooLong as e:  # by its length alone, before it was tokenised
+            raise _too_long(str(e), _prompt_field(req)) from None
+        check_prompt_tokens(self.limits, n, _prompt_field(req))
         cid = R.new_id(kind)
         if req.stream:
             return StreamingResponse(stream_events(engine, req, cid), media_type="text/event-stream",
@@ -286,7 +321,7 @@ class Routes:
         engine = self.engine
         req = parse_verify(await self.body_of(request))
         check_model(engine, req.model)
-        check_prompt_tokens(self.limits, await self.count(req.messages, req.prompt, req.completion), "completion")
+        await self.check_verify_length(req)
         verification, usage = await run_on_model(engine, engine.verify, req)
         body = {"object": "verification", "model": engine.model_id, "verification": verification, "usage": usage}
         return JSONResponse(body, headers=R.verdict_headers(verification))
@@ -328,9 +363,26 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     (``serve --temp`` ...; default greedy) for the fields a request leaves out."""
     limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
     app = Starlette(routes=Routes(engine, limits, sampling).table(), exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, Exception: _server_error})
+        APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, ClientDisconnect: _client_gone,
+        Exception: _server_error})
     app.state.limits = limits
-    return AccessGuard(app, policy or AccessPolicy())
+    return AccessGuard(LoggedOnce(app), policy or AccessPolicy())
+
+
+class LoggedOnce:
+    """Starlette re-raises an exception its 500 handler (:func:`_server_error`) has answered and logged, for the
+    server to log it again (uvicorn: "Exception in ASGI application" and a second traceback); an exception
+    already logged ends here, so one internal error is one traceback in the log."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:
+            if not getattr(e, "_sdm_logged", False):
+                raise
 
 
 async def _api_error(request: Request, exc: APIError):
@@ -348,6 +400,22 @@ async def _too_deep(request: Request, exc: RecursionError):
     return JSONResponse(APIError(400, "request is nested too deeply", code="invalid_json").body(), status_code=400)
 
 
+def _where(request: Request) -> str:
+    """``METHOD /path`` of a request for a log line (the path shown with escapes: no forged log lines)."""
+    return f"{request.method} {ascii(request.url.path[:200])[1:-1]}"
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect):
+    """A client that hung up before its whole request body arrived: one log line, no traceback (nobody reads the
+    answer).  Before, each such connection logged "internal error" with two tracebacks (about 100 lines)."""
+    log.warning("%s: the client closed the connection before its request body was received", _where(request))
+    return JSONResponse(APIError(499, "client closed the request", code="client_closed").body(), status_code=499)
+
+
 async def _server_error(request: Request, exc: Exception):
-    log.exception("internal error on %s %s", request.method, request.url.path)
+    log.exception("internal error on %s", _where(request))
+    try:
+        exc._sdm_logged = True  # LoggedOnce: not logged a second time by the server
+    except AttributeError:  # an exception type without attributes: logged twice
+        pass
     return JSONResponse(APIError(500, f"internal server error: {type(exc).__name__}").body(), status_code=500)

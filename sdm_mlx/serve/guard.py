@@ -2,14 +2,18 @@
 
 Checked on every HTTP request, before routing, in this order (the threat model is in ``docs/serving.md``):
 
-1. **Host**: the ``Host`` header must be one of the allowed names (loopback names and the address the
-   server listens on, by default; ``--allowed-host``, ``*`` for any): a DNS-rebinding page whose name
-   resolves to this server sends its own name and gets 403.
+1. **Host**: the ``Host`` header must be exactly one of the allowed names (loopback names and the address
+   the server listens on, by default; ``--allowed-host``, ``*`` for any) with an optional port, as RFC 3986
+   writes an authority without user information (:func:`host_name`): a DNS-rebinding page whose name
+   resolves to this server sends its own name and gets 403, and so does ``[::1]attacker.example``,
+   ``[::1].evil.example:80`` or ``localhost:80@evil.example``.
 2. **Origin**: a request carrying an ``Origin`` header (a browser's cross-site request) is refused
    with 403 unless that origin was allowed with ``--cors-origin``; allowed origins get CORS headers and
    answered preflights (``OPTIONS``).
 3. **API key**: with ``--api-key`` (or ``SDM_MLX_API_KEY``), ``Authorization: Bearer <key>`` as the
-   OpenAI API takes it.  ``/v1/feedback`` (which changes verdicts) always needs it — without a key
+   OpenAI API takes it (compared as bytes: the header's bytes with the key's UTF-8; ``sdm-mlx serve`` only
+   takes keys of visible ASCII characters, :func:`key_problem`, as HTTP clients send headers in ASCII).
+   ``/v1/feedback`` (which changes verdicts) always needs it — without a key
    configured the route is refused — and, with ``--api-key-routes all``, every ``/v1`` route needs it.
    A wrong key is refused on every route (401).
 4. **Content type**: a ``POST`` must be ``Content-Type: application/json`` (415 otherwise), which a
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from dataclasses import dataclass, field
 
 #: host names a loopback server answers to by default
@@ -45,19 +50,38 @@ class AccessPolicy:
         extra = {h.strip().lower() for h in extra_hosts if h and h.strip()}
         if "*" in extra:
             return cls(allowed_hosts=None, **kw)
-        names = set(LOOPBACK_HOSTS) | extra
         if host not in ("0.0.0.0", "::", ""):
-            names |= {host.lower(), f"[{host.lower()}]" if ":" in host else host.lower()}
+            extra.add(host.lower())
+        names = set(LOOPBACK_HOSTS) | {f"[{h}]" if ":" in h and not h.startswith("[") else h for h in extra}
         return cls(allowed_hosts=frozenset(names), **kw)
 
 
-def host_name(header: str) -> str:
-    """The host part of a ``Host`` header (port removed; IPv6 kept in brackets), lower case."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        end = header.find("]")
-        return header[: end + 1] if end > 0 else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+#: a ``Host`` header: RFC 3986's host (an IP literal in brackets, or an IPv4 address / registered name: unreserved
+#: characters, percent escapes and sub-delimiters) and an optional port of digits, nothing else (no user
+#: information, no text after the closing bracket)
+_HOST = re.compile(r"(?P<host>\[[0-9a-f:.]+\]|\[v[0-9a-f]+\.[a-z0-9._~!$&'()*+,;=:-]+\]|[a-z0-9._~!$&'()*+,;=%-]+)"
+                   r"(?::(?P<port>[0-9]{1,5}))?")
+
+
+def host_name(header: str) -> str | None:
+    """The host part of a ``Host`` header, lower case (port removed; IPv6 kept in brackets), or None when the
+    header is not a host with an optional port (RFC 3986): ``[::1]attacker.example``, ``localhost:80@evil``,
+    an unbracketed IPv6 address, a port that is not a number up to 65535."""
+    m = _HOST.fullmatch(header.strip().lower())
+    if m is None or (m["port"] is not None and int(m["port"]) > 65535):
+        return None
+    return m["host"]
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be an API key clients send (None: it can): an HTTP header carries ASCII, and
+    ``Authorization: Bearer <key>`` ends at whitespace, so only visible ASCII characters can arrive intact."""
+    bad = sorted({c for c in key if not "\x21" <= c <= "\x7e"})
+    if not bad:
+        return None
+    shown = ", ".join(repr(c) for c in bad[:5])
+    return (f"the API key holds {shown}: clients send it in an HTTP header, which carries visible ASCII "
+            "characters only (letters, digits, punctuation; no spaces or accents); choose such a key")
 
 
 def _error(status: int, message: str, code: str, headers=()) -> tuple[int, bytes, list]:
@@ -111,7 +135,7 @@ class AccessGuard:
         """``(status, body, headers)`` of the refusal of this request, or None when it may proceed."""
         p = self.policy
         host = headers.get("host")
-        if host is not None and p.allowed_hosts is not None and host_name(host) not in p.allowed_hosts:
+        if host is not None and p.allowed_hosts is not None and (host_name(host) or "") not in p.allowed_hosts:
             return _error(403, f"Host {host[:80]!r} is not allowed; this server answers to "
                                f"{', '.join(sorted(p.allowed_hosts))} (sdm-mlx serve --allowed-host NAME)",
                           "host_not_allowed")
@@ -145,7 +169,8 @@ class AccessGuard:
             given = token.strip() if scheme.lower() == "bearer" else ""
         if given is None and not needs:
             return None
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), p.api_key.encode("utf-8")):
+        # the header's own bytes (latin-1 undoes the decoding above) against the key's UTF-8 bytes
+        if given is None or not hmac.compare_digest(given.encode("latin-1"), p.api_key.encode("utf-8")):
             what = "a valid API key" if given else "an API key"
             return _error(401, f"{path} needs {what}: send 'Authorization: Bearer <key>'", "invalid_api_key",
                           [(b"www-authenticate", b"Bearer")])

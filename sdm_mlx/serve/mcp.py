@@ -112,10 +112,10 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from .limits import PromptCounter, context_length
+    from .limits import PromptCounter, PromptTooLong, context_length
 
-    counter, pages = PromptCounter(engine), VerdictPages()
     max_prompt_tokens = max_prompt_tokens or context_length(engine.gen.model)
+    counter, pages = PromptCounter(engine, limit=max_prompt_tokens), VerdictPages()
 
     server = MCPServer("sdm-mlx", instructions=(
         "SDM verification of answers: call verify(question, answer) to get a calibrated verdict "
@@ -132,8 +132,11 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
         """
         if not question.strip() or not answer.strip():
             raise ToolError("question and answer must be non-empty strings")
-        n = await counter.off_loop(counter.count, [{"role": "user", "content": question}], None, answer)
-        if n > max_prompt_tokens:  # refused before any forward pass
+        try:  # refused before any forward pass; by its length alone, before it is tokenised
+            n = await counter.off_loop(counter.count, [{"role": "user", "content": question}], None, answer)
+        except PromptTooLong as e:
+            raise ToolError(str(e)) from None
+        if n > max_prompt_tokens:
             raise ToolError(f"prompt too long ({n} tokens, limit {max_prompt_tokens})")
         try:
             verification, _ = await asyncio.wrap_future(engine.submit(engine.verify_question, question, answer))

@@ -150,13 +150,49 @@ def make_parent(path) -> None:
 # --------------------------------------------------------------------------------------------
 # writing
 # --------------------------------------------------------------------------------------------
+#: the fix named when standard output cannot take what a command prints there
+STDOUT_FIX = "give it a destination: >FILE, or >/dev/null to discard what is printed there"
+
+
+def stdout_problem() -> str | None:
+    """Why nothing written to standard output could be read (None: it can be written).
+
+    A process started with stdout closed (``1>&-``; Python then sets ``sys.stdout`` to None) or open for
+    reading only (``1</dev/null``) gets a message naming the fix, instead of a crash on ``None.write`` or a
+    success that printed nothing."""
+    out = sys.stdout
+    if out is None:
+        return f"standard output is closed (started with 1>&-); {STDOUT_FIX}"
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError, AttributeError):  # not a file (captured by a caller): writable
+        return None
+    try:
+        import fcntl
+
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except (ImportError, OSError):
+        return None
+    if mode == os.O_RDONLY:
+        return f"standard output is open for reading only (started with 1<FILE); {STDOUT_FIX}"
+    return None
+
+
+def _stdout(binary: bool):
+    """``sys.stdout`` (its ``buffer`` when ``binary``), or an :class:`OutputError` when it cannot be written."""
+    problem = stdout_problem()
+    if problem is not None:
+        raise OutputError(f"cannot write '-': {problem}")
+    return sys.stdout.buffer if binary else sys.stdout
+
+
 @contextmanager
 def atomic_write(path, binary: bool = False):
     """``with atomic_write(path) as f: f.write(...)`` — see the module docstring for what happens."""
     path = os.fspath(path)
     try:
         if path == STDIO:
-            out = sys.stdout.buffer if binary else sys.stdout
+            out = _stdout(binary)
             yield out
             out.flush()
         elif is_stream(path):
@@ -226,8 +262,9 @@ def open_append(path):
         raise OutputError(f"cannot write {path}: it is a directory")
     try:
         if path == STDIO:
-            yield sys.stdout
-            sys.stdout.flush()
+            out = _stdout(False)
+            yield out
+            out.flush()
             return
         if not is_stream(path):
             make_parent(path)

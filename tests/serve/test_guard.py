@@ -73,6 +73,37 @@ def test_api_key_routes_and_cors_when_configured():
     assert strict.get("/v1/models", headers={"Authorization": "Bearer k"}).is_success
 
 
+MALFORMED_HOSTS = ["[::1]attacker.example", "[::1].evil.example:80", "localhost:80@evil.example", "user@localhost",
+                   "localhost:80:80", "localhost:", "localhost:99999", "localhost:8o", "::1", "[::1", "localhost/x",
+                   "local host", "127.0.0.1.evil.example", "localhost."]
+
+
+def test_host_header_is_exactly_an_allowed_host_with_an_optional_port():
+    """RFC 3986 host [":" port]: nothing after an IP literal's bracket, no user information, a numeric port."""
+    for malformed in MALFORMED_HOSTS[:-2]:  # the last two are well formed, and not allowed
+        assert host_name(malformed) is None, malformed
+    c = _client(AccessPolicy())
+    for bad in MALFORMED_HOSTS:
+        r = c.get("/health", headers={"Host": bad})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", bad
+    for good in ("localhost", "localhost:8080", "127.0.0.1:1", "[::1]", "[::1]:65535", "LOCALHOST:80"):
+        assert c.get("/health", headers={"Host": good}).is_success, good
+    lan = _client(AccessPolicy.for_listen_address("127.0.0.1", ["fe80::1", "models.lan"]))
+    assert lan.get("/health", headers={"Host": "[fe80::1]:8080"}).is_success
+    assert lan.get("/health", headers={"Host": "models.lan:8080"}).is_success
+    assert lan.get("/health", headers={"Host": "models.lan.evil.example"}).status_code == 403
+
+
+def test_api_key_is_compared_as_the_bytes_the_client_sent():
+    """A key set through the Python API with non-ASCII characters matches a client that sends its UTF-8 bytes
+    (``sdm-mlx serve`` refuses such keys at start: most clients cannot send them)."""
+    c = _client(AccessPolicy(api_key="cl\u00e9-\u2603"))
+    sent = "Bearer cl\u00e9-\u2603".encode()
+    assert c.post("/v1/feedback", content=b"{}", headers={**JSON, "Authorization": sent}).is_success
+    assert c.post("/v1/feedback", content=b"{}", headers={**JSON, "Authorization": "Bearer cl\u00e9-\u2603".encode(
+        "latin-1", "replace")}).status_code == 401
+
+
 class _Tok:
     def decode(self, ids):
         return " ".join(f"t{i}" for i in ids)

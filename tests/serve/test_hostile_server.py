@@ -12,6 +12,7 @@ server stays up with flat memory.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -389,3 +390,116 @@ def test_persisting_without_a_key_is_refused_before_loading(setup, tmp_path):  #
     r = subprocess.run(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, "--persist-feedback"),
                        capture_output=True, text=True, timeout=120, env={**env, "SDM_MLX_API_KEY": " "})
     assert r.returncode == 2 and "empty" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------- issue 41, section 4: hostile leftovers
+# A client hanging up halfway through its request body is one log line (was "internal error" and two tracebacks,
+# about 100 lines per connection); a prompt whose length alone proves it over the limit is refused before it is
+# tokenised (the message says "by its length alone"; tests/serve/test_prompt_counter.py shows the tokenizer is never
+# called); /v1/verify names the field at fault; a Host header is exactly an allowed host with an optional port;
+# --api-key / SDM_MLX_API_KEY with characters an HTTP header cannot carry: exit 2 at start.
+HANG_UP = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000\r\n\r\n" + b"{" * 1000)
+
+
+def _settled(served) -> int:
+    """The number of log lines on stderr once a request was answered (the server is --quiet: no access log; without
+    --quiet uvicorn writes it to stdout)."""
+    assert request(served.port, "GET", "/health")[0] == 200
+    time.sleep(0.5)
+    return len(served.lines)
+
+
+def test_a_client_hanging_up_mid_body_is_one_log_line(served):
+    before = _settled(served)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+            s.sendall(HANG_UP)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sum("closed the connection" in x for x in served.lines[before:]) < 3:
+        time.sleep(0.1)
+    time.sleep(1.0)  # anything else it would log arrives by now
+    new = served.lines[before:]
+    assert len(new) == 3 and all("closed the connection before its request body" in x for x in new), "".join(new)
+    assert not any("Traceback" in x or "internal error" in x.lower() for x in new), "".join(new)
+    assert request(served.port, "GET", "/health")[0] == 200
+
+
+def test_an_oversized_prompt_is_refused_by_its_length_before_tokenising(served):
+    """Through the openai client: ~750 KB prompts (chat and text completion) get 400 context_length_exceeded
+    naming the field, decided by length alone; a prompt only the exact count can refuse still gets it."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    calls = {"messages": lambda: client.chat.completions.create(
+                 model=model, messages=[{"role": "user", "content": "word " * 150_000}], max_tokens=4),
+             "prompt": lambda: client.completions.create(model=model, prompt="word " * 150_000, max_tokens=4)}
+    for field, call in calls.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        err = e.value.body
+        assert err["code"] == "context_length_exceeded" and err["param"] == field, err
+        assert "by its length alone" in err["message"] and err["message"].endswith(f"limit {PROMPT_LIMIT})"), err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="y " * 400, max_tokens=4)  # 801 tokens, 401 word starts
+    assert e.value.body["message"].startswith("prompt too long (") and "length alone" not in e.value.body["message"]
+
+
+def test_verify_names_the_field_that_is_too_long(served):
+    cases = [({"prompt": "word " * 10_000, "completion": "fine"}, "prompt"),
+             ({"prompt": "y " * 400, "completion": "fine"}, "prompt"),  # counted exactly
+             ({"messages": [{"role": "user", "content": "word " * 10_000}], "completion": "fine"}, "messages"),
+             ({"prompt": "x", "completion": "y " * 2000}, "completion"),
+             ({"prompt": "x", "completion": "word " * 10_000}, "completion")]
+    for body, field in cases:
+        status, text = request(served.port, "POST", "/v1/verify", body=body)
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == field and err["code"] == "context_length_exceeded", (body, err)
+        assert err["message"].startswith("prompt too long") and f"limit {PROMPT_LIMIT})" in err["message"], err
+
+
+@pytest.mark.parametrize("host", ["[::1]attacker.example", "[::1].evil.example:80", "localhost:80@evil.example",
+                                  "127.0.0.1.evil.example", "::1", "localhost:80:80", "localhost:"])
+def test_a_host_that_is_not_exactly_an_allowed_host_and_port_is_refused(served, host):
+    status, text = request(served.port, "POST", "/v1/chat/completions", body=GOOD, headers={"Host": host})
+    assert status == 403 and json.loads(text)["error"]["code"] == "host_not_allowed", (status, text[:200])
+
+
+def test_allowed_hosts_with_a_port_are_served(served):
+    for host in (f"127.0.0.1:{served.port}", f"localhost:{served.port}", "localhost", f"[::1]:{served.port}"):
+        assert request(served.port, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+
+
+@pytest.mark.parametrize("key,where", [("cl\u00e9", "--api-key"), ("caf\u00e9-\u2603", "SDM_MLX_API_KEY"),
+                                       ("two words", "--api-key")])
+def test_an_api_key_no_client_can_send_is_refused_at_start(setup, key, where):  # noqa: F811
+    """Before: the server started, and every client got 401 (httpx cannot even send a non-ASCII header)."""
+    env = {k: v for k, v in os.environ.items() if k != "SDM_MLX_API_KEY"}
+    args, extra_env = (["--api-key", key], {}) if where == "--api-key" else ([], {"SDM_MLX_API_KEY": key})
+    r = subprocess.run(sdm_mlx("serve", "--head", setup.head_dir, "--port", 0, *args), capture_output=True,
+                       text=True, timeout=120, env={**env, **extra_env})
+    assert r.returncode == 2 and "listening" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert f"error: {where}:" in r.stderr and "visible ASCII" in r.stderr and key not in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # an MCP server of its own (~20 s at load 14); the counting is tested in test_prompt_counter.py
+def test_mcp_refuses_an_8_mb_question_by_its_length(setup):  # noqa: F811
+    """Through the MCP SDK client: an 8.5 MB question (before: 50.7 s and 873 MB to tokenise it) is a tool error
+    decided by its length alone; the session goes on."""
+    pytest.importorskip("mcp")
+    from mcp import Client, StdioServerParameters
+
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE") if k in os.environ}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "sdm_mlx", "mcp", "--head", setup.head_dir],
+                                   env=env)
+
+    async def session():
+        async with asyncio.timeout(120):
+            async with Client(params, read_timeout_seconds=120) as client:
+                huge = await client.call_tool("verify", {"question": "word " * 1_700_000, "answer": "fine"})
+                ok = await client.call_tool("verify", {"question": setup.verified_doc, "answer": setup.verified_answer})
+                return huge, ok
+
+    huge, ok = asyncio.run(session())
+    assert huge.is_error and "by its length alone" in huge.content[0].text, huge.content
+    assert not ok.is_error
