@@ -6,14 +6,15 @@
     OUT/data/<task>_<split>.jsonl         task rows {id, label, document, split}; split in pool | heldout | shift
     OUT/answers/<task>_<split>.jsonl      the model's own answers with the features of their decoding
     OUT/forced/<task>_completions.json    the completions of the constructed negatives (the model's answer form)
-    OUT/forced/<task>_pool.rows.jsonl     sdm-mlx make-verification-data's rows (half constructed negatives)
+    OUT/forced/<task>_pool.rows.jsonl     the rows of sdm-mlx make-verification-data (half constructed negatives)
     OUT/forced/<task>_pool.jsonl          the same rows with their force-decoded features
     OUT/verifiers/<name>/                 SDM verifiers (SDMEstimator.save); index.json describes each
     OUT/evaluate/<name>.jsonl             each verifier's verdict on every held-out / shift own answer
     OUT/network/rows.jsonl                Alg. 4's verification rows (the primary verifier's rows, with prompts)
     OUT/network/network_train.yaml        the sdm-mlx network-train config the stage runs
     OUT/network/run/                      sdm-mlx network-train's output (network/, verifier/, metrics.json, ...)
-    OUT/network/answers/<task>.jsonl      sdm-mlx generate --head over the held-out and shift rows
+    OUT/network/prompts.jsonl             the held-out and shift rows of every task as prompts (ids <task>/<id>)
+    OUT/network/answers.jsonl             sdm-mlx generate --head's answers and verdicts to them
     OUT/table.json, OUT/table.md          the tables; OUT/plots/<task>_risk_coverage.png (with matplotlib)
     OUT/verdicts.jsonl                    one row per (task, split, id, stage): the checkable verdicts
 """
@@ -78,13 +79,10 @@ class Layout:
     network_run = property(lambda self: self._p("network", "run"))
     network_metrics = property(lambda self: self._p("network", "run", "metrics.json"))
     network_marker = property(lambda self: self._p("network", "done.json"))
-    network_answers_marker = property(lambda self: self._p("network", "answers", "done.json"))
+    network_answers_marker = property(lambda self: self._p("network", "answers.done.json"))
 
-    def network_prompts(self, task: str) -> str:
-        return self._p("network", "answers", f"{task}.prompts.jsonl")
-
-    def network_answers(self, task: str) -> str:
-        return self._p("network", "answers", f"{task}.jsonl")
+    network_prompts = property(lambda self: self._p("network", "prompts.jsonl"))
+    network_answers = property(lambda self: self._p("network", "answers.jsonl"))
 
     # results
     table_json = property(lambda self: self._p("table.json"))

@@ -236,7 +236,7 @@ class _Checker:
 
 def _settings(check: _Checker, value, key: str, cls, own: tuple, what: str) -> dict:
     """{field: value} of a mapping of ``cls``'s options, each type-checked (sdm_mlx.settings.check_value)."""
-    from ..settings import check_value, field_flags
+    from ..settings import SettingsError, check_value, field_flags
 
     if value is None:
         return {}
@@ -251,7 +251,10 @@ def _settings(check: _Checker, value, key: str, cls, own: tuple, what: str) -> d
     out = {}
     for k, v in raw.items():
         name = spelled[k]
-        out[name] = check_value(cls, name, v, f"{check.path}: key '{key}.{k}'")
+        try:
+            out[name] = check_value(cls, name, v, f"{check.path}: key '{key}.{k}'")
+        except SettingsError as e:
+            raise RecipeError(str(e)) from None
     return out
 
 

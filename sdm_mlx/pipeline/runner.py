@@ -22,7 +22,7 @@ import time
 
 from ..errors import CLIError, OutputError
 from .layout import Layout
-from .recipe import Recipe
+from .recipe import Recipe, check_model
 from .stages import MODEL_STAGES, STAGES, active_stages, is_done, log
 
 
@@ -118,6 +118,8 @@ def run_pipeline(recipe: Recipe, only: list[str] | None = None, wrap: str = "") 
         stages = [s for s in stages if s in only]
     layout = Layout(recipe.output)
     check_run_directory(layout.out)
+    if any(s in MODEL_STAGES and not is_done(s, recipe, layout) for s in stages):
+        check_model(recipe)  # before hours of other stages, not when the first model stage starts
     make_dirs(layout.logs)
     prefix = shlex.split(wrap) if wrap else []
     with _Lock(layout.lock):

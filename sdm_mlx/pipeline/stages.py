@@ -5,12 +5,12 @@
 ``answers``        the model's own greedy answers with the features of their decoding (:mod:`.answers`);
                    resumes row by row
 ``forced``         the paper's force-decoded rows of the pool prompts, half constructed negatives, in the model's own
-                   answer form (``sdm-mlx make-verification-data --model --completions``, then their features);
-                   resumes row by row; only when a verifier row set uses them
+                   answer form (the rows of ``sdm-mlx make-verification-data --model --completions``, then their
+                   features); resumes row by row; only when a verifier row set uses them
 ``verifiers``      the universal verifier per row set and encoding, and per-task ones (:mod:`.verifiers`)
 ``evaluate``       every verifier's verdict on the held-out and shift own answers
 ``network``        Alg. 4 (``sdm-mlx network-train``) on the primary verifier's rows and split
-``network_answers````sdm-mlx generate --head`` with the kept network over the held-out and shift rows
+``network_answers`` ``sdm-mlx generate --head`` with the kept network over the held-out and shift rows
 ``table``          ``table.json``, ``table.md``, ``verdicts.jsonl``, risk–coverage plots (:mod:`.table`); always runs
 =================  =============================================================================================
 
@@ -230,6 +230,25 @@ def model_completions(task, answers: list[dict]) -> tuple[list, str]:
     return out, "; ".join(how)
 
 
+def write_forced_rows(recipe: Recipe, task, completions: list, layout: Layout) -> int:
+    """``forced/<task>_pool.rows.jsonl``: the pool's verification rows with constructed negatives, exactly what
+    ``sdm-mlx make-verification-data --model MODEL --completions C0 C1 --prompt-template T --system S --seed SEED``
+    writes (its function, :func:`sdm_mlx.llm.verification_data.make_verification_rows`, run here without a second
+    process): each row once, half of each label shown the other label's answer (label 0)."""
+    from ..llm import embed as _embed
+    from ..llm.verification_data import make_verification_rows
+    from ..storage.files import write_jsonl
+    from .answers import read_rows
+
+    tokenizer = _embed.load_tokenizer(recipe.model)
+    source = layout.data(task.name, "pool")
+    rows = make_verification_rows(
+        read_rows(source), completions,
+        lambda doc: _embed.chat_text(tokenizer, doc, system=recipe.system, prompt_template=task.template()),
+        seed=task.seed, where=lambda i: f"{source}: line {i + 1}")
+    return write_jsonl(layout.forced_rows(task.name), rows)
+
+
 def forced_done(recipe: Recipe, layout: Layout) -> bool:
     return all(count_rows(layout.forced(t.name)) >= count_rows(layout.data(t.name, "pool")) > 0
                for t in recipe.tasks if t.sizes["pool"])
@@ -261,10 +280,7 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
                 comps, how = t.answer_completions(), "preset"
             write_json(comps_path, {"completions": comps, "source": how})
             say(f"{t.name}: completions {comps!r} ({how})")
-            args = ["make-verification-data", "--input", layout.data(t.name, "pool"), "--output",
-                    layout.forced_rows(t.name), "--model", recipe.model, "--prompt-template", t.template(),
-                    "--system", recipe.system or "", "--seed", t.seed, "--completions", *comps]
-            run_cli(layout, f"forced_{t.name}", args, f"constructed negatives of {t.name}")
+            write_forced_rows(recipe, t, comps, layout)
         if model is None:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model, head=False)
@@ -456,12 +472,23 @@ def _network_state(layout: Layout) -> dict:
     return {"selected_epoch": m.get("selected_epoch"), "epochs_completed": m.get("epochs_completed")}
 
 
+def network_prompts(recipe: Recipe, layout: Layout) -> list[dict]:
+    """The held-out and shift rows of every task as ``generate`` prompts: id ``<task>/<id>``, the document the
+    task's instruction with the row's text in its slot (``generate --prompt-template '{document}'`` then builds
+    exactly the prompt of the task's template, so one process answers every task)."""
+    from .answers import read_rows
+
+    return [{"id": f"{t.name}/{r['id']}", "document": t.template().replace("{document}", r["document"]),
+             "task": t.name, "split": s}
+            for t in recipe.tasks for s in TEST_SPLITS if t.sizes.get(s) for r in read_rows(layout.data(t.name, s))]
+
+
 def network_answers_done(recipe: Recipe, layout: Layout) -> bool:
     marker = _read_json(layout.network_answers_marker) or {}
     if marker.get("network") != _network_state(layout):
         return False
-    return all(count_rows(layout.network_answers(t.name)) >= sum(t.sizes[s] for s in TEST_SPLITS)
-               for t in recipe.tasks if any(t.sizes[s] for s in TEST_SPLITS))
+    want = sum(t.sizes[s] for t in recipe.tasks for s in TEST_SPLITS)
+    return count_rows(layout.network_answers) >= want
 
 
 def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
@@ -471,33 +498,27 @@ def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
     say = stage_log("network_answers")
     if not network_done(recipe, layout):
         raise InputError("the network is missing or out of date: run the network stage first")
-    make_dirs(os.path.dirname(layout.network_answers("x")))
+    make_dirs(os.path.dirname(layout.network_answers))
     state = _network_state(layout)
     marker = _read_json(layout.network_answers_marker) or {}
-    stale = marker.get("network") not in (None, state)
+    out = layout.network_answers
+    if marker.get("network") not in (None, state) and os.path.exists(out):
+        os.replace(out, out + ".stale")  # the answers of an earlier network: decoded again
+    prompts = network_prompts(recipe, layout)
+    before = count_rows(out)
     total = {"rows": 0, "tokens": 0}
-    for t in recipe.tasks:
-        prompts = [{"id": r["id"], "document": r["document"], "split": s} for s in TEST_SPLITS if t.sizes.get(s)
-                   for r in read_rows(layout.data(t.name, s))]
-        if not prompts:
-            continue
-        out = layout.network_answers(t.name)
-        if stale and os.path.exists(out):
-            os.replace(out, out + ".stale")  # answers of an earlier network: decoded again
-        before = count_rows(out)
-        if before >= len(prompts):
-            continue
-        write_jsonl(layout.network_prompts(t.name), prompts)
-        say(f"{t.name}: {len(prompts) - before} prompts")
-        run_cli(layout, f"network_answers_{t.name}",
+    if before < len(prompts):
+        write_jsonl(layout.network_prompts, prompts)
+        say(f"{len(prompts) - before} of {len(prompts)} prompts to answer")
+        run_cli(layout, "network_answers",
                 ["generate", "--head", os.path.join(layout.network_run, "network"), "--verifier",
                  layout.verifier(recipe.primary_verifier()), "--system", recipe.system or "", "--prompt-template",
-                 t.template(), "--max-tokens", recipe.max_tokens, "--max-batch", recipe.generation_batch_size,
-                 "--input", layout.network_prompts(t.name), "--output", out, "--on-reject", "return", "--quiet"],
-                f"network answers of {t.name}")
+                 "{document}", "--max-tokens", recipe.max_tokens, "--max-batch", recipe.generation_batch_size,
+                 "--input", layout.network_prompts, "--output", out, "--on-reject", "return", "--quiet"],
+                "network answers")
         rows = read_rows(out)
-        total["rows"] += len(rows) - before
-        total["tokens"] += sum(int(r.get("tokens") or 0) for r in rows[before:])
+        total["rows"] = len(rows) - before
+        total["tokens"] = sum(int(r.get("tokens") or 0) for r in rows[before:])
     write_json(layout.network_answers_marker, {"network": state})
     return total
 

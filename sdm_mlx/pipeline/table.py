@@ -86,14 +86,15 @@ def network_verdicts(recipe: Recipe, layout: Layout) -> list[dict]:
     from ..network.generation import parse_task_prediction
 
     out = []
+    answers = {r["id"]: r for r in _read(layout.network_answers)}
     for t in recipe.tasks:
-        gen = {r["id"]: r for r in _read(layout.network_answers(t.name))}
+        gen = {i[len(t.name) + 1:]: r for i, r in answers.items() if str(i).startswith(t.name + "/")}
         if not gen:
             continue
         comps = t.answer_completions()
         for split in TEST_SPLITS:
             for d in _read(layout.data(t.name, split)) if t.sizes.get(split) else []:
-                g = gen.get(d["id"])
+                g = gen.get(str(d["id"]))
                 if g is None:
                     continue
                 answer = parse_task_prediction(g.get("answer") or "", comps)
