@@ -66,6 +66,23 @@ def check_run_directory(out: str) -> None:
                           "directory")
 
 
+def _same_model(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def check_same_model(recipe: Recipe, layout: Layout) -> None:
+    """A run directory holds one model's answers: another model would mix their rows without a word."""
+    try:
+        with open(layout.recipe, encoding="utf-8") as f:
+            before = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return
+    answers = os.path.join(layout.out, "answers")
+    if before and not _same_model(before, recipe.model) and os.path.isdir(answers) and os.listdir(answers):
+        raise CLIError(f"{layout.out} holds the answers of the model {before}, and this run names {recipe.model}; "
+                       "use another output directory (--output) for another model, or name the same model")
+
+
 class _Lock:
     """An exclusive lock on the run directory (fcntl), released when the driver ends."""
 
@@ -123,6 +140,7 @@ def run_pipeline(recipe: Recipe, only: list[str] | None = None, wrap: str = "") 
     make_dirs(layout.logs)
     prefix = shlex.split(wrap) if wrap else []
     with _Lock(layout.lock):
+        check_same_model(recipe, layout)
         write_json(layout.recipe, recipe.to_dict())
         log(f"sdm-mlx pipeline: {recipe.path} -> {layout.out} (model {recipe.model}); stages {', '.join(stages)}")
         for stage in stages:
@@ -154,7 +172,7 @@ def run_pipeline(recipe: Recipe, only: list[str] | None = None, wrap: str = "") 
             record(layout, stage, entry)
             if rc != 0:
                 log(f"sdm-mlx pipeline: stage {stage} stopped (exit {rc}); the finished work is kept, the same "
-                    "command continues from there")
+                    "command continues from there (--only table writes the tables of what is done)")
                 return 130 if rc in (130, -2) else (2 if rc == 2 else 1)
             log(f"[{stage}] finished in {usage['wall_s']:.1f} s, peak RSS {usage['peak_rss_gb']:.2f} GB"
                 + (f", {entry['rows_per_s']} rows/s" if entry["rows_per_s"] else "")

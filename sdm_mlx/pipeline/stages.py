@@ -249,6 +249,36 @@ def write_forced_rows(recipe: Recipe, task, completions: list, layout: Layout) -
     return write_jsonl(layout.forced_rows(task.name), rows)
 
 
+def keep_current_forced(layout: Layout, task: str, say) -> None:
+    """After the verification rows were written again (a larger pool: the negatives are assigned over the whole
+    pool, so some earlier rows may now show the other answer), keep only the embedded rows whose prompt,
+    completion and label are still those of a row; the others are embedded again."""
+    from ..storage.files import atomic_write
+    from .answers import read_rows
+
+    path = layout.forced(task)
+    if not os.path.exists(path):
+        return
+    current = {r["id"]: (r["prompt"], r["completion"], r["label"]) for r in read_rows(layout.forced_rows(task))}
+    kept = dropped = 0
+    with open(path, encoding="utf-8") as src, atomic_write(path + ".kept") as out:
+        for line in src:
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                dropped += 1  # a partial last line of a stopped run
+                continue
+            if current.get(r.get("id")) == (r.get("prompt"), r.get("completion"), r.get("label")):
+                out.write(line if line.endswith("\n") else line + "\n")
+                kept += 1
+            else:
+                dropped += 1
+    os.replace(path + ".kept", path)
+    say(f"{task}: kept {kept} embedded rows, {dropped} to embed again (their row changed)")
+
+
 def forced_done(recipe: Recipe, layout: Layout) -> bool:
     return all(count_rows(layout.forced(t.name)) >= count_rows(layout.data(t.name, "pool")) > 0
                for t in recipe.tasks if t.sizes["pool"])
@@ -267,7 +297,7 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
     for t in recipe.tasks:
         if not t.sizes["pool"] or count_rows(layout.forced(t.name)) >= count_rows(layout.data(t.name, "pool")):
             continue
-        if not os.path.exists(layout.forced_rows(t.name)):
+        if count_rows(layout.forced_rows(t.name)) != count_rows(layout.data(t.name, "pool")):
             comps_path = layout.forced_completions(t.name)
             if recipe.verifier.forced_completions == "model":
                 apath = layout.answers(t.name, "pool")
@@ -281,6 +311,7 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
             write_json(comps_path, {"completions": comps, "source": how})
             say(f"{t.name}: completions {comps!r} ({how})")
             write_forced_rows(recipe, t, comps, layout)
+            keep_current_forced(layout, t.name, say)
         if model is None:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model, head=False)

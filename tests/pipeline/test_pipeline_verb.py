@@ -215,3 +215,76 @@ def test_model_from_the_environment_when_the_recipe_names_none(lab, tmp_path, ca
     assert _main("pipeline", "-c", path, "--model", str(tmp_path / "cli_model")) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "cli_model") in err and "env_model" not in err
+
+
+def test_another_model_in_the_same_run_directory_is_refused(lab, capsys):
+    """A run directory holds one model's answers: naming another model stops the verb before any stage."""
+    assert _main("pipeline", "-c", lab["recipe"], "--model", str(lab["folder"] / "models")) == 2
+    err = capsys.readouterr().err
+    assert "holds the answers of the model" in err and "--output" in err
+
+
+@pytest.mark.slow
+def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
+    """The other paths: a task from the recipe's own JSONL files (preset sentiment) beside factcheck's embedded
+    split; the forced row set (the preset's compact answers) as the primary, so Alg. 4 trains on force-decoded
+    rows; every per-task verifier; a --wrap prefix; then a larger pool: the data grows (old rows kept), only the
+    new rows are decoded and embedded, and the verifiers train again on the new rows."""
+    from tiny_tasks import synthetic_sentiment_rows
+
+    files = {}
+    rows = synthetic_sentiment_rows(60, seed=11)
+    for split, part in (("pool", rows[:40]), ("heldout", rows[40:50]), ("shift", rows[50:])):
+        files[split] = str(tmp_path / f"{split}.jsonl")
+        with open(files[split], "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({**r, "id": f"mine-{r['id']}"}) + "\n" for r in part)
+
+    def mapping(pool):
+        return {"model": lab["model"], "output": str(tmp_path / "run"), "max_tokens": 16, "generation_batch_size": 32,
+                "embed_batch_size": 32, "record_features": "mean,last",
+                "tasks": [{"name": "mine", "preset": "sentiment", "data": files,
+                           "sizes": {"pool": pool, "heldout": 10, "shift": 10}},
+                          {"name": "facts", "preset": "factcheck", "sizes": {"pool": pool, "heldout": 6, "shift": 4}}],
+                "verifier": {"row_sets": ["forced", "own"], "features": "mean,last", "per_task": "all",
+                             "forced_completions": "preset",
+                             "train": {"alpha": 0.6, "iterations": 2, "epochs": 8, "exemplar_dim": 16,
+                                       "batch_size": 16, "learning_rate": 0.003, "rescaler_max_epochs": 20}},
+                "network": {"epochs": 1, "learning_rate": 0.01, "compile_step": False, "require_admission": False}}
+
+    recipe = L.write_recipe(str(tmp_path / "r.yaml"), mapping(24))
+    r = _cli("pipeline", "-c", recipe, "--wrap", "nice -n 1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    index = json.loads((out / "verifiers" / "index.json").read_text())
+    assert set(index) == {f"{s}-{k}-mean-last" for s in ("universal", "mine", "facts") for k in ("forced", "own")}
+    assert json.loads((out / "forced" / "mine_completions.json").read_text())["source"] == "preset"
+    net_rows = _rows(out / "network" / "rows.jsonl")
+    assert len(net_rows) == 48 and all(x["id"].endswith("/forced") and "answer_label" not in x for x in net_rows)
+    assert {x["task"] for x in net_rows} == {"mine", "facts"}
+    stages = json.loads((out / "stages.json").read_text())
+    assert stages["answers"]["runs"][-1]["command"].startswith("nice -n 1 ")
+    assert not stages["verifiers"]["runs"][-1]["command"].startswith("nice")  # only the model's stages
+    verdicts = _rows(out / "verdicts.jsonl")
+    assert {(v["stage"], v["task"]) for v in verdicts} == {(s, t) for s in ("base", "network") for t in ("mine", "facts")}
+    first_pool = (out / "data" / "facts_pool.jsonl").read_text()
+    first_answers = (out / "answers" / "facts_pool.jsonl").read_text()
+
+    r = _cli("pipeline", "-c", L.write_recipe(str(tmp_path / "r.yaml"), mapping(32)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "facts/pool: 24 rows already" in r.stderr and "8 to decode" in r.stderr
+    import re
+
+    # the negatives are assigned over the whole pool again: rows whose shown answer stayed are kept, not embedded
+    kept, again = map(int, re.search(r"mine/forced: (\d+) rows already .*?; (\d+) to embed", r.stderr).groups())
+    assert kept + again == 32 and 8 <= again < 32
+    assert {x["id"] for x in _rows(out / "forced" / "mine_pool.jsonl")} == {x["id"] for x in
+                                                                            _rows(out / "forced" / "mine_pool.rows.jsonl")}
+    rows_now = {x["id"]: x["completion"] for x in _rows(out / "forced" / "mine_pool.rows.jsonl")}
+    assert all(rows_now[x["id"]] == x["completion"] for x in _rows(out / "forced" / "mine_pool.jsonl"))
+    assert (out / "answers" / "facts_pool.jsonl").read_text().startswith(first_answers)
+    new_pool = _rows(out / "data" / "facts_pool.jsonl")
+    assert len(new_pool) == 32 and {x["id"] for x in _rows(out / "data" / "facts_pool.jsonl")} >= {
+        json.loads(x)["id"] for x in first_pool.splitlines()}
+    index = json.loads((out / "verifiers" / "index.json").read_text())
+    assert index["universal-forced-mean-last"]["rows"] == 64  # retrained on the larger pool
+    assert "[network] running" in r.stderr  # its verifier changed: Alg. 4 starts over
