@@ -24,7 +24,7 @@ Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
         # data: {pool: a.jsonl, heldout: b.jsonl, shift: c.jsonl}   # any preset: your own task rows instead
         # prompt_template: "... {document}"  completions: [...]      # override the preset's
     verifier:
-      row_sets: [own]                     # own | forced | own+forced: (b), (a), (c) of the universal verifier
+      row_sets: [own]                     # own | forced | own+forced: (b), (a), (c) of the universal verifier; all
       primary: own                        # the row set of verdicts.jsonl (stage base) and of Alg. 4
       features: [mean,last]               # one or more encodings; the first is the primary's
       per_task: primary                   # per-task verifiers beside it: primary | all | none
@@ -326,6 +326,8 @@ def _verifier(check: _Checker, value) -> VerifierSpec:
 
     v = check.mapping(value or {}, "verifier", VERIFIER_KEYS, "verifier settings")
     sets = v.get("row_sets", ["own"])
+    if sets == "all":  # the comparison of issue 42 section 2
+        sets = list(ROW_SETS)
     if isinstance(sets, str):
         sets = [sets]
     if not isinstance(sets, list) or not sets:

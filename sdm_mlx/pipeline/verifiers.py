@@ -106,13 +106,13 @@ class RowStore:
             return self._cache[path]
         if not os.path.exists(path):
             raise InputError(f"{what}: {path} does not exist; {fix}")
-        by_id, parts = {}, None
+        by_id, parts, wanted = {}, None, set(order)
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if not line.strip():
                     continue
                 r = json.loads(line)
-                if r["id"] in by_id or r["id"] not in order:
+                if r["id"] in by_id or r["id"] not in wanted:
                     continue
                 emb = np.asarray(r.pop("embedding"), dtype=np.float32)
                 parts = parts or tuple(r.get("feature_parts") or ("mean", "last"))

@@ -65,6 +65,7 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     assert r.verifier.train == {"alpha": 0.9, "learning_rate": 3e-4, "patience": 0, "normalize": "per-dimension"}
     assert r.network.epochs == 2 and r.network.settings == {"learning_rate": 3e-5, "compile_step": False}
     assert answer_splits(r, r.task("f")) == ["pool", "shift"]  # own row sets need the pool's answers
+    assert R.parse_recipe(_base(verifier={"row_sets": "all"})).verifier.row_sets == ("own", "forced", "own+forced")
     r2 = R.parse_recipe(_base(verifier={"row_sets": ["forced"], "forced_completions": "preset"}))
     assert answer_splits(r2, r2.task("arith")) == ["heldout", "shift"]  # forced rows in the preset's form only
 
