@@ -3,7 +3,8 @@
 For every group of verdicts (a verifier or the network; a task; a split) :func:`summarize` reports ``n``, the
 no-reject task accuracy, the verified count and fraction, and the task accuracy among the verified answers: overall
 and **index-conditional** (the minimum over the true classes and over the predicted classes, the paper's
-conditional accuracy; None when nothing is verified).  Outputs: ``table.json`` (everything), ``table.md`` (the
+conditional accuracy; None when nothing is verified); for a verifier also the AUC of a linear probe trained on its
+rows (how separable right and wrong answers are in that encoding).  Outputs: ``table.json`` (everything), ``table.md`` (the
 tables a reader wants), ``verdicts.jsonl`` (one row per (task, split, id, stage): ``task, split, id, label,
 answer, correct, verified, p_lower, reason, stage`` with stage ``base`` = the primary verifier on the model's own
 answers, ``network`` = ``sdm-mlx generate --head`` with the network after Alg. 4) and, when matplotlib is
@@ -63,7 +64,13 @@ def summarize(rows: list[dict]) -> dict:
     for r in rows:
         if not r["verified"]:
             reasons[str(r.get("reason"))] += 1
+    probe = None
+    if rows and all(r.get("probe") is not None for r in rows):
+        from .verifiers import auc
+
+        probe = auc([r["probe"] for r in rows], [bool(r["correct"]) for r in rows])
     return {"n": n, "no_reject_accuracy": _ratio(correct, n), "unparsable": sum(r["answer"] is None for r in rows),
+            "probe_auc": None if probe is None else round(probe, 4),
             "verified": len(verified), "verified_fraction": _ratio(len(verified), n),
             "verified_accuracy": _ratio(sum(bool(r["correct"]) for r in verified), len(verified)),
             "index_conditional_accuracy": None if m is None else round(m, 4), "per_class": per,
@@ -146,6 +153,9 @@ def markdown(table: dict) -> str:
             net = table.get("network", {}).get("results", {}).get(task, {}).get(split)
             lines.append(f"| {task} | {split} | {s['n']} | {_cell(s)} | {_cell(net)} |")
     lines += ["", "## Verifiers", "",
+              "Per verifier: its training rows, its encoding, whether Alg. 3 found thresholds, and per task and "
+              "split the verified answers at their index-conditional accuracy; beside it the AUC with which a "
+              "linear probe trained on the same rows ranks the answers' rightness (the separability ceiling).", "",
               "| verifier | rows (right / wrong) | features | admits | " + " | ".join(
                   f"{t} {s}" for t, ss in table["base"].items() for s in ss) + " |",
               "|---|---|---|---|" + "---|" * sum(len(ss) for ss in table["base"].values())]
@@ -158,7 +168,8 @@ def markdown(table: dict) -> str:
         for t, ss in table["base"].items():
             for s in ss:
                 r = v.get("results", {}).get(t, {}).get(s)
-                cells.append("—" if not r else f"{r['verified']}/{r['n']} at {_fmt(r['index_conditional_accuracy'])}")
+                cells.append("—" if not r else f"{r['verified']}/{r['n']} at {_fmt(r['index_conditional_accuracy'])}"
+                             f" (probe AUC {_fmt(r.get('probe_auc'))})")
         lines.append(f"| `{name}` | {e['rows']} ({e['labels']['1']} / {e['labels']['0']}) | {','.join(e['features'])} "
                      f"| {'yes' if e.get('can_admit') else 'no'} | " + " | ".join(cells) + " |")
     sel = table.get("network", {}).get("selection")

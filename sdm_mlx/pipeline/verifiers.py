@@ -244,12 +244,52 @@ def verdict(row_meta: dict, pred: dict) -> dict:
             "reason": reason, "prediction": int(pred["prediction"]), "admitted": bool(pred["admitted"])}
 
 
+def fit_probe(X: np.ndarray, y: np.ndarray, l2: float = 1.0, max_iter: int = 300):
+    """A linear probe of the same rows (the ceiling an SDM verifier is compared with): L2-regularised logistic
+    regression on per-dimension standardised features (L-BFGS); returns ``score(X) -> P(label 1)``."""
+    from scipy.optimize import minimize
+    from scipy.special import expit
+
+    mu = X.mean(axis=0, dtype=np.float64)
+    sd = X.std(axis=0, dtype=np.float64)
+    sd[sd < 1e-12] = 1.0
+    Z = ((X - mu) / sd).astype(np.float64)
+    t = y.astype(np.float64)
+    n = len(t)
+
+    def loss(wb):
+        w, b = wb[:-1], wb[-1]
+        z = Z @ w + b
+        value = np.sum(np.logaddexp(0.0, z) - t * z) / n + 0.5 * l2 * (w @ w) / n
+        g = (expit(z) - t) / n
+        return value, np.concatenate([Z.T @ g + l2 * w / n, [g.sum()]])
+
+    wb = minimize(loss, np.zeros(Z.shape[1] + 1), jac=True, method="L-BFGS-B",
+                  options={"maxiter": max_iter}).x
+    return lambda A: expit(((A - mu) / sd) @ wb[:-1] + wb[-1])
+
+
+def auc(scores, labels) -> float | None:
+    """Area under the ROC curve of ``scores`` for ``labels`` (1 positive; ties count half); None with one class."""
+    from scipy.stats import rankdata
+
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
+    n1, n0 = int(labels.sum()), int((~labels).sum())
+    if not n1 or not n0:
+        return None
+    ranks = rankdata(scores)
+    return float((ranks[labels].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
 def evaluate_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path: str) -> list[dict]:
     """The verdict on every held-out and shift own answer of the plan's tasks (rows: task, split, id, label,
-    answer, correct, verified, p_lower, reason, prediction, admitted)."""
+    answer, correct, verified, p_lower, reason, prediction, admitted, and ``probe``: a linear probe's P(right)
+    trained on the verifier's rows, the ceiling the table compares with)."""
     from ..estimator import SDMEstimator
 
     est = SDMEstimator.load(path)
+    _, Xtr, ytr, _ = training_rows(plan, store)
+    probe = fit_probe(Xtr, ytr)
     out = []
     for task in plan.test_tasks:
         for split in TEST_SPLITS:
@@ -260,7 +300,8 @@ def evaluate_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path:
                 continue
             cols = slice_columns(parts, plan.parts, X.shape[1], f"own answers of {task}/{split}")
             preds = est.estimate(X[:, cols], ids=[f"{task}/{m['id']}" for m in meta], n_exemplars=0).to_dicts()
-            for m, p in zip(meta, preds):
+            probe_p = probe(X[:, cols].astype(np.float64))
+            for m, p, q in zip(meta, preds, probe_p):
                 out.append({"task": task, "split": split, "id": m["id"], "label": int(m["task_label"]),
-                            **verdict(m, p)})
+                            **verdict(m, p), "probe": round(float(q), 6)})
     return out

@@ -165,3 +165,16 @@ def test_network_train_takes_per_task_completions_beside_verification_rows():
                       tasks=[{"name": "s", "data": "x", "preset": "sentiment"}]).validate()
     with pytest.raises(InputError, match="'name' and 'data'"):
         NetworkConfig(model="m", output_dir="o", tasks=[{"name": "s", "preset": "sentiment"}]).validate()
+
+
+def test_linear_probe_and_auc():
+    from sdm_mlx.pipeline.verifiers import auc, fit_probe
+
+    assert auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert auc([0.5, 0.5], [0, 1]) == pytest.approx(0.5) and auc([0.1, 0.2], [1, 1]) is None
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 6)).astype(np.float32)
+    y = (X[:, 2] - 0.5 * X[:, 4] > 0).astype(int)
+    probe = fit_probe(X[:200], y[:200])
+    assert auc(probe(X[200:]), y[200:]) > 0.95  # a linear rule is found
+    assert auc(fit_probe(X[:200], rng.integers(0, 2, 200))(X[200:]), y[200:]) < 0.8  # noise labels: no rule
