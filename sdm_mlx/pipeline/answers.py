@@ -40,7 +40,8 @@ RECORDED_PARTS = ("max", "mean", "last")
 
 
 def answer_form(text: str) -> str:
-    """``compact`` (one-line JSON), ``fenced`` (a ```json block), ``other`` (JSON in another layout) or ``unparsable``."""
+    """``compact`` (one-line JSON), ``fenced`` (a ```json block), ``other`` (JSON in another layout) or
+    ``unparsable``."""
     from ..network.training_data import answer_form as form
 
     return form(text)

@@ -4,9 +4,9 @@ For every group of verdicts (a verifier or the network; a task; a split) :func:`
 no-reject task accuracy, the verified count and fraction, and the task accuracy among the verified answers: overall
 and **index-conditional** (the minimum over the true classes and over the predicted classes, the paper's
 conditional accuracy; None when nothing is verified); for a verifier also the AUC of a linear probe trained on its
-rows (how separable right and wrong answers are in that encoding).  Outputs: ``table.json`` (everything), ``table.md`` (the
-tables a reader wants), ``verdicts.jsonl`` (one row per (task, split, id, stage): ``task, split, id, label,
-answer, correct, verified, p_lower, reason, stage`` with stage ``base`` = the primary verifier on the model's own
+rows (how separable right and wrong answers are in that encoding).  Outputs: ``table.json`` (everything),
+``table.md`` (the tables a reader wants), ``verdicts.jsonl`` (one row per (task, split, id, stage): ``task, split,
+id, label, answer, correct, verified, p_lower, reason, stage`` with stage ``base`` = the primary verifier on the model's own
 answers, ``network`` = ``sdm-mlx generate --head`` with the network after Alg. 4) and, when matplotlib is
 installed, a risk–coverage plot per task (answers ranked by the verifier's p̂_lower of "right"; the verified
 answers marked).

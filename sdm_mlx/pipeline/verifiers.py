@@ -121,7 +121,8 @@ class RowStore:
                 by_id[r["id"]] = (r, emb)
         missing = [i for i in order if i not in by_id]
         if missing:
-            raise InputError(f"{what}: {path} lacks {len(missing)} of {len(order)} rows (e.g. id {missing[0]!r}); {fix}")
+            raise InputError(f"{what}: {path} lacks {len(missing)} of {len(order)} rows (e.g. id {missing[0]!r}); "
+                             f"{fix}")
         meta = [by_id[i][0] for i in order]
         X = np.stack([by_id[i][1] for i in order]) if order else np.zeros((0, 0), np.float32)
         self._cache[path] = (meta, X, parts or ("mean", "last"))
@@ -198,7 +199,8 @@ def train_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path: st
     ids, X, y, _ = training_rows(plan, store)
     counts = {str(c): int((y == c).sum()) for c in (0, 1)}
     entry = {"name": plan.name, "scope": plan.scope, "tasks": list(plan.tasks), "row_set": plan.row_set,
-             "features": list(plan.parts), "rows": len(ids), "labels": counts, "width": int(X.shape[1]) if X.size else 0}
+             "features": list(plan.parts), "rows": len(ids), "labels": counts,
+             "width": int(X.shape[1]) if X.size else 0}
     if min(counts.values()) < 2:
         entry["skipped"] = (f"the rows hold {counts['0']} wrong and {counts['1']} right answers: both verification "
                             "classes are needed")

@@ -76,7 +76,8 @@ def test_network_verdicts_parse_each_task_and_count_unparsable_as_wrong(tmp_path
         {"id": "sent/h1", "answer": TRUE, "verified": False, "p_lower": None, "reason": "parse_failure"}])
     rows = {(x["task"], x["id"]): x for x in network_verdicts(r, lay)}
     assert len(rows) == 5 and all(x["stage"] == "network" for x in rows.values())
-    assert rows[("arith", "h1")]["verified"] and rows[("arith", "h1")]["correct"] and rows[("arith", "h1")]["prediction"] == 1
+    h1 = rows[("arith", "h1")]
+    assert h1["verified"] and h1["correct"] and h1["prediction"] == 1
     assert rows[("arith", "h2")]["answer"] == 0 and rows[("arith", "h2")]["correct"]  # the fenced form parses
     h3 = rows[("arith", "h3")]
     assert (h3["answer"], h3["correct"], h3["verified"], h3["reason"]) == (None, False, False, "parse_failure")

@@ -6,7 +6,6 @@ answers stage completes row by row, and recipes that exit 2 naming the key and t
 (tests/helpers/pipeline_lab.py builds the model and the data)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -65,7 +64,8 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
         assert {f["completion"] for f in forced} == set(comps)
     index = json.loads((out / "verifiers" / "index.json").read_text())
     assert set(index) == {f"universal-{s}-{f}" for s in ("own", "forced", "own+forced")
-                          for f in ("mean-last", "max-mean-last")} | {"sentiment-own-mean-last", "arithmetic-own-mean-last"}
+                          for f in ("mean-last", "max-mean-last")} | {"sentiment-own-mean-last",
+                                                                       "arithmetic-own-mean-last"}
     assert index["universal-own-mean-last"]["width"] == 128 and index["universal-own-max-mean-last"]["width"] == 192
     assert index["universal-own+forced-mean-last"]["rows"] == 2 * L.POOL + L.POOL  # own + the negatives (half)
     assert index["sentiment-own-mean-last"]["tasks"] == ["sentiment"]
@@ -265,7 +265,8 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
     assert stages["answers"]["runs"][-1]["command"].startswith("nice -n 1 ")
     assert not stages["verifiers"]["runs"][-1]["command"].startswith("nice")  # only the model's stages
     verdicts = _rows(out / "verdicts.jsonl")
-    assert {(v["stage"], v["task"]) for v in verdicts} == {(s, t) for s in ("base", "network") for t in ("mine", "facts")}
+    assert {(v["stage"], v["task"]) for v in verdicts} == {(s, t) for s in ("base", "network")
+                                                           for t in ("mine", "facts")}
     first_pool = (out / "data" / "facts_pool.jsonl").read_text()
     first_answers = (out / "answers" / "facts_pool.jsonl").read_text()
 
@@ -277,10 +278,10 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
     # the negatives are assigned over the whole pool again: rows whose shown answer stayed are kept, not embedded
     kept, again = map(int, re.search(r"mine/forced: (\d+) rows already .*?; (\d+) to embed", r.stderr).groups())
     assert kept + again == 32 and 8 <= again < 32
-    assert {x["id"] for x in _rows(out / "forced" / "mine_pool.jsonl")} == {x["id"] for x in
-                                                                            _rows(out / "forced" / "mine_pool.rows.jsonl")}
+    embedded = _rows(out / "forced" / "mine_pool.jsonl")
+    assert {x["id"] for x in embedded} == {x["id"] for x in _rows(out / "forced" / "mine_pool.rows.jsonl")}
     rows_now = {x["id"]: x["completion"] for x in _rows(out / "forced" / "mine_pool.rows.jsonl")}
-    assert all(rows_now[x["id"]] == x["completion"] for x in _rows(out / "forced" / "mine_pool.jsonl"))
+    assert all(rows_now[x["id"]] == x["completion"] for x in embedded)
     assert (out / "answers" / "facts_pool.jsonl").read_text().startswith(first_answers)
     new_pool = _rows(out / "data" / "facts_pool.jsonl")
     assert len(new_pool) == 32 and {x["id"] for x in _rows(out / "data" / "facts_pool.jsonl")} >= {
