@@ -6,8 +6,8 @@ and **index-conditional** (the minimum over the true classes and over the predic
 conditional accuracy; None when nothing is verified); for a verifier also the AUC of a linear probe trained on its
 rows (how separable right and wrong answers are in that encoding).  Outputs: ``table.json`` (everything),
 ``table.md`` (the tables a reader wants), ``verdicts.jsonl`` (one row per (task, split, id, stage): ``task, split,
-id, label, answer, correct, verified, p_lower, reason, stage`` with stage ``base`` = the primary verifier on the model's own
-answers, ``network`` = ``sdm-mlx generate --head`` with the network after Alg. 4) and, when matplotlib is
+id, label, answer, correct, verified, p_lower, reason, stage`` with stage ``base`` = the primary verifier on the
+model's own answers, ``network`` = ``sdm-mlx generate --head`` with the network after Alg. 4) and, when matplotlib is
 installed, a risk–coverage plot per task (answers ranked by the verifier's p̂_lower of "right"; the verified
 answers marked).
 """
