@@ -39,6 +39,7 @@ VERBS = {
     "chat": "chat",
     "serve": "serve",
     "mcp": "mcp",
+    "pipeline": "pipeline",
 }
 
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     sub_parser, mod = subparsers[args.verb]
     try:
         check_stdout()
-        if args.config:
+        if args.config and not getattr(mod, "CONFIG_IS_RECIPE", False):  # pipeline: -c names its recipe
             sub_parser.set_defaults(**load_yaml_config(args.config, sub_parser, _settings_classes(mod)))
             args = parse_verb_arguments(parser, subparsers, argv)
         from .runtime.blas import maybe_warn_slow_blas

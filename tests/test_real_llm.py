@@ -380,29 +380,33 @@ def test_shared_prefix_features_equal_a_full_forward_of_each_row(verification, m
 
 
 # ------------------------------------------------------------------ verified generation that verifies ("continue")
-#: A verified-generation pipeline's output directory (``tools/real_factcheck_pipeline.py``): its ``verifier/`` was
-#: trained on the model's own answers to pooled statements, ``generate_check.jsonl`` is ``sdm-mlx generate`` over
-#: held-out statements.  Default: the arithmetic recipe's output (``recipes/qwen15_arithmetic_verified_cpu.yaml``,
-#: the task whose verifier admits on this model; the factcheck recipe's verifier admits nothing,
-#: docs/verified-generation-real.md).
+#: A verified-generation run directory of ``sdm-mlx pipeline`` (its primary verifier in ``verifiers/``, trained on
+#: the model's own answers to pooled statements; ``verdicts.jsonl``'s stage ``base``: that verifier's verdicts on the
+#: held-out answers, the ones ``sdm-mlx generate`` gives).  Default: the arithmetic recipe's output
+#: (``recipes/qwen15_arithmetic_verified_cpu.yaml``, the task whose verifier admits on this model; the factcheck
+#: recipe's verifier admits nothing, docs/verified-generation-real.md).
 VERIFIED_RUN_ENV = "SDM_MLX_TEST_VERIFIED_RUN"
 VERIFIED_RUN_DEFAULT = "runs/qwen15_arithmetic_verified"
 
 
 @pytest.fixture(scope="module")
 def verified_run(model_path):
-    """The pipeline's run directory, or a skip naming the command that makes it."""
+    """The pipeline's run directory (its factcheck-prompt tasks: factcheck, arithmetic), or a skip naming the command
+    that makes it."""
     import types
 
     path = Path(os.environ.get(VERIFIED_RUN_ENV, ROOT / VERIFIED_RUN_DEFAULT)).expanduser()
-    if not (path / "verifier").is_dir() or not (path / "task.jsonl").is_file():
-        pytest.skip(f"no verified-generation run at {path}: run `python tools/real_factcheck_pipeline.py -c "
+    if not (path / "table.json").is_file() or not (path / "verdicts.jsonl").is_file():
+        pytest.skip(f"no verified-generation run at {path}: run `sdm-mlx pipeline -c "
                     f"recipes/qwen15_arithmetic_verified_cpu.yaml` (or set {VERIFIED_RUN_ENV} to its output directory)")
-    checked = read_jsonl(path / "generate_check.jsonl") if (path / "generate_check.jsonl").is_file() else []
-    tasks = {r["id"]: r for r in read_jsonl(path / "task.jsonl")}
-    return types.SimpleNamespace(dir=path, verifier=path / "verifier", checked=checked, tasks=tasks,
-                                 admitted=[r for r in checked if r["status"] == "verified"],
-                                 heldout=[r for r in tasks.values() if r["split"] == "heldout_topics"])
+    table = json.loads((path / "table.json").read_text(encoding="utf-8"))
+    names = [t for t, spec in table["tasks"].items() if spec["preset"] in ("factcheck", "arithmetic")]
+    tasks = {r["id"]: r for t in names for r in read_jsonl(path / "data" / f"{t}_heldout.jsonl")}
+    checked = [r for r in read_jsonl(path / "verdicts.jsonl")
+               if r["stage"] == "base" and r["task"] in names and r["split"] == "heldout"]
+    return types.SimpleNamespace(dir=path, verifier=path / "verifiers" / table["primary"], checked=checked,
+                                 tasks=tasks, admitted=[r for r in checked if r["verified"]],
+                                 heldout=list(tasks.values()))
 
 
 def _generate(model_path, run, rows, tmp):
@@ -419,15 +423,14 @@ def test_generate_admits_a_verified_answer_and_abstains_out_of_distribution(mode
                                                                            tmp_path_factory):
     """Continue on the real model: a held-out factcheck answer is ADMITTED by p-hat_lower at the trained alpha'
     (0.95, never recalibrated down) from the verifier's own statistics, and its text is served; a haiku request
-    is abstained on.  The statements are held-out ones the pipeline's own `generate` check admitted."""
+    is abstained on.  The statements are held-out ones the pipeline's verdicts admitted."""
     from sdm_mlx import SDMEstimator
 
     est = SDMEstimator.load(verified_run.verifier)
     assert est.alpha >= 0.95 and est.normalize == "per-dimension"
     assert verified_run.admitted, (
-        f"the pipeline's verifier admitted none of the {sum(r['id'] in verified_run.tasks for r in verified_run.checked)}"
-        " held-out answers of its generate "
-        f"check (admission diagnosis: {est.admission_.get('next_step') if est.admission_ else None}); "
+        f"the pipeline's verifier admitted none of the {len(verified_run.checked)} held-out answers of its "
+        f"verdicts (admission diagnosis: {est.admission_.get('next_step') if est.admission_ else None}); "
         "docs/verified-generation-real.md says why")
     rows = [{"id": r["id"], "document": verified_run.tasks[r["id"]]["document"]} for r in verified_run.admitted[:2]]
     by_id = _generate(model_path, verified_run, rows + [{"id": "ood", "document": OOD_PROMPT}],
@@ -439,7 +442,7 @@ def test_generate_admits_a_verified_answer_and_abstains_out_of_distribution(mode
         assert r["verified"] and r["stopped"] == "verified" and r["text"] == r["answer"] and r["n_attempts"] == 1
         assert v["admitted"] and v["prediction"] == 1 and r["p_lower"] >= est.alpha - 1e-9
         assert r["parsed"] is not None and set(r["parsed"]) == {"correctness"}
-        assert verified_run.tasks[r["id"]]["split"] == "heldout_topics"  # a held-out part of its topic
+        assert verified_run.tasks[r["id"]]["split"] == "heldout"  # a held-out statement
     ood = by_id["ood"]
     assert ood["status"] == "abstained" and not ood["verified"] and ood["text"].startswith("NOT VERIFIED")
     assert ood["reason"]

@@ -76,7 +76,8 @@ def network_config(args) -> NetworkConfig:
     config = resolve(NetworkConfig, args, tasks=_tasks(args), verbose=not args.quiet)
     if config.system == "":
         config.system = None
-    if sum(bool(x) for x in (config.data, config.verification_data, config.tasks)) != 1:
+    tasks_as_inputs = None if config.verification_data else config.tasks  # with verification rows: completions
+    if sum(bool(x) for x in (config.data, config.verification_data, tasks_as_inputs)) != 1:
         raise CLIError("give exactly one of --data (task JSONL), --verification-data (verification rows) "
                        "and --tasks (several tasks)")
     if config.data and not config.completions and not config.preset:

@@ -35,7 +35,9 @@ class NetworkConfig:
               "answer), and with --answers model its wrong ones, corrected, become W_pos positives")
     tasks: list | None = option(
         None, "instead of --data: several tasks trained together (universal verification), a YAML list of mappings "
-              "{name, data, preset | completions + prompt_template}; row ids become '<name>/<id>'", cli=False)
+              "{name, data, preset | completions + prompt_template}; row ids become '<name>/<id>'. With "
+              "verification_data the mappings have no data: they give each task's completions, looked up by the "
+              "rows' 'task' field", cli=False)
     completions: list[str] | None = option(
         None, "one completion per task label, in label order", none_means="the --preset's")
     preset: str | None = option(None, "the paper's completions and instruction", choices=tuple(sorted(PRESETS)))
@@ -107,7 +109,9 @@ class NetworkConfig:
             raise InputError("a base model (path or hub id) is required")
         if not self.output_dir:
             raise InputError("an output directory is required")
-        if sum(x is not None for x in (self.data, self.verification_data, self.tasks)) != 1:
+        completions_only = self.verification_data is not None and self.tasks is not None  # tasks name completions
+        inputs = (self.data, self.verification_data, None if completions_only else self.tasks)
+        if sum(x is not None for x in inputs) != 1:
             raise InputError("give exactly one of data (task JSONL), verification_data (verification rows JSONL) "
                              "and tasks (several task JSONLs)")
         if self.tasks is not None:
@@ -115,8 +119,11 @@ class NetworkConfig:
                 raise InputError("tasks must be a non-empty list of mappings (name, data, preset | completions)")
             names = set()
             for i, t in enumerate(self.tasks):
-                if not isinstance(t, dict) or "data" not in t or "name" not in t:
+                if not isinstance(t, dict) or "name" not in t or ("data" not in t and not completions_only):
                     raise InputError(f"tasks[{i}] must be a mapping with at least 'name' and 'data'")
+                if completions_only and "data" in t:
+                    raise InputError(f"tasks[{i}]: with verification_data the tasks only name completions (the "
+                                     "rows come from verification_data): remove 'data'")
                 unknown = set(t) - {"name", "data", "preset", "completions", "prompt_template"}
                 if unknown:
                     raise InputError(f"tasks[{i}] has unknown key(s) {sorted(unknown)}")

@@ -54,7 +54,7 @@ SETUP = re.compile(r"^\s*(git clone |cd sdm_mlx\b|python3? -m venv |(python -m )
 LLM = re.compile(r"\$\{?MODEL\b|^\s*MODEL\s*=|runs/sentiment/", re.M)
 #: The blocks that are not run, by page: (the first line of the block, why).  Keep this list short.
 NOT_RUN = {
-    "real_llm.md": [("pip install 'sdm_mlx[tools]'", "downloads a 1.5B model (about 3 GB)"),
+    "real_llm.md": [("pip install -e '.[tools]'", "downloads a 1.5B model (about 3 GB)"),
                     ("python -m pytest -m real_llm", "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
     "verified-generation-real.md": [("MODEL=", "the real 1.5B model (7.5 GB per process) and hours of CPU"),
                                     ("python -m pytest -m real_llm -n 0 tests/test_real_llm.py",

@@ -1,4 +1,5 @@
-"""tools/arithmetic_sample.py: exact labels, balanced splits, held-out triples never in the pool, a seeded file."""
+"""The factcheck and arithmetic samplers (sdm_mlx.pipeline.samplers; tools/arithmetic_sample.py is its command-line
+shim): exact labels, balanced splits, held-out triples never in the pool, a seeded file, the pipeline's split names."""
 
 import json
 import re
@@ -6,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import arithmetic_sample as A  # tools/ is on pytest's pythonpath (pyproject.toml)
+from sdm_mlx.pipeline import samplers as A
 
 ROOT = Path(__file__).resolve().parents[2]
 STATEMENT = re.compile(r"^(-?\d+) (plus|minus|times) (-?\d+) equals (-?\d+)\.$")
@@ -19,7 +20,7 @@ def _parse(doc: str):
 
 
 def test_labels_are_the_truth_and_splits_are_balanced_and_disjoint():
-    rows = A.sample_rows(60, 20, 20, seed=3)
+    rows = A.arithmetic_sample(60, 20, 20, seed=3)
     assert [sum(r["split"] == s for r in rows) for s in ("pool", "heldout_topics", "generated")] == [60, 20, 20]
     triples = {}
     for r in rows:
@@ -66,3 +67,17 @@ def test_extend_adds_unseen_pool_statements_and_keeps_the_sample(tmp_path):
     for r in added:
         a, op, b, c, true = _parse(r["document"])
         assert r["label"] == int(c == true)
+
+
+def test_per_split_rows_use_the_pipeline_names_and_keep_the_sample():
+    """arithmetic_rows / factcheck_rows: the same sample split into pool | heldout | shift (split fields renamed),
+    each split in the sample's order, balanced by label."""
+    flat = A.arithmetic_sample(12, 6, 4, seed=2)
+    parts = A.arithmetic_rows(pool=12, heldout=6, shift=4, seed=2)
+    assert {k: len(v) for k, v in parts.items()} == {"pool": 12, "heldout": 6, "shift": 4}
+    assert [r["id"] for r in parts["heldout"]] == [r["id"] for r in flat if r["split"] == "heldout_topics"]
+    assert all(r["split"] == s for s, rows in parts.items() for r in rows)
+    fc = A.factcheck_rows(pool=10, heldout=6, shift=4, seed=0)
+    assert {k: len(v) for k, v in fc.items()} == {"pool": 10, "heldout": 6, "shift": 4}
+    assert all(sum(r["label"] for r in rows) == len(rows) // 2 for rows in fc.values())
+    assert not {r["id"] for r in fc["pool"]} & {r["id"] for r in fc["heldout"]}

