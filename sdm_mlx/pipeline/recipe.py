@@ -28,7 +28,8 @@ Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
       primary: own                        # the row set of verdicts.jsonl (stage base) and of Alg. 4
       features: [mean,last]               # one or more encodings; the first is the primary's
       per_task: primary                   # per-task verifiers beside it: primary | all | none
-      forced_completions: model           # constructed negatives in the model's own answer form | preset
+      forced_completions: model           # constructed negatives: flip (each own answer inverted in its own
+                                          # layout) | model (the model's most frequent form per label) | preset
       train: {alpha: 0.95, ...}           # SDM estimator settings (sdm-mlx train's options)
     network:                              # Alg. 4 on the primary verifier (omit, or enabled: false, to skip)
       epochs: 1
@@ -346,7 +347,7 @@ def _verifier(check: _Checker, value) -> VerifierSpec:
     return VerifierSpec(row_sets=sets, primary=primary, features=feats,
                         per_task=check.choice(v.get("per_task", "primary"), "verifier.per_task", PER_TASK),
                         forced_completions=check.choice(v.get("forced_completions", "model"),
-                                                        "verifier.forced_completions", ("model", "preset")),
+                                                        "verifier.forced_completions", ("flip", "model", "preset")),
                         train=train)
 
 

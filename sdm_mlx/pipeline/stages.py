@@ -249,6 +249,33 @@ def write_forced_rows(recipe: Recipe, task, completions: list, layout: Layout) -
     return write_jsonl(layout.forced_rows(task.name), rows)
 
 
+def write_flip_rows(recipe: Recipe, task, answers: list[dict], layout: Layout) -> int:
+    """``forced/<task>_pool.rows.jsonl`` for ``forced_completions: flip``: per pool prompt, the model's own answer
+    with the answer inverted in its own layout (:func:`sdm_mlx.llm.answers.answer_in_layout`), label 1 when the
+    inverted answer is right.  An own answer with no parsable answer gets the right answer in the model's most
+    frequent form (:func:`model_completions`).  Ids are the pool rows' ids, in the data file's order."""
+    from ..llm import embed as _embed
+    from ..llm.answers import answer_in_layout
+    from ..storage.files import write_jsonl
+    from .answers import read_rows
+
+    tokenizer = _embed.load_tokenizer(recipe.model)
+    comps = task.answer_completions()
+    fallback, _ = model_completions(task, answers)
+    own = {r["id"]: r for r in answers}
+    rows = []
+    for d in read_rows(layout.data(task.name, "pool")):
+        a = own[d["id"]]
+        shown = 1 - int(a["answer_label"]) if int(a["answer_label"]) in (0, 1) else int(d["label"])
+        completion = answer_in_layout(a["text"], comps, shown) if int(a["answer_label"]) >= 0 else None
+        rows.append({"id": d["id"], "task_label": int(d["label"]), "answer_label": shown,
+                     "label": int(shown == int(d["label"])), "construction": "flip" if completion else "model_form",
+                     "prompt": _embed.chat_text(tokenizer, d["document"], system=recipe.system,
+                                                prompt_template=task.template()),
+                     "completion": completion if completion is not None else fallback[shown]})
+    return write_jsonl(layout.forced_rows(task.name), rows)
+
+
 def keep_current_forced(layout: Layout, task: str, say) -> None:
     """After the verification rows were written again (a larger pool: the negatives are assigned over the whole
     pool, so some earlier rows may now show the other answer), keep only the embedded rows whose prompt,
@@ -299,7 +326,7 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
             continue
         if count_rows(layout.forced_rows(t.name)) != count_rows(layout.data(t.name, "pool")):
             comps_path = layout.forced_completions(t.name)
-            if recipe.verifier.forced_completions == "model":
+            if recipe.verifier.forced_completions in ("model", "flip"):
                 apath = layout.answers(t.name, "pool")
                 if count_rows(apath) < count_rows(layout.data(t.name, "pool")):
                     raise InputError(f"the forced stage writes {t.name}'s constructed negatives in the model's own "
@@ -309,8 +336,12 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
             else:
                 comps, how = t.answer_completions(), "preset"
             write_json(comps_path, {"completions": comps, "source": how})
-            say(f"{t.name}: completions {comps!r} ({how})")
-            write_forced_rows(recipe, t, comps, layout)
+            if recipe.verifier.forced_completions == "flip":
+                say(f"{t.name}: constructed negatives: each own answer inverted in its own layout")
+                write_flip_rows(recipe, t, read_rows(apath), layout)
+            else:
+                say(f"{t.name}: completions {comps!r} ({how})")
+                write_forced_rows(recipe, t, comps, layout)
             keep_current_forced(layout, t.name, say)
         if model is None:
             say(f"loading {recipe.model}")
@@ -436,7 +467,7 @@ def network_rows(recipe: Recipe, layout: Layout) -> list[dict]:
 
     plan = next(p for p in plans(recipe) if p.name == recipe.primary_verifier())
     store = RowStore(layout)
-    ids, _, _, meta = training_rows(plan, store)
+    ids, _, _, meta = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
     tokenizer = _embed.load_tokenizer(recipe.model)
     docs = {t: {r["id"]: r["document"] for r in store.data(t, "pool")} for t in plan.tasks}
     out = []

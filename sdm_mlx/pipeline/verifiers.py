@@ -9,6 +9,12 @@
 * ``own+forced`` (c): the own answers plus the constructed negatives (label 0) among the forced rows of the same
   prompts.
 
+With ``forced_completions: flip`` the forced rows are each own pool answer with its answer inverted in the
+model's own layout (:func:`sdm_mlx.llm.answers.answer_in_layout`; label 1 when the inverted answer is right,
+i.e. the model was wrong): (a) shows each prompt once, with its right or its wrong answer (half each, seeded as
+``make-verification-data`` assigns negatives), taking the own row or the inverted one; (c) is every own answer
+plus every inverted one, so both labels are balanced by construction.
+
 A **universal** verifier trains on the union of every task's rows; **per-task** verifiers (``per_task``) on one
 task's.  Each encoding in the recipe's ``features`` (``mean,last``, ``max,mean,last``) slices its columns out of the
 recorded features, so every encoding comes from one decoding.  Test time is always the model's own answers of the
@@ -71,7 +77,7 @@ def answer_splits(recipe: Recipe, task) -> list[str]:
     """The splits whose own answers the recipe needs: the test splits always, the pool for the own-answer row sets
     and for constructed negatives in the model's own answer form."""
     need_pool = any(s in ("own", "own+forced") for s in recipe.verifier.row_sets) or (
-        needs_forced(recipe) and recipe.verifier.forced_completions == "model")
+        needs_forced(recipe) and recipe.verifier.forced_completions in ("model", "flip"))
     return [s for s in task.splits() if s in TEST_SPLITS or (s == "pool" and need_pool)]
 
 
@@ -150,11 +156,39 @@ class RowStore:
                           "run the forced stage first (it resumes where it stopped)")
 
 
-def training_rows(plan: VerifierPlan, store: RowStore):
+def _flip_rows(plan: VerifierPlan, store: RowStore, task: str, seed: int):
+    """``(ids, X, y, rows)`` of ``task`` for ``forced_completions: flip`` (see the module docstring)."""
+    from ..llm.verification_data import assign_negatives
+
+    own, Xo, po = store.own(task, "pool")
+    flip, Xf, pf = store.forced(task)
+    co = slice_columns(po, plan.parts, Xo.shape[1], f"own answers of {task}/pool")
+    cf = slice_columns(pf, plan.parts, Xf.shape[1], f"forced rows of {task}")
+    if plan.row_set == "own+forced":
+        pick = [("own", i) for i in range(len(own))] + [("forced", i) for i in range(len(flip))]
+    else:  # (a): one row per prompt, shown its right answer or (constructed negative) its wrong one
+        shown_wrong = assign_negatives([int(m["task_label"]) for m in own], seed=seed)
+        pick = [("own" if int(own[i]["label"]) != int(shown_wrong[i]) else "forced", i) for i in range(len(own))]
+    ids = [f"{task}/{(own if k == 'own' else flip)[i]['id']}" + ("/forced" if k == "forced" else "") for k, i in pick]
+    X = np.stack([(Xo[i, co] if k == "own" else Xf[i, cf]) for k, i in pick]) if pick else np.zeros((0, 0), np.float32)
+    y = [int((own if k == "own" else flip)[i]["label"]) for k, i in pick]
+    rows = [{**(own if k == "own" else flip)[i], "task": task, "kind": k} for k, i in pick]
+    return ids, X, y, rows
+
+
+def training_rows(plan: VerifierPlan, store: RowStore, forced_completions: str = "model", seed: int = 0):
     """``(ids, X, y, rows)`` of a plan's row set: ids ``<task>/<id>`` (own) and ``<task>/<id>/forced`` (forced),
     ``rows`` the metadata of each (``task``, ``kind`` own | forced, and the source row's fields)."""
     ids, Xs, ys, rows = [], [], [], []
     for task in plan.tasks:
+        if plan.uses_forced() and forced_completions == "flip":
+            i, X, y, r = _flip_rows(plan, store, task, seed)
+            ids += i
+            ys += y
+            rows += r
+            if len(i):
+                Xs.append(X)
+            continue
         if plan.uses_own():
             meta, X, parts = store.own(task, "pool")
             ids += [f"{task}/{m['id']}" for m in meta]
@@ -196,7 +230,7 @@ def train_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path: st
     from ..estimator import SDMEstimator
     from ..estimator.checkpoint import remove_checkpoint
 
-    ids, X, y, _ = training_rows(plan, store)
+    ids, X, y, _ = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
     counts = {str(c): int((y == c).sum()) for c in (0, 1)}
     entry = {"name": plan.name, "scope": plan.scope, "tasks": list(plan.tasks), "row_set": plan.row_set,
              "features": list(plan.parts), "rows": len(ids), "labels": counts,
@@ -290,7 +324,7 @@ def evaluate_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path:
     from ..estimator import SDMEstimator
 
     est = SDMEstimator.load(path)
-    _, Xtr, ytr, _ = training_rows(plan, store)
+    _, Xtr, ytr, _ = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
     probe = fit_probe(Xtr, ytr)
     out = []
     for task in plan.test_tasks:

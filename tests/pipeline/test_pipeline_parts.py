@@ -179,3 +179,41 @@ def test_linear_probe_and_auc():
     probe = fit_probe(X[:200], y[:200])
     assert auc(probe(X[200:]), y[200:]) > 0.95  # a linear rule is found
     assert auc(fit_probe(X[:200], rng.integers(0, 2, 200))(X[200:]), y[200:]) < 0.8  # noise labels: no rule
+
+
+class _FlipStore:
+    """A RowStore stand-in: 6 own pool answers (2 wrong) and their inverted rows, features = [row number, kind]."""
+
+    def __init__(self):
+        labels = [0, 1, 0, 1, 0, 1]
+        right = [1, 1, 0, 1, 1, 0]
+        self.own_rows = [{"id": f"r{i}", "task_label": y, "label": ok, "answer_label": y if ok else 1 - y}
+                         for i, (y, ok) in enumerate(zip(labels, right))]
+        self.flip_rows = [{"id": r["id"], "task_label": r["task_label"], "label": 1 - r["label"],
+                           "answer_label": 1 - r["answer_label"]} for r in self.own_rows]
+
+    def own(self, task, split):
+        return self.own_rows, np.array([[i, 0, 0] for i in range(6)], np.float32), ("max", "mean", "last")
+
+    def forced(self, task):
+        return self.flip_rows, np.array([[i, 1, 0] for i in range(6)], np.float32), ("max", "mean", "last")
+
+
+def test_flip_row_sets_pair_each_own_answer_with_its_inversion():
+    """forced_completions: flip. (c) = every own answer + every inverted one (labels balanced by construction);
+    (a) = one row per prompt, shown its right answer or its wrong one (half each), taken from the own row or the
+    inverted row so that the label is what the assignment asked for."""
+    from sdm_mlx.llm.verification_data import assign_negatives
+    from sdm_mlx.pipeline.verifiers import VerifierPlan, training_rows
+
+    store = _FlipStore()
+    c = VerifierPlan("u", "universal", ("t",), "own+forced", ("max",))
+    ids, X, y, rows = training_rows(c, store, "flip", 0)
+    assert len(ids) == 12 and y.sum() == 6 and ids[6] == "t/r0/forced"
+    assert X[:, 0].tolist() == list(range(6)) * 2  # the max column of each own row, then of each inverted row
+    a = VerifierPlan("u", "universal", ("t",), "forced", ("max",))
+    ids, X, y, rows = training_rows(a, store, "flip", 0)
+    wrong = assign_negatives([r["task_label"] for r in store.own_rows], seed=0)
+    assert len(ids) == 6 and y.tolist() == [int(not w) for w in wrong]
+    for i, r in enumerate(rows):  # the own row where it already shows what was asked, else the inverted one
+        assert r["kind"] == ("own" if store.own_rows[i]["label"] == int(not wrong[i]) else "forced")

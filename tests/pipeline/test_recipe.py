@@ -68,6 +68,8 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     assert R.parse_recipe(_base(verifier={"row_sets": "all"})).verifier.row_sets == ("own", "forced", "own+forced")
     r2 = R.parse_recipe(_base(verifier={"row_sets": ["forced"], "forced_completions": "preset"}))
     assert answer_splits(r2, r2.task("arith")) == ["heldout", "shift"]  # forced rows in the preset's form only
+    r3 = R.parse_recipe(_base(verifier={"row_sets": ["forced"], "forced_completions": "flip"}))
+    assert answer_splits(r3, r3.task("arith")) == ["pool", "heldout", "shift"]  # flips invert the pool's own answers
 
 
 @pytest.mark.parametrize("mapping, key, fix", [
