@@ -48,17 +48,17 @@ def dkw_epsilon(n_hat: np.ndarray, alpha) -> np.ndarray:
     ``alpha``: one level, or one per row of ``n_hat`` (the nested ladder's levels stacked along the rows)."""
     n_hat = np.asarray(n_hat)
     if np.ndim(alpha) == 0:
-        log_term = _dkw_log(alpha)
+        log_term = _dkw_log(validation.level(alpha))
     else:  # one log per distinct level (the ladder's), not per row
         levels, which = np.unique(np.asarray(alpha, dtype=np.float64), return_inverse=True)
-        logs = np.array([_dkw_log(float(a)) for a in levels])
+        logs = np.array([_dkw_log(validation.level(float(a))) for a in levels])
         log_term = logs[which.reshape(-1)].reshape((-1,) + (1,) * (n_hat.ndim - 1))
     return _epsilon_of(n_hat, log_term)
 
 
-def _dkw_log(alpha) -> float:
-    """ln(2/(1−α)), the level's factor of ``equation:dkw``."""
-    return math.log(2.0 / (1.0 - validation.level(alpha)))
+def _dkw_log(alpha: float) -> float:
+    """ln(2/(1−α)), the level's factor of ``equation:dkw``; ``alpha`` a validated level in (0, 1)."""
+    return math.log(2.0 / (1.0 - float(alpha)))
 
 
 def _epsilon_of(n_hat: np.ndarray, log_term) -> np.ndarray:

@@ -4,6 +4,7 @@ rounds (:func:`aggregate_rounds`) and the stored model (:class:`Calibration`).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -21,8 +22,9 @@ from .rescaler import (
 from ._checks import _labels, _matrix, _vector, check_alpha
 from .bins import apply_ood, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is, v_vector
 from .bounds import sample_size_arrays
-from .threshold import min_valid_qbin
+from .threshold import _min_valid_qbin
 from .cauchy import cauchy_offsets, cauchy_robust_min, magnitude_medians
+from .ladder import Ladder, LevelArrays, check_level
 from ..errors import InputError
 
 
@@ -52,8 +54,10 @@ class RoundCalibration:
     rescaler: RescalerFit | None = field(default=None, repr=False)
 
     def with_alpha(self, alpha: float) -> "RoundCalibration":
-        """This round re-thresholded at a new α' by Alg. 3 (``alg:estimate-soft-q-bin``), no retraining."""
-        mv, psi = min_valid_qbin(self.o_true, self.q_tilde, self.y, self.non_ood, self.num_classes, alpha)
+        """This round re-thresholded at a new α' by Alg. 3 (``alg:estimate-soft-q-bin``), no retraining.
+
+        ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`); the round's arrays are the package's own."""
+        mv, psi = _min_valid_qbin(self.o_true, self.q_tilde, self.y, self.non_ood, self.num_classes, alpha)
         return replace(self, alpha=float(alpha), min_valid=mv, psi=psi)
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
@@ -160,7 +164,7 @@ def calibrate_round(
     q_proc, bins = apply_ood(q_pre, ood)
     rows = np.arange(n)
     o_true, o_hat = o[rows, y], o[rows, y_hat]
-    min_valid, psi = min_valid_qbin(o_true, q_proc, y, ~ood, C, alpha)
+    min_valid, psi = _min_valid_qbin(o_true, q_proc, y, ~ood, C, alpha)  # arrays made above: not re-checked
     return RoundCalibration(
         num_classes=C, alpha=alpha, output_ecdfs=ecdfs, W=W, y=y, y_hat=y_hat, sdm_flip=sdm_flip, v=v,
         q_tilde_pre=q_pre, o=o, non_ood=~ood, q_tilde=q_proc, hard_bin=bins, o_true=o_true, o_hat=o_hat,
@@ -169,10 +173,24 @@ def calibrate_round(
     )
 
 
+def rethreshold(rounds: Sequence[RoundCalibration], alpha: float) -> list[RoundCalibration]:
+    """The rounds at ``alpha``: Alg. 3 re-run once on each round calibrated at another α' (no retraining).
+
+    ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`)."""
+    return [r if r.alpha == alpha else r.with_alpha(alpha) for r in rounds]
+
+
+def _cauchy(rounds_at: Sequence[RoundCalibration], best_index: int, alpha: float) -> tuple[float, np.ndarray]:
+    """(robust min valid q~, offsets [C, B]) of rounds already at ``alpha`` (:func:`rethreshold`)."""
+    robust = cauchy_robust_min([r.min_valid for r in rounds_at], best_index, alpha)
+    return robust, cauchy_offsets([r.medians for r in rounds_at], alpha)
+
+
 def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha: float) -> tuple[float, np.ndarray]:
     """(robust min valid q~, offsets [C, B]) over the J rounds (``eq:cauchyMinValidQBin``, ``eq:cauchyIteratedLower``).
 
-    Rounds calibrated at another α are re-thresholded (Alg. 3) at ``alpha`` first.
+    Rounds calibrated at another α are re-thresholded (Alg. 3) at ``alpha`` first.  Checks ``alpha`` and the
+    rounds (the public entry); :meth:`Calibration.from_rounds` is the package's own path.
     """
     if len(rounds) == 0:
         raise InputError("need at least one round")
@@ -180,9 +198,7 @@ def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha:
     alpha = check_alpha(alpha, C)
     if any(r.num_classes != C for r in rounds):
         raise InputError("all rounds must have the same number of classes")
-    rounds = [r if r.alpha == alpha else r.with_alpha(alpha) for r in rounds]
-    robust = cauchy_robust_min([r.min_valid for r in rounds], best_index, alpha)
-    return robust, cauchy_offsets([r.medians for r in rounds], alpha)
+    return _cauchy(rethreshold(rounds, alpha), best_index, alpha)
 
 
 @dataclass(frozen=True)
@@ -203,6 +219,17 @@ class Calibration:
     output_ecdfs: list  #: per class, sorted calibration sdm_c of true class c (for v)
     sample_size_arrays: list  #: per class, sorted processed calibration q~ (for n̂)
 
+    @cached_property
+    def checked(self) -> LevelArrays:
+        """This level's arrays validated, once: the estimator's inputs (a level can be built by hand)."""
+        return check_level(self)
+
+    @cached_property
+    def ladder(self) -> Ladder:
+        """This level alone as a :class:`~sdm_mlx.calibration.ladder.Ladder` (what ``estimate`` scores with),
+        built once."""
+        return Ladder((self,))
+
     @classmethod
     def from_round(cls, best: RoundCalibration, robust_min_valid: float, offsets) -> "Calibration":
         """The best round (at its α') with given robust min valid q~ and offsets."""
@@ -212,8 +239,8 @@ class Calibration:
 
     @classmethod
     def from_rounds(cls, rounds: Sequence[RoundCalibration], best_index: int, alpha: float) -> "Calibration":
-        """Alg. 3 re-run at ``alpha`` on the best round and Cauchy aggregation over all rounds (no retraining)."""
-        best = rounds[best_index]
-        best = best if best.alpha == alpha else best.with_alpha(alpha)
-        robust, offsets = aggregate_rounds(rounds, best_index, alpha)
-        return cls.from_round(best, robust, offsets)
+        """Alg. 3 re-run at ``alpha`` once on each round, then the Cauchy aggregation over all rounds (no
+        retraining).  ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`), ``rounds`` one fit's."""
+        at = rethreshold(rounds, alpha)
+        robust, offsets = _cauchy(at, best_index, alpha)
+        return cls.from_round(at[best_index], robust, offsets)
