@@ -7,6 +7,7 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.threshold`   Alg. 3, min valid q~ and ψ (``alg:estimate-soft-q-bin``)
 * :mod:`.cauchy`      per-bin medians and the Cauchy robust estimates over J rounds
 * :mod:`.conditional` the index-conditional estimator at test time and its rejection reasons
+* :mod:`.ladder`      one model's levels (W'', ψ, minima, offsets, eCDF tables) validated and stacked once
 * :mod:`.nested`      every level of an α grid from the same rounds, α regions, decisions (DESIGN #25)
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
@@ -49,7 +50,8 @@ arrays, the per-bin medians.  So a new α needs no retraining:
 ``RoundCalibration.with_alpha`` re-runs Alg. 3 on the stored arrays and
 ``aggregate_rounds`` recomputes the Cauchy quantities.
 
-Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted):
+Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted; the order's one source is
+``conditional.REJECTION_CONDITIONS``):
 
 1. ``"no_valid_threshold"``    the model's own min valid q~ is +inf (Alg. 3 found none)
 2. ``"no_robust_threshold"``   the Cauchy robust min valid q~ is +inf (non-finite MAD, DESIGN #15)
