@@ -504,10 +504,12 @@ class SDMEstimator:
         return q, distance_quantile(d0, ecdfs), y_hat
 
     def _scores(self, X: np.ndarray, n_exemplars: int):
-        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row of checked features."""
-        z, h = self._forward_map(X)
-        y_hat = z.argmax(axis=1)
-        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars)
+        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row of checked features; the
+        arrays made from them (h', ŷ, the good-neighbour mask, q, d) are not checked again downstream."""
+        z, h = self._forward_map(X)  # float32 [N, C], [N, min(D, M)]
+        y_hat = z.argmax(axis=1)  # int64 [N]
+        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars,
+                                                                  check_input=False)
         d = distance_quantile(d0, self.calibration_distance_ecdfs_)
         return z, q, d0, d, sdm_numpy(z, q, d), ex_d, ex_i
 
