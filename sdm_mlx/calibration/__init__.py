@@ -18,8 +18,8 @@ May import: layers 0-2 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm
 names below resolve on first use, and :mod:`.defaults` (Alg. 2's defaults) is read at ``--help`` without MLX.
 
 Paper §"From SDM Activation Functions to SDM Calibration"; conventions fixed by
-``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the research
-code R where they differ).  Everything here is host-side, vectorised NumPy on
+``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the author's
+research code where they differ).  Everything here is host-side, vectorised NumPy on
 sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.calibration.rescaler`).
 
 Pipeline for one round (``calibrate_round``), calibration rows of the best epoch:
@@ -42,7 +42,7 @@ Across the J rounds (``aggregate_rounds``): the Cauchy robust min valid q~
 
 At test time (``estimate``): q~ for centroid, n̂ and DKW ε from the centroid,
 lower/upper v and q~, the rescaled outputs, offsets, and admission
-(``eq:index-conditional-sdm-estimator``, all of R's conditions, DESIGN #14).
+(``eq:index-conditional-sdm-estimator``, all of the research code's conditions, DESIGN #14).
 
 What depends on α: Alg. 3 (ψ, min valid q~), the Cauchy factor tan(π(α−½)) and
 DKW ε.  What does not: output eCDFs, v, q~, W'', o, OOD flags, sample-size
@@ -79,7 +79,7 @@ _EXPORTS = {
     "cauchy_robust_min": "cauchy", "lookup_offsets": "cauchy", "mad": "cauchy", "magnitude_medians": "cauchy",
     "REJECTION_REASONS": "conditional", "estimate": "conditional", "Calibration": "rounds",
     "RoundCalibration": "rounds", "aggregate_rounds": "rounds", "calibrate_round": "rounds",
-    "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler",
+    "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler", "RescalerSettings": "rescaler",
     "DEFAULT_ALPHA_GRID": "nested", "DecisionPolicy": "nested", "NestedCalibration": "nested", "alpha_grid": "nested",
     "anchored_region": "nested", "estimate_nested": "nested", "nested_admissions": "nested",
 }
@@ -95,6 +95,7 @@ __all__ = [
     "nested_admissions",
     "REJECTION_REASONS",
     "Calibration",
+    "RescalerSettings",
     "RoundCalibration",
     "aggregate_rounds",
     "apply_ood",

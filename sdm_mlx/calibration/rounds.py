@@ -10,15 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from ..storage.files import get_float, put_float
-from .rescaler import (
-    DEFAULT_ENGINE,
-    DEFAULT_LEARNING_RATE,
-    DEFAULT_MAX_EPOCHS,
-    DEFAULT_PATIENCE,
-    RescalerFit,
-    rescaled_output,
-    train_rescaler,
-)
+from .rescaler import RescalerFit, RescalerSettings, rescaled_output, train_rescaler
 from ._checks import _labels, _matrix, _vector, check_alpha
 from .bins import apply_ood, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is, v_vector
 from .bounds import sample_size_arrays
@@ -120,26 +112,20 @@ def calibrate_round(
     y_hat_cal: np.ndarray,
     *,
     alpha: float = 0.95,
-    seed: int = 0,
-    num_classes: int | None = None,
-    max_epochs: int = DEFAULT_MAX_EPOCHS,
-    patience: int = DEFAULT_PATIENCE,
-    learning_rate: float = DEFAULT_LEARNING_RATE,
-    engine: str = DEFAULT_ENGINE,
+    rescaler: RescalerSettings = RescalerSettings(),
     W: np.ndarray | None = None,
     on_epoch=None,
 ) -> RoundCalibration:
     """One round after Alg. 1's best epoch: eCDFs → v → q~ → W'' (``alg:train-rescaler``) → o → OOD → ``alg:estimate-soft-q-bin`` → medians.
 
-    ``sdm_cal``/``q_cal`` are the calibration SDM outputs and (flip-reset) q of the
-    best epoch, ``y_hat_cal`` = argmax z'.  Pass ``W`` to skip training (e.g. a
-    stored W''); otherwise W'' is trained with ``seed`` (init and shuffles);
-    ``on_epoch(epoch, loss)`` is called after every rescaler epoch.
+    ``sdm_cal``/``q_cal`` are the calibration SDM outputs [N, C] (C classes) and (flip-reset) q of the
+    best epoch, ``y_hat_cal`` = argmax z'.  Pass ``W`` to skip training (e.g. a stored W''); otherwise W''
+    is trained with ``rescaler`` (:class:`~sdm_mlx.calibration.rescaler.RescalerSettings`: seed, epochs,
+    Adam, engine); ``on_epoch(epoch, loss)`` is called after every rescaler epoch.
     """
     sdm_cal = _matrix("sdm_cal", sdm_cal)
-    C = sdm_cal.shape[1] if num_classes is None else int(num_classes)
+    C = sdm_cal.shape[1]
     alpha = check_alpha(alpha, C)
-    sdm_cal = _matrix("sdm_cal", sdm_cal, c=C)
     n = sdm_cal.shape[0]
     if n == 0:
         raise InputError("calibration split is empty")
@@ -153,8 +139,7 @@ def calibrate_round(
     q_pre = np.where(sdm_flip, 0.0, soft_qbin(v, q_cal, y_hat))
     fit = None
     if W is None:
-        fit = train_rescaler(v, q_pre, y, seed=seed, max_epochs=max_epochs, patience=patience,
-                             learning_rate=learning_rate, engine=engine, on_epoch=on_epoch)
+        fit = train_rescaler(v, q_pre, y, rescaler, on_epoch=on_epoch)
         W = fit.W
     W = np.asarray(W, dtype=np.float32)
     if W.shape != (C, C):

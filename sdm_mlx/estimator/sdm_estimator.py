@@ -35,7 +35,8 @@ import numpy as np
 
 from ..core.adaptor import InvariantForward
 from .. import validation
-from ..calibration import Calibration, NestedCalibration, calibrate_round, estimate_nested, exact_one_minus
+from ..calibration import (Calibration, NestedCalibration, RescalerSettings, calibrate_round, estimate_nested,
+                           exact_one_minus)
 from ..calibration.nested import alpha_grid, decision_policy
 from .chunking import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .config import EstimatorConfig
@@ -144,6 +145,10 @@ class SDMEstimator:
         The training-support size and the feedback log.
     """
 
+    # Written out, so the names repeat EstimatorConfig's fields (a pair `duplicates` reports, kept on purpose):
+    # scikit-learn reads an estimator's parameters from its explicit __init__ signature (get_params, clone), and
+    # help() and editors show it; a generated signature would hide the API.  The defaults have one source
+    # (EstimatorConfig) and tests/estimator/test_defaults.py checks that both lists hold the same names.
     def __init__(
         self,
         *,
@@ -294,6 +299,9 @@ class SDMEstimator:
         (default: silent, or tqdm progress on stderr with ``verbose=True``).  ``feature_field``: the JSONL field
         the features were read from, kept as the fitted ``feature_field_`` (saved with the model; None: the
         default lookup).
+
+        Ten parameters, on purpose: scikit-learn's ``fit(X, y)`` with this estimator's calibration split and row
+        ids beside them (``X_cal``, ``y_cal``, ``ids_train``, ``ids_cal``) and four optional keywords.
         """
         callback = as_callback(callback, self.verbose)
         X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal,
@@ -322,9 +330,9 @@ class SDMEstimator:
 
     def _train_and_calibrate(self, X, y, ids, C, alpha, config, *, checkpoint, callback):
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
-        rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
-                        learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
-        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback=callback)
+        rescaler = RescalerSettings(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
+                                    learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
+        calibrator = RoundCalibrator(calibrate_round, y, alpha, self.seed, rescaler, callback=callback)
         progress, saver = None, None
         if checkpoint is not None:
             from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint
