@@ -23,7 +23,7 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
     """n̂_c = min(#{x ∈ arrays_c : x < q~}, n_c − 1) in integers (``equation:effective-sample-size``, DESIGN #12).
 
     A class with no calibration rows gives n̂_c = min(0, −1) = −1 (reported as
-    −1, as in R; :func:`dkw_epsilon` then gives ε_c = 1).
+    −1, as in the research code; :func:`dkw_epsilon` then gives ε_c = 1).
     """
     q_tilde = _vector("q_tilde", q_tilde).astype(np.float64)
     return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
