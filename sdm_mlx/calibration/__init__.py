@@ -79,7 +79,8 @@ _EXPORTS = {
     "cauchy_robust_min": "cauchy", "lookup_offsets": "cauchy", "mad": "cauchy", "magnitude_medians": "cauchy",
     "REJECTION_REASONS": "conditional", "estimate": "conditional", "Calibration": "rounds",
     "RoundCalibration": "rounds", "aggregate_rounds": "rounds", "calibrate_round": "rounds",
-    "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler", "RescalerSettings": "rescaler",
+    "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler",
+    "RescalerSettings": "rescaler",
     "DEFAULT_ALPHA_GRID": "nested", "DecisionPolicy": "nested", "NestedCalibration": "nested", "alpha_grid": "nested",
     "anchored_region": "nested", "estimate_nested": "nested", "nested_admissions": "nested",
 }
