@@ -39,6 +39,10 @@ def option(default: Any, help: str, *, choices=None, short: str | None = None, a
     the flag made from the field name (``output_dir`` shown as ``--output``; the field name stays an alias);
     ``booleans = (value for false, value for true)`` keeps YAML's older true/false spelling of a field that
     became a choice (``normalize: false`` → ``"none"``).
+
+    Eleven parameters, on purpose: like :func:`dataclasses.field` and ``argparse.add_argument`` it declares one
+    setting, and each keyword is an independent, optional detail of that declaration (a group of them would only
+    add a second name to spell at every field).
     """
     meta = {_META: dict(help=help, choices=choices, short=short, aliases=tuple(aliases), none_means=none_means,
                         metavar=metavar, required=required, cli=cli, flag=flag, booleans=booleans)}

@@ -29,7 +29,7 @@ EOS ends a row early and the token counts follow) for each prompt and reports:
                     the LM head) via ``network.generation.greedy_generate``, without verification;
 * ``plain+verify`` / ``joint+verify`` — decoding + verification of the answer, end to end, as
   ``VerifiedGenerator`` does a first attempt: the verifier input is pooled from the decoding's
-  own states (``GreedyDecoder(features=True)``), then the estimate;
+  own states (``DecodeRequest(features=True)``), then the estimate;
 * per-answer verification latency: the separate feature pass (prompt + answer through the
   trunk once more: what a re-asked attempt, ``/v1/verify`` and the code before decode-time
   features pay), adaptor + support search (q, d0, exemplars), the whole estimate, the
@@ -133,7 +133,13 @@ def main(argv=None) -> int:
     import mlx_lm
 
     from sdm_mlx.network.heads import SDMHeads
-    from sdm_mlx.verified import AnswerVerifier, GreedyDecoder
+    from sdm_mlx.decoding.batching import DecodeEngine, DecodeRequest
+    from sdm_mlx.verified import AnswerVerifier
+
+    def one_prompt(heads=None):  # one prompt at a time through the batched engine (plain, or joint with heads)
+        engine = DecodeEngine(model, tok, heads=heads, max_batch=1, prefix_cache=False)
+        return lambda pid, tokens: engine.run([DecodeRequest(list(pid), int(tokens), stop_at_delimiter=False,
+                                                             features=True)])[0]
 
     model, tok, label = load_bench_model(args.model, args.size)
     cfg = model.args
@@ -155,8 +161,7 @@ def main(argv=None) -> int:
     verifier = AnswerVerifier(model, tok, est, n_exemplars=args.n_exemplars)
     heads = SDMHeads(model)
     # features=True: the decoders pool the verifier input from their own states, as VerifiedGenerator does
-    decoders = {"plain": GreedyDecoder(model, tok, stop_at_delimiter=False, features=True),
-                "joint": GreedyDecoder(model, tok, heads=heads, stop_at_delimiter=False, features=True)}
+    decoders = {"plain": one_prompt(), "joint": one_prompt(heads)}
     prompts = make_prompts(tok, args.prompts, args.factcheck)
     ids = [E.encode(tok, p) for p in prompts]
 

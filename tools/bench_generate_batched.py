@@ -50,7 +50,8 @@ def worker(spec: dict) -> dict:
         keep_freed_buffers_after_load()
     model, tok = E.load_model(spec["model"])
     prompts = make_prompts(tok, spec["prompts"], spec["factcheck"])
-    from sdm_mlx.network.heads import SDMHeads, model_dims
+    from sdm_mlx.llm.model import model_dims
+    from sdm_mlx.network.heads import SDMHeads
 
     width = 2 * model_dims(model)[1]
     out = {"code": str(Path(sdm_mlx.__file__).parent), "load_average": os.getloadavg()}

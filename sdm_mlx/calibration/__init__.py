@@ -7,6 +7,7 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.threshold`   Alg. 3, min valid q~ and ψ (``alg:estimate-soft-q-bin``)
 * :mod:`.cauchy`      per-bin medians and the Cauchy robust estimates over J rounds
 * :mod:`.conditional` the index-conditional estimator at test time and its rejection reasons
+* :mod:`.ladder`      one model's levels (W'', ψ, minima, offsets, eCDF tables) validated and stacked once
 * :mod:`.nested`      every level of an α grid from the same rounds, α regions, decisions (DESIGN #25)
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
@@ -17,8 +18,8 @@ May import: layers 0-2 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm
 names below resolve on first use, and :mod:`.defaults` (Alg. 2's defaults) is read at ``--help`` without MLX.
 
 Paper §"From SDM Activation Functions to SDM Calibration"; conventions fixed by
-``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the research
-code R where they differ).  Everything here is host-side, vectorised NumPy on
+``docs/design.md`` DESIGN #7, #10-16, #23, #24 (they win over the paper and over the author's
+research code where they differ).  Everything here is host-side, vectorised NumPy on
 sorted arrays (the rescaler W'' itself is trained in :mod:`sdm_mlx.calibration.rescaler`).
 
 Pipeline for one round (``calibrate_round``), calibration rows of the best epoch:
@@ -41,7 +42,7 @@ Across the J rounds (``aggregate_rounds``): the Cauchy robust min valid q~
 
 At test time (``estimate``): q~ for centroid, n̂ and DKW ε from the centroid,
 lower/upper v and q~, the rescaled outputs, offsets, and admission
-(``eq:index-conditional-sdm-estimator``, all of R's conditions, DESIGN #14).
+(``eq:index-conditional-sdm-estimator``, all of the research code's conditions, DESIGN #14).
 
 What depends on α: Alg. 3 (ψ, min valid q~), the Cauchy factor tan(π(α−½)) and
 DKW ε.  What does not: output eCDFs, v, q~, W'', o, OOD flags, sample-size
@@ -49,7 +50,8 @@ arrays, the per-bin medians.  So a new α needs no retraining:
 ``RoundCalibration.with_alpha`` re-runs Alg. 3 on the stored arrays and
 ``aggregate_rounds`` recomputes the Cauchy quantities.
 
-Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted):
+Rejection reasons of ``estimate`` (first failing condition wins; "" = admitted; the order's one source is
+``conditional.REJECTION_CONDITIONS``):
 
 1. ``"no_valid_threshold"``    the model's own min valid q~ is +inf (Alg. 3 found none)
 2. ``"no_robust_threshold"``   the Cauchy robust min valid q~ is +inf (non-finite MAD, DESIGN #15)
@@ -78,6 +80,7 @@ _EXPORTS = {
     "REJECTION_REASONS": "conditional", "estimate": "conditional", "Calibration": "rounds",
     "RoundCalibration": "rounds", "aggregate_rounds": "rounds", "calibrate_round": "rounds",
     "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler",
+    "RescalerSettings": "rescaler",
     "DEFAULT_ALPHA_GRID": "nested", "DecisionPolicy": "nested", "NestedCalibration": "nested", "alpha_grid": "nested",
     "anchored_region": "nested", "estimate_nested": "nested", "nested_admissions": "nested",
 }
@@ -93,6 +96,7 @@ __all__ = [
     "nested_admissions",
     "REJECTION_REASONS",
     "Calibration",
+    "RescalerSettings",
     "RoundCalibration",
     "aggregate_rounds",
     "apply_ood",

@@ -23,7 +23,7 @@ def effective_sample_size(q_tilde: np.ndarray, arrays: Sequence[np.ndarray]) -> 
     """n̂_c = min(#{x ∈ arrays_c : x < q~}, n_c − 1) in integers (``equation:effective-sample-size``, DESIGN #12).
 
     A class with no calibration rows gives n̂_c = min(0, −1) = −1 (reported as
-    −1, as in R; :func:`dkw_epsilon` then gives ε_c = 1).
+    −1, as in the research code; :func:`dkw_epsilon` then gives ε_c = 1).
     """
     q_tilde = _vector("q_tilde", q_tilde).astype(np.float64)
     return _n_hat_of(q_tilde, _check_lists("sample_size_arrays", arrays, len(arrays)))
@@ -48,17 +48,17 @@ def dkw_epsilon(n_hat: np.ndarray, alpha) -> np.ndarray:
     ``alpha``: one level, or one per row of ``n_hat`` (the nested ladder's levels stacked along the rows)."""
     n_hat = np.asarray(n_hat)
     if np.ndim(alpha) == 0:
-        log_term = _dkw_log(alpha)
+        log_term = _dkw_log(validation.level(alpha))
     else:  # one log per distinct level (the ladder's), not per row
         levels, which = np.unique(np.asarray(alpha, dtype=np.float64), return_inverse=True)
-        logs = np.array([_dkw_log(float(a)) for a in levels])
+        logs = np.array([_dkw_log(validation.level(float(a))) for a in levels])
         log_term = logs[which.reshape(-1)].reshape((-1,) + (1,) * (n_hat.ndim - 1))
     return _epsilon_of(n_hat, log_term)
 
 
-def _dkw_log(alpha) -> float:
-    """ln(2/(1−α)), the level's factor of ``equation:dkw``."""
-    return math.log(2.0 / (1.0 - validation.level(alpha)))
+def _dkw_log(alpha: float) -> float:
+    """ln(2/(1−α)), the level's factor of ``equation:dkw``; ``alpha`` a validated level in (0, 1)."""
+    return math.log(2.0 / (1.0 - float(alpha)))
 
 
 def _epsilon_of(n_hat: np.ndarray, log_term) -> np.ndarray:

@@ -20,6 +20,7 @@ The reported ladder is "admitted at α ⟺ region ≥ α": nested by constructio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -27,7 +28,8 @@ import numpy as np
 from ..errors import InputError
 from ..results import Estimate
 from ._checks import check_alpha
-from .conditional import _ladder_estimate, _ladder_of, _one_level, _rows
+from .conditional import _ladder_estimate, _one_level, _rows
+from .ladder import Ladder
 from .rounds import Calibration
 
 #: The default grid: 0.99, 0.98, …, 0.80 (the model's α' is always added).
@@ -37,8 +39,9 @@ DECISIONS = ("allow", "review", "reject")
 
 
 def alpha_grid(grid: Sequence[float] | None, alpha: float, num_classes: int) -> tuple[float, ...]:
-    """The validated levels, descending, without duplicates, α' included (``grid`` None: the default)."""
-    alpha = check_alpha(alpha, num_classes)
+    """The validated levels, descending, without duplicates, α' included (``grid`` None: the default).
+
+    ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`); the grid's levels are checked here."""
     levels = DEFAULT_ALPHA_GRID if grid is None else grid
     if isinstance(levels, (str, bytes)) or not hasattr(levels, "__iter__"):
         raise InputError(f"alpha_grid must be a list of levels, got {grid!r}")
@@ -76,14 +79,30 @@ class NestedCalibration:
     levels: tuple  #: Calibration per level, α descending
     policy: DecisionPolicy
 
-    @property
+    @cached_property
     def grid(self) -> tuple[float, ...]:
+        """The levels' α, descending."""
         return tuple(c.alpha for c in self.levels)
 
-    @property
+    @cached_property
     def anchor(self) -> int:
         """Index of α' in :attr:`grid`."""
         return self.grid.index(self.alpha)
+
+    @cached_property
+    def grid_array(self) -> np.ndarray:
+        """:attr:`grid` as float64 (read for every batch)."""
+        return np.asarray(self.grid, dtype=np.float64)
+
+    @cached_property
+    def ladder(self) -> Ladder:
+        """Every level's constants, validated and stacked once (:class:`~sdm_mlx.calibration.ladder.Ladder`)."""
+        return Ladder(self.levels)
+
+    @property
+    def calibration(self) -> Calibration:
+        """The level at the model's α' (what ``admitted`` is the estimator of)."""
+        return self.levels[self.anchor]
 
     def at(self, alpha: float) -> Calibration:
         """The level's Calibration (α must be on the grid)."""
@@ -94,8 +113,9 @@ class NestedCalibration:
     @classmethod
     def from_rounds(cls, rounds, best_index: int, alpha: float, grid=None, *, allow: float | None = None,
                     review: float | None = None, region: str = "lower") -> "NestedCalibration":
-        """Every level by Alg. 3 + Cauchy over the stored rounds (no retraining); policy defaults:
-        allow = α', review = the lowest grid level."""
+        """Every level by Alg. 3 + Cauchy over the stored rounds (no retraining), each computed once; policy
+        defaults: allow = α', review = the lowest grid level.  ``alpha``: a validated α'
+        (:func:`sdm_mlx.validation.alpha`); the grid and the policy levels are checked here."""
         C = rounds[0].num_classes
         levels = alpha_grid(grid, alpha, C)
         cals = tuple(Calibration.from_rounds(rounds, best_index, a) for a in levels)
@@ -155,21 +175,11 @@ def decisions(region: np.ndarray, policy: DecisionPolicy) -> np.ndarray:
 _DECISION_OF = np.array(DECISIONS, dtype=object)
 
 
-def _grid_of(nested: NestedCalibration) -> tuple[np.ndarray, int]:
-    """(the grid as float64, the anchor's index), kept on the frozen ``nested`` (read for every batch)."""
-    cached = nested.__dict__.get("_grid")
-    if cached is None:
-        cached = (np.asarray(nested.grid, dtype=np.float64), nested.anchor)
-        object.__setattr__(nested, "_grid", cached)
-    return cached
-
-
-def _admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[dict, np.ndarray, np.ndarray]:
+def _admissions(nested: NestedCalibration, z, q, d, sdm, check_input: bool) -> tuple:
     """(the fields of the estimate at α' but its regions and decision, the paper's admissions of the lower
     and of the centroid estimator, bool [N, L] each): see :func:`level_admissions`."""
-    anchor = _grid_of(nested)[1]
-    rows = _rows(nested.levels[anchor], z, q, d, sdm)
-    return _ladder_estimate(_ladder_of(nested, nested.levels), anchor, rows)
+    rows = _rows(nested.calibration, z, q, d, sdm, check_input=check_input)
+    return _ladder_estimate(nested.ladder, nested.anchor, rows)
 
 
 def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate, np.ndarray, np.ndarray]:
@@ -178,18 +188,21 @@ def level_admissions(nested: NestedCalibration, z, q, d, sdm) -> tuple[Estimate,
     The threshold-free per-row work (v, the centroid's rescaled output, n̂) is done once for all levels;
     each level adds the lower variant at its ε and its thresholds, all levels stacked along the rows
     (:func:`~sdm_mlx.calibration.conditional._ladder_estimate`), and α' the upper variant and the reasons."""
-    fields, lower, centroid = _admissions(nested, z, q, d, sdm)
-    return _one_level(fields, nested.levels[_grid_of(nested)[1]].alpha), lower, centroid
+    fields, lower, centroid = _admissions(nested, z, q, d, sdm, True)
+    return _one_level(fields, nested.calibration.alpha), lower, centroid
 
 
-def estimate_nested(nested: NestedCalibration, z, q, d, sdm) -> Estimate:
-    """The estimate at α' with ``alpha_region_lower``, ``alpha_region_centroid`` and ``decision`` over the grid."""
-    fields, lower, centroid = _admissions(nested, z, q, d, sdm)
-    grid, anchor = _grid_of(nested)
+def estimate_nested(nested: NestedCalibration, z, q, d, sdm, *, check_input: bool = True) -> Estimate:
+    """The estimate at α' with ``alpha_region_lower``, ``alpha_region_centroid`` and ``decision`` over the grid.
+
+    ``check_input=False``: z', q, d and the SDM output as the estimator computes them (finite; q, d ≥ 0; one
+    row each), not checked again (:func:`~sdm_mlx.calibration.conditional._rows`)."""
+    fields, lower, centroid = _admissions(nested, z, q, d, sdm, check_input)
+    grid, anchor = nested.grid_array, nested.anchor
     n = lower.shape[0]
     # both estimators' regions in one pass (rows are independent)
     regions = anchored_region(np.concatenate([lower, centroid]), grid, anchor)
     region_lower, region_centroid = regions[:n], regions[n:]
     chosen = region_lower if nested.policy.region == "lower" else region_centroid
-    return Estimate(**fields, alpha_region_lower=region_lower, alpha_region_centroid=region_centroid,
+    return Estimate(**fields._asdict(), alpha_region_lower=region_lower, alpha_region_centroid=region_centroid,
                     decision=decisions(chosen, nested.policy))

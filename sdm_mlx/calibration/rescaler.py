@@ -15,8 +15,8 @@ U(±1/sqrt(C)) from ``mx.random.key(seed)``; Adam (lr 1e-4, betas 0.9/0.999,
 eps 1e-8, PyTorch-style bias correction, the state persists across epochs);
 batch size 1, i.e. one optimizer step per calibration row, rows reshuffled every
 epoch by ``np.random.default_rng(seed)``.  The epoch loss is the mean of the
-per-row losses evaluated *before* each row's update (the running loss, as R
-does); the weights kept for an epoch are those at its end.  The best (lowest)
+per-row losses evaluated *before* each row's update (the running loss, as the
+research code does); the weights kept for an epoch are those at its end.  The best (lowest)
 epoch loss wins; an epoch whose loss is strictly greater than the best so far
 increments a counter, any other epoch resets it, and training stops when the
 counter exceeds ``patience`` (the 11th consecutive worse epoch for patience 10).
@@ -93,6 +93,21 @@ def rescaler_loss(W: np.ndarray, v: np.ndarray, q_tilde: np.ndarray, y: np.ndarr
     y = np.asarray(y).astype(np.int64).reshape(-1)
     log_base = np.log(2.0 + np.asarray(q_tilde, dtype=np.float64).reshape(-1))
     return (lse - logits[np.arange(len(y)), y]) / log_base
+
+
+@dataclass(frozen=True)
+class RescalerSettings:
+    """How ``alg:train-rescaler`` trains W'' (DESIGN #10; the defaults: :mod:`sdm_mlx.calibration.defaults`):
+    the seed of the initial weights and of the row shuffles, the epochs and the early stop, Adam's settings and
+    the engine.  Checked by :func:`train_rescaler`."""
+
+    seed: int = 0
+    max_epochs: int = DEFAULT_MAX_EPOCHS
+    patience: int = DEFAULT_PATIENCE
+    learning_rate: float = DEFAULT_LEARNING_RATE
+    betas: tuple[float, float] = DEFAULT_BETAS
+    eps: float = DEFAULT_EPS
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclass
@@ -245,8 +260,10 @@ def _check_training_inputs(v, q_tilde, y):
     return v, q_tilde, y
 
 
-def _check_training_settings(max_epochs, patience, learning_rate, engine: str) -> None:
+def _check_training_settings(settings: RescalerSettings) -> None:
     """ValueError naming the first invalid setting of :func:`train_rescaler`."""
+    max_epochs, patience, learning_rate, engine = (settings.max_epochs, settings.patience, settings.learning_rate,
+                                                   settings.engine)
     if not isinstance(max_epochs, (int, np.integer)) or max_epochs < 1:
         raise InputError(f"max_epochs must be a positive integer, got {max_epochs!r}")
     if not isinstance(patience, (int, np.integer)) or patience < 0:
@@ -261,28 +278,26 @@ def train_rescaler(
     v: np.ndarray,
     q_tilde: np.ndarray,
     y: np.ndarray,
+    settings: RescalerSettings = RescalerSettings(),
     *,
-    seed: int = 0,
-    max_epochs: int = DEFAULT_MAX_EPOCHS,
-    patience: int = DEFAULT_PATIENCE,
-    learning_rate: float = DEFAULT_LEARNING_RATE,
-    betas: tuple[float, float] = DEFAULT_BETAS,
-    eps: float = DEFAULT_EPS,
-    engine: str = DEFAULT_ENGINE,
     W_init: np.ndarray | None = None,
     on_epoch: Callable[[int, float], None] | None = None,
 ) -> RescalerFit:
-    """Train W'' by ``alg:train-rescaler`` on cached calibration (v, q~, y): batch 1 Adam, best-epoch weights."""
+    """Train W'' by ``alg:train-rescaler`` on cached calibration (v, q~, y): batch 1 Adam, best-epoch weights.
+
+    ``settings``: seed, epochs, patience, Adam and engine (:class:`RescalerSettings`); ``W_init``: the initial
+    weights (default: :func:`init_rescaler_weights` of the seed); ``on_epoch(epoch, loss)`` after every epoch."""
     v, q_tilde, y = _check_training_inputs(v, q_tilde, y)
     n, C = v.shape
-    _check_training_settings(max_epochs, patience, learning_rate, engine)
+    _check_training_settings(settings)
+    seed, max_epochs, patience = settings.seed, settings.max_epochs, settings.patience
     W0 = init_rescaler_weights(C, seed) if W_init is None else np.array(W_init, dtype=_F32)
     if W0.shape != (C, C):
         raise InputError(f"W_init must be [{C}, {C}], got {W0.shape}")
     rng = np.random.default_rng(seed)
     V32 = np.ascontiguousarray(v, dtype=_F32)
     B32 = np.log(2.0 + q_tilde.astype(np.float64)).astype(_F32)
-    eng = _ENGINES[engine](W0, learning_rate, betas, eps)
+    eng = _ENGINES[settings.engine](W0, settings.learning_rate, settings.betas, settings.eps)
 
     t_start = time.perf_counter()
     history: list[float] = []

@@ -4,25 +4,19 @@ rounds (:func:`aggregate_rounds`) and the stored model (:class:`Calibration`).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
 
 from ..storage.files import get_float, put_float
-from .rescaler import (
-    DEFAULT_ENGINE,
-    DEFAULT_LEARNING_RATE,
-    DEFAULT_MAX_EPOCHS,
-    DEFAULT_PATIENCE,
-    RescalerFit,
-    rescaled_output,
-    train_rescaler,
-)
+from .rescaler import RescalerFit, RescalerSettings, rescaled_output, train_rescaler
 from ._checks import _labels, _matrix, _vector, check_alpha
 from .bins import apply_ood, ood_mask, output_ecdfs, soft_qbin, unique_argmax_is, v_vector
 from .bounds import sample_size_arrays
-from .threshold import min_valid_qbin
+from .threshold import _min_valid_qbin
 from .cauchy import cauchy_offsets, cauchy_robust_min, magnitude_medians
+from .ladder import Ladder, LevelArrays, check_level
 from ..errors import InputError
 
 
@@ -52,8 +46,10 @@ class RoundCalibration:
     rescaler: RescalerFit | None = field(default=None, repr=False)
 
     def with_alpha(self, alpha: float) -> "RoundCalibration":
-        """This round re-thresholded at a new α' by Alg. 3 (``alg:estimate-soft-q-bin``), no retraining."""
-        mv, psi = min_valid_qbin(self.o_true, self.q_tilde, self.y, self.non_ood, self.num_classes, alpha)
+        """This round re-thresholded at a new α' by Alg. 3 (``alg:estimate-soft-q-bin``), no retraining.
+
+        ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`); the round's arrays are the package's own."""
+        mv, psi = _min_valid_qbin(self.o_true, self.q_tilde, self.y, self.non_ood, self.num_classes, alpha)
         return replace(self, alpha=float(alpha), min_valid=mv, psi=psi)
 
     def to_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
@@ -116,26 +112,20 @@ def calibrate_round(
     y_hat_cal: np.ndarray,
     *,
     alpha: float = 0.95,
-    seed: int = 0,
-    num_classes: int | None = None,
-    max_epochs: int = DEFAULT_MAX_EPOCHS,
-    patience: int = DEFAULT_PATIENCE,
-    learning_rate: float = DEFAULT_LEARNING_RATE,
-    engine: str = DEFAULT_ENGINE,
+    rescaler: RescalerSettings = RescalerSettings(),
     W: np.ndarray | None = None,
     on_epoch=None,
 ) -> RoundCalibration:
     """One round after Alg. 1's best epoch: eCDFs → v → q~ → W'' (``alg:train-rescaler``) → o → OOD → ``alg:estimate-soft-q-bin`` → medians.
 
-    ``sdm_cal``/``q_cal`` are the calibration SDM outputs and (flip-reset) q of the
-    best epoch, ``y_hat_cal`` = argmax z'.  Pass ``W`` to skip training (e.g. a
-    stored W''); otherwise W'' is trained with ``seed`` (init and shuffles);
-    ``on_epoch(epoch, loss)`` is called after every rescaler epoch.
+    ``sdm_cal``/``q_cal`` are the calibration SDM outputs [N, C] (C classes) and (flip-reset) q of the
+    best epoch, ``y_hat_cal`` = argmax z'.  Pass ``W`` to skip training (e.g. a stored W''); otherwise W''
+    is trained with ``rescaler`` (:class:`~sdm_mlx.calibration.rescaler.RescalerSettings`: seed, epochs,
+    Adam, engine); ``on_epoch(epoch, loss)`` is called after every rescaler epoch.
     """
     sdm_cal = _matrix("sdm_cal", sdm_cal)
-    C = sdm_cal.shape[1] if num_classes is None else int(num_classes)
+    C = sdm_cal.shape[1]
     alpha = check_alpha(alpha, C)
-    sdm_cal = _matrix("sdm_cal", sdm_cal, c=C)
     n = sdm_cal.shape[0]
     if n == 0:
         raise InputError("calibration split is empty")
@@ -149,8 +139,7 @@ def calibrate_round(
     q_pre = np.where(sdm_flip, 0.0, soft_qbin(v, q_cal, y_hat))
     fit = None
     if W is None:
-        fit = train_rescaler(v, q_pre, y, seed=seed, max_epochs=max_epochs, patience=patience,
-                             learning_rate=learning_rate, engine=engine, on_epoch=on_epoch)
+        fit = train_rescaler(v, q_pre, y, rescaler, on_epoch=on_epoch)
         W = fit.W
     W = np.asarray(W, dtype=np.float32)
     if W.shape != (C, C):
@@ -160,7 +149,7 @@ def calibrate_round(
     q_proc, bins = apply_ood(q_pre, ood)
     rows = np.arange(n)
     o_true, o_hat = o[rows, y], o[rows, y_hat]
-    min_valid, psi = min_valid_qbin(o_true, q_proc, y, ~ood, C, alpha)
+    min_valid, psi = _min_valid_qbin(o_true, q_proc, y, ~ood, C, alpha)  # arrays made above: not re-checked
     return RoundCalibration(
         num_classes=C, alpha=alpha, output_ecdfs=ecdfs, W=W, y=y, y_hat=y_hat, sdm_flip=sdm_flip, v=v,
         q_tilde_pre=q_pre, o=o, non_ood=~ood, q_tilde=q_proc, hard_bin=bins, o_true=o_true, o_hat=o_hat,
@@ -169,10 +158,24 @@ def calibrate_round(
     )
 
 
+def rethreshold(rounds: Sequence[RoundCalibration], alpha: float) -> list[RoundCalibration]:
+    """The rounds at ``alpha``: Alg. 3 re-run once on each round calibrated at another α' (no retraining).
+
+    ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`)."""
+    return [r if r.alpha == alpha else r.with_alpha(alpha) for r in rounds]
+
+
+def _cauchy(rounds_at: Sequence[RoundCalibration], best_index: int, alpha: float) -> tuple[float, np.ndarray]:
+    """(robust min valid q~, offsets [C, B]) of rounds already at ``alpha`` (:func:`rethreshold`)."""
+    robust = cauchy_robust_min([r.min_valid for r in rounds_at], best_index, alpha)
+    return robust, cauchy_offsets([r.medians for r in rounds_at], alpha)
+
+
 def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha: float) -> tuple[float, np.ndarray]:
     """(robust min valid q~, offsets [C, B]) over the J rounds (``eq:cauchyMinValidQBin``, ``eq:cauchyIteratedLower``).
 
-    Rounds calibrated at another α are re-thresholded (Alg. 3) at ``alpha`` first.
+    Rounds calibrated at another α are re-thresholded (Alg. 3) at ``alpha`` first.  Checks ``alpha`` and the
+    rounds (the public entry); :meth:`Calibration.from_rounds` is the package's own path.
     """
     if len(rounds) == 0:
         raise InputError("need at least one round")
@@ -180,9 +183,7 @@ def aggregate_rounds(rounds: Sequence[RoundCalibration], best_index: int, alpha:
     alpha = check_alpha(alpha, C)
     if any(r.num_classes != C for r in rounds):
         raise InputError("all rounds must have the same number of classes")
-    rounds = [r if r.alpha == alpha else r.with_alpha(alpha) for r in rounds]
-    robust = cauchy_robust_min([r.min_valid for r in rounds], best_index, alpha)
-    return robust, cauchy_offsets([r.medians for r in rounds], alpha)
+    return _cauchy(rethreshold(rounds, alpha), best_index, alpha)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,17 @@ class Calibration:
     output_ecdfs: list  #: per class, sorted calibration sdm_c of true class c (for v)
     sample_size_arrays: list  #: per class, sorted processed calibration q~ (for n̂)
 
+    @cached_property
+    def checked(self) -> LevelArrays:
+        """This level's arrays validated, once: the estimator's inputs (a level can be built by hand)."""
+        return check_level(self)
+
+    @cached_property
+    def ladder(self) -> Ladder:
+        """This level alone as a :class:`~sdm_mlx.calibration.ladder.Ladder` (what ``estimate`` scores with),
+        built once."""
+        return Ladder((self,))
+
     @classmethod
     def from_round(cls, best: RoundCalibration, robust_min_valid: float, offsets) -> "Calibration":
         """The best round (at its α') with given robust min valid q~ and offsets."""
@@ -212,8 +224,8 @@ class Calibration:
 
     @classmethod
     def from_rounds(cls, rounds: Sequence[RoundCalibration], best_index: int, alpha: float) -> "Calibration":
-        """Alg. 3 re-run at ``alpha`` on the best round and Cauchy aggregation over all rounds (no retraining)."""
-        best = rounds[best_index]
-        best = best if best.alpha == alpha else best.with_alpha(alpha)
-        robust, offsets = aggregate_rounds(rounds, best_index, alpha)
-        return cls.from_round(best, robust, offsets)
+        """Alg. 3 re-run at ``alpha`` once on each round, then the Cauchy aggregation over all rounds (no
+        retraining).  ``alpha``: a validated α' (:func:`sdm_mlx.validation.alpha`), ``rounds`` one fit's."""
+        at = rethreshold(rounds, alpha)
+        robust, offsets = _cauchy(at, best_index, alpha)
+        return cls.from_round(at[best_index], robust, offsets)

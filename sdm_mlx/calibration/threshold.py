@@ -52,16 +52,29 @@ def min_valid_qbin(
     empty ⇒ 0 (fails).  ψ_c ≥ α (compared in float64) iff at most k of the kept
     values are < α, so each class needs only its rows sorted by q~ and a suffix
     count of values below α: O(N log N) overall.
+
+    Checks its inputs (the public entry); the package's own callers, whose arrays it made, call
+    :func:`_min_valid_qbin` directly.
     """
     alpha = check_alpha(alpha, num_classes)
     o_true = _vector("o_true", o_true)
     n = o_true.shape[0]
-    q_tilde = _vector("q_tilde", q_tilde, n).astype(np.float64)
+    q_tilde = _vector("q_tilde", q_tilde, n)
     y = _labels("y", y, num_classes, n)
     keep = np.asarray(non_ood, dtype=bool).reshape(-1)
     if keep.shape[0] != n:
         raise InputError(f"non_ood has {keep.shape[0]} rows, expected {n}")
-    keep = keep & (np.floor(q_tilde) > 0)
+    return _min_valid_qbin(o_true, q_tilde, y, keep, num_classes, alpha)
+
+
+def _min_valid_qbin(o_true: np.ndarray, q_tilde: np.ndarray, y: np.ndarray, non_ood: np.ndarray, num_classes: int,
+         alpha: float) -> tuple[float, np.ndarray]:
+    """:func:`min_valid_qbin` of arrays the package made, unchecked.
+
+    Preconditions: ``o_true`` and ``q_tilde`` finite [N], ``y`` int64 labels in 0..C−1 [N], ``non_ood`` bool
+    [N], ``alpha`` a validated α′ (:func:`sdm_mlx.validation.alpha`)."""
+    q_tilde = np.asarray(q_tilde, dtype=np.float64)
+    keep = non_ood & (np.floor(q_tilde) > 0)
     psi = np.zeros(num_classes, dtype=np.float64)
     candidates = np.unique(q_tilde[keep])
     if candidates.size == 0:

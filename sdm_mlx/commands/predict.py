@@ -84,10 +84,10 @@ def _scored_rows(args, est, chunks, kept: dict, *, show: bool, pages=None):
     """Yield one result dict per input row, chunk by chunk; ``kept`` collects what the summary needs;
     ``pages`` (a :class:`~sdm_mlx.evaluation.verdict_html.PageWriter`) gets each row's verdict page."""
     from ..runtime.callbacks import progress_bar
-    from ..estimator.chunking import count_lines, estimate_read_chunks
+    from ..estimator.chunking import estimate_read_chunks
 
-    total = count_lines(args.input) if show else None
-    with progress_bar(total, "predict", unit="rows", enabled=show) as bar:
+    # rows and rows/s without a total: the input is read once, as it is scored (a pipe or a file alike)
+    with progress_bar(None, "predict", unit="rows", enabled=show) as bar:
         for data, pred in estimate_read_chunks(est, chunks, args.input, args.n_exemplars):
             _count(kept, pred, data.y)
             labels = data.y.tolist() if data.y is not None else None

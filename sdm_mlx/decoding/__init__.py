@@ -6,8 +6,8 @@ Modules: :mod:`.batching` (``DecodeEngine``), :mod:`.decode_types` (``DecodeRequ
 and streamed text).
 
 May import: layers 0-6 (the language-model features of :mod:`sdm_mlx.llm`, the answer rules of
-:mod:`sdm_mlx.llm.answers` and the positive head's dimensions in :mod:`sdm_mlx.network.heads`) and mlx-lm.  It sits
-on the network layer: ``network.generation`` (Alg. 4's decoding) and ``verified`` (verified generation) decode
+:mod:`sdm_mlx.llm.answers` and the LM head's dimensions in :mod:`sdm_mlx.llm.model`) and mlx-lm, never
+:mod:`sdm_mlx.network`: ``network.generation`` (Alg. 4's decoding) and ``verified`` (verified generation) decode
 through it.  Nothing is imported until used (PEP 562).
 """
 

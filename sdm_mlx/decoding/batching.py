@@ -55,6 +55,7 @@ import numpy as np
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
+from ..llm.model import model_dims
 from .batch_plan import decodes_in_batches, plain_kv_caches, prefill_batches
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
@@ -90,8 +91,6 @@ class DecodeEngine:
 
     def __init__(self, model, tokenizer, heads=None, *, delimiter: str = _embed.DEFAULT_DELIMITER,
                  max_batch: int = 16, max_length: int = _embed.DEFAULT_MAX_LENGTH, prefix_cache=None):
-        from ..network.heads import model_dims
-
         if not delimiter:
             raise InputError("delimiter must be a non-empty string")
         if max_batch < 1:

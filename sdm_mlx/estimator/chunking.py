@@ -167,16 +167,3 @@ def estimate_read_chunks(est, chunks, path, n_exemplars: int | None = None):
         if data.y is not None:
             check_labels(data.y, est.num_classes_, path)
         yield data, est._estimate_checked(data.X, data.ids, n_exemplars=n_exemplars)
-
-
-def count_lines(path) -> int | None:
-    """Lines of a regular file (the progress bar's total), None for stdin, devices and FIFOs."""
-    path = os.fspath(path)
-    if path == "-" or not os.path.isfile(path):
-        return None
-    n, last = 0, b"\n"
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..calibration import defaults as R
-from ..runtime.distributed import DISTRIBUTED_TIMEOUT
+from ..runtime.distributed import DISTRIBUTED_TIMEOUT, TIMEOUT_HELP
 from ..settings import defaults, option
 
 
@@ -53,9 +53,7 @@ class EstimatorConfig:
     shard_index: bool = option(False, "under mlx.launch with more than one rank, split the exact support index over "
                                       "the ranks (identical results; off: every rank holds all of it; "
                                       "docs/distributed.md)")
-    shard_timeout: float = option(DISTRIBUTED_TIMEOUT, "seconds a sharded-index collective waits for the other "
-                                                       "ranks before the rank stops (a dead or hung rank; "
-                                                       "docs/distributed.md)")
+    shard_timeout: float = option(DISTRIBUTED_TIMEOUT, "with --shard-index: " + TIMEOUT_HELP)
 
 
 #: The paper's Alg. 1 settings: J = 10 rounds of 50 epochs, Adam lr 1e-5, batch 50, M = 1000, no early stop.

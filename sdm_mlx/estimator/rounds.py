@@ -10,7 +10,7 @@ observe them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -78,20 +78,21 @@ def round_summary(j: int, result: RoundResult) -> dict:
 class RoundCalibrator:
     """Alg. 1's per-round calibration, a step of :func:`train_rounds`: after round j, Alg. 2 + Alg. 3 on the
     round's calibration split with ``calibrate`` (:func:`sdm_mlx.calibration.calibrate_round`, passed in so
-    that training does not depend on the calibration math); the results collect in ``rounds`` and each round's
-    line goes to ``callback.message``."""
+    that training does not depend on the calibration math), W'' trained with ``rescaler`` (its seed: the
+    round's, ``seed`` · 1000 + j); the results collect in ``rounds`` and each round's line goes to
+    ``callback.message``."""
 
-    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, num_classes: int, seed: int,
-                 rescaler: dict, *, callback: Callback = SILENT, rounds: list | None = None):
+    def __init__(self, calibrate: Callable, y: np.ndarray, alpha: float, seed: int, rescaler, *,
+                 callback: Callback = SILENT, rounds: list | None = None):
         self.calibrate = calibrate
-        self.y, self.alpha, self.num_classes, self.seed = y, alpha, num_classes, seed
+        self.y, self.alpha, self.seed = y, alpha, seed
         self.rescaler, self.callback = rescaler, callback
         self.rounds = [] if rounds is None else rounds
 
     def __call__(self, j: int, result: RoundResult) -> None:
         cal = self.calibrate(
             result.calibration.sdm, result.calibration.q, self.y[result.cal_idx], result.calibration.y_hat,
-            alpha=self.alpha, seed=self.seed * 1000 + j, num_classes=self.num_classes, **self.rescaler,
+            alpha=self.alpha, rescaler=replace(self.rescaler, seed=self.seed * 1000 + j),
         )
         self.rounds.append(cal)
         fit = cal.rescaler

@@ -35,7 +35,8 @@ import numpy as np
 
 from ..core.adaptor import InvariantForward
 from .. import validation
-from ..calibration import Calibration, NestedCalibration, calibrate_round, estimate_nested, exact_one_minus
+from ..calibration import (Calibration, NestedCalibration, RescalerSettings, calibrate_round, estimate_nested,
+                           exact_one_minus)
 from ..calibration.nested import alpha_grid, decision_policy
 from .chunking import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .config import EstimatorConfig
@@ -127,10 +128,13 @@ class SDMEstimator:
     ``support_labels_``, ``support_predictions_``, ``support_ids_``, ``calibration_ids_``,
     ``calibration_logits_``, ``calibration_labels_``, ``calibration_distance_ecdfs_``,
     ``training_distance_ecdfs_``, ``feature_field_``; and, derived at the current α':
+    nested_ : NestedCalibration
+        The one store of what α' derives: every level of the grid (Alg. 3 + Cauchy over the stored rounds, each
+        level computed once) and the decision policy; set by ``fit``, ``recalibrate`` and ``load``.
     calibration_ : Calibration
-        The test-time calibration (Alg. 3 + Cauchy over the stored rounds).
+        Read-only view: the level of ``nested_`` at α', the test-time calibration.
     robust_min_valid_, offsets_ : float, ndarray
-        The Cauchy robust minimum valid q~ and the per-class offsets.
+        Read-only views: that level's Cauchy robust minimum valid q~ and per-class offsets.
     admission_ : dict
         Whether any row can be admitted at α', and why not (``calibration/diagnosis.py``).
     resumed_rounds_ : int
@@ -141,6 +145,10 @@ class SDMEstimator:
         The training-support size and the feedback log.
     """
 
+    # Written out, so the names repeat EstimatorConfig's fields (a pair `duplicates` reports, kept on purpose):
+    # scikit-learn reads an estimator's parameters from its explicit __init__ signature (get_params, clone), and
+    # help() and editors show it; a generated signature would hide the API.  The defaults have one source
+    # (EstimatorConfig) and tests/estimator/test_defaults.py checks that both lists hold the same names.
     def __init__(
         self,
         *,
@@ -291,6 +299,9 @@ class SDMEstimator:
         (default: silent, or tqdm progress on stderr with ``verbose=True``).  ``feature_field``: the JSONL field
         the features were read from, kept as the fitted ``feature_field_`` (saved with the model; None: the
         default lookup).
+
+        Ten parameters, on purpose: scikit-learn's ``fit(X, y)`` with this estimator's calibration split and row
+        ids beside them (``X_cal``, ``y_cal``, ``ids_train``, ``ids_cal``) and four optional keywords.
         """
         callback = as_callback(callback, self.verbose)
         X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal,
@@ -319,9 +330,9 @@ class SDMEstimator:
 
     def _train_and_calibrate(self, X, y, ids, C, alpha, config, *, checkpoint, callback):
         """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
-        rescaler = dict(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
-                        learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
-        calibrator = RoundCalibrator(calibrate_round, y, alpha, C, self.seed, rescaler, callback=callback)
+        rescaler = RescalerSettings(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
+                                    learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
+        calibrator = RoundCalibrator(calibrate_round, y, alpha, self.seed, rescaler, callback=callback)
         progress, saver = None, None
         if checkpoint is not None:
             from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint
@@ -384,24 +395,47 @@ class SDMEstimator:
         alpha = validation.alpha(alpha, self.num_classes_)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            return NestedCalibration.from_rounds(self.rounds_, self.best_round_, alpha, self.alpha_grid,
-                                                 allow=self.alpha_allow, review=self.alpha_review)
+            return self._levels(alpha)
+
+    def _levels(self, alpha: float) -> NestedCalibration:
+        """Every level of the grid at the validated α' (Alg. 3 and the Cauchy aggregation once per level)."""
+        return NestedCalibration.from_rounds(self.rounds_, self.best_round_, alpha, self.alpha_grid,
+                                             allow=self.alpha_allow, review=self.alpha_review)
+
+    # -- the calibration at α': one store (nested_), read-only views of its level at α' ------------------
+    @property
+    def calibration_(self) -> Calibration:
+        """The test-time calibration at the model's α' (Alg. 3 + Cauchy over the stored rounds): the level of
+        ``nested_`` at α'."""
+        return self.nested_.calibration
+
+    @property
+    def robust_min_valid_(self) -> float:
+        """The Cauchy robust min valid q~ at the model's α' (of :attr:`calibration_`)."""
+        return self.calibration_.robust_min_valid
+
+    @property
+    def offsets_(self) -> np.ndarray | None:
+        """The Cauchy per-(ŷ, bin) offsets at the model's α' (of :attr:`calibration_`)."""
+        return self.calibration_.offsets
 
     def _apply_alpha(self, alpha: float) -> None:
-        """Store the calibration at α' and the admission diagnosis (a warning when nothing can be admitted)."""
+        """Store the calibration at the validated α' (every level of the grid, each computed once) and the
+        admission diagnosis (a warning when nothing can be admitted)."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cal = self.calibration_at(alpha)
-        self.alpha = cal.alpha
-        self.calibration_ = cal
-        self.nested_ = self.nested_at(cal.alpha)
-        self.robust_min_valid_, self.offsets_ = cal.robust_min_valid, cal.offsets
+            nested = self._levels(alpha)
+        self.alpha = nested.alpha
+        self.nested_ = nested
         summaries = getattr(self, "round_summaries_", None) or []
         best_summary = summaries[self.best_round_] if len(summaries) > self.best_round_ else {}
-        self.admission_ = admission_diagnosis(self.rounds_, self.best_round_, cal.alpha, self.robust_min_valid_,
+        self.admission_ = admission_diagnosis(self.rounds_, self.best_round_, nested.alpha, self.robust_min_valid_,
                                               self.class_names, best_summary.get("projection_movement"))
-        for w in caught:  # the Cauchy warning is part of the diagnosis below
-            if not (issubclass(w.category, RuntimeWarning) and "Cauchy" in str(w.message)):
+        shown = set()
+        for w in caught:  # the Cauchy warning is part of the diagnosis below; each other warning once
+            key = (w.category, str(w.message))
+            if not (issubclass(w.category, RuntimeWarning) and "Cauchy" in str(w.message)) and key not in shown:
+                shown.add(key)
                 warnings.warn(w.message, w.category, stacklevel=3)
         if not self.admission_["can_admit"]:
             warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
@@ -421,7 +455,7 @@ class SDMEstimator:
             elif value is not None:
                 setattr(self, name, list(value) if name == "alpha_grid" else value)
         try:
-            self._apply_alpha(self.alpha if alpha is None else alpha)
+            self._apply_alpha(validation.alpha(self.alpha if alpha is None else alpha, self.num_classes_))
         except Exception:
             self.alpha_grid, self.alpha_allow, self.alpha_review = old
             raise
@@ -478,10 +512,12 @@ class SDMEstimator:
         return q, distance_quantile(d0, ecdfs), y_hat
 
     def _scores(self, X: np.ndarray, n_exemplars: int):
-        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row of checked features."""
-        z, h = self._forward_map(X)
-        y_hat = z.argmax(axis=1)
-        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars)
+        """(z', q, d0, d, SDM output, exemplar distances, exemplar indices) per row of checked features; the
+        arrays made from them (h', ŷ, the good-neighbour mask, q, d) are not checked again downstream."""
+        z, h = self._forward_map(X)  # float32 [N, C], [N, min(D, M)]
+        y_hat = z.argmax(axis=1)  # int64 [N]
+        q, d0, ex_d, ex_i = self.index_.similarity_and_neighbours(h, y_hat, self._good(), self.k_, n_exemplars,
+                                                                  check_input=False)
         d = distance_quantile(d0, self.calibration_distance_ecdfs_)
         return z, q, d0, d, sdm_numpy(z, q, d), ex_d, ex_i
 
@@ -563,7 +599,7 @@ class SDMEstimator:
         else:
             cal = self.nested_ if alpha is None else self.nested_at(alpha)
         return Predictions(
-            ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate_nested(cal, z, q, d, s),
+            ids=ids, logits=z, q=q, d0=d0, d=d, sdm=s, estimate=estimate_nested(cal, z, q, d, s, check_input=False),
             exemplar_index=ex_i, exemplar_distance=ex_d, support_ids=self.support_ids_,
             support_labels=self.support_labels_, support_predictions=self.support_predictions_,
             class_names=self.class_names,
@@ -715,7 +751,7 @@ class SDMEstimator:
         if shard_index is not None:
             est.shard_index = bool(shard_index)
         est._set_fitted(state)
-        est._apply_alpha(est.alpha)
+        est._apply_alpha(validation.alpha(est.alpha, est.num_classes_))
         est._artifact_origin = (os.path.realpath(os.fspath(path)), digest)
         return est
 

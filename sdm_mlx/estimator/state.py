@@ -19,7 +19,7 @@ class FittedState:
     Attributes
     ----------
     model : ExemplarAdaptor
-        The best round's adaptor (z' and h'; ``equation:adaptor`` in docs/paper-map.md).
+        The best round's exemplar adaptor (z' and h'; DESIGN #3, :class:`~sdm_mlx.core.adaptor.ExemplarAdaptor`).
     classes : ndarray
         The class labels, sorted; predictions are indices into it.
     num_classes, input_dim, k, best_round : int

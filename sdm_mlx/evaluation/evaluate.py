@@ -78,6 +78,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -192,24 +193,58 @@ def calibration_from_data(estimator, data: Dataset) -> tuple[np.ndarray, np.ndar
     return np.asarray(z, dtype=np.float32), np.asarray(sub.y, dtype=np.int64)
 
 
-def _fit_baselines(names, z_cal, y_cal, alpha, num_classes, skipped, *, options) -> dict:
-    fitted = {}
-    for name in names:
-        if name not in BASELINES:
-            raise InputError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
-        if name in skipped:
-            continue
-        b = make_baseline(name, **options.get(name, {}))
-        if z_cal is None:
-            if name not in _CALIBRATION_FREE:
-                skipped[name] = "no calibration logits (artifact without them and no --calibration-data)"
+@dataclass(frozen=True)
+class _BaselineData:
+    """What the baselines are fitted on, the same for every α' and evaluation set: the calibration logits z'
+    and labels (None: only the calibration-free baselines can run), C and the constructor options per name."""
+
+    z_cal: np.ndarray | None
+    y_cal: np.ndarray | None
+    num_classes: int
+    options: Mapping[str, dict]
+
+    def fit(self, names, alpha, skipped: dict) -> dict:
+        """``{name: baseline fitted at α'}``; a baseline that cannot run is named in ``skipped`` with the reason."""
+        fitted = {}
+        for name in names:
+            if name not in BASELINES:
+                raise InputError(f"unknown baseline {name!r}; choose from {sorted(BASELINES)}")
+            if name in skipped:
                 continue
-            # no fitted state: fit() only records alpha and C
-            b.alpha, b.num_classes = float(alpha), int(num_classes)
-        else:
-            b.fit(z_cal, y_cal, alpha)
-        fitted[name] = b
-    return fitted
+            b = make_baseline(name, **self.options.get(name, {}))
+            if self.z_cal is None:
+                if name not in _CALIBRATION_FREE:
+                    skipped[name] = "no calibration logits (artifact without them and no --calibration-data)"
+                    continue
+                # no fitted state: fit() only records alpha and C
+                b.alpha, b.num_classes = float(alpha), int(self.num_classes)
+            else:
+                b.fit(self.z_cal, self.y_cal, alpha)
+            fitted[name] = b
+        return fitted
+
+    def admissions(self, names, alpha, z, y_hat) -> dict[str, np.ndarray]:
+        """Baselines refitted at α' and applied to the set's logits z' (they never change argmax z')."""
+        admitted = {}
+        fitted = self.fit(names, alpha, {})
+        for b in names:
+            b_pred, b_adm, _ = fitted[b].predict(z)
+            if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
+                raise AssertionError(f"baseline {b} changed the prediction")
+            admitted[b] = b_adm
+        return admitted
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every evaluation set is reported with: the estimator's α', the α' sweep, the estimators in display
+    order, the baselines that run and what they are fitted on."""
+
+    alpha: float
+    alphas: list
+    order: list  #: the baselines that run, then the SDM estimators
+    baselines: list
+    data: _BaselineData
 
 
 def _counts(values: np.ndarray, length: int) -> list[int]:
@@ -232,21 +267,9 @@ def _check_calibration_logits(z_cal, y_cal, C: int):
     return z_cal, y_cal
 
 
-def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, *, z, y_hat) -> dict[str, np.ndarray]:
-    """Baselines refitted at α' and applied to the set's logits z' (they never change argmax z')."""
-    admitted = {}
-    fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options=options)
-    for b in run_baselines:
-        b_pred, b_adm, _ = fitted[b].predict(z)
-        if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
-            raise AssertionError(f"baseline {b} changed the prediction")
-        admitted[b] = b_adm
-    return admitted
-
-
-def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, *, order, run_baselines, z_cal, y_cal, C, options,
-                callback: Callback) -> dict:
+def _set_report(name, ds, pred, sdm_at, plan: _Plan, *, callback: Callback) -> dict:
     """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
+    alpha, sweep_alphas, order, C = plan.alpha, plan.alphas, plan.order, plan.data.num_classes
     y = np.asarray(ds.y, dtype=np.int64)
     y_hat = np.asarray(pred.prediction, dtype=np.int64)
     if y.shape[0] != y_hat.shape[0]:
@@ -256,7 +279,7 @@ def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, *, order, run_basel
     sweep: dict[str, list] = {e: [] for e in order}
     reports: dict[str, dict] = {}
     for a in sweep_alphas:
-        admitted = _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z=z, y_hat=y_hat)
+        admitted = plan.data.admissions(plan.baselines, a, z, y_hat)
         admitted.update(sdm_at[a][name])
         for e in order:
             rep = index_conditional_report(y, y_hat, admitted[e], C, a)
@@ -304,23 +327,23 @@ def _model_summary(estimator) -> dict:
     }
 
 
-def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, *, options, run_baselines, params, out_sets,
-              notes) -> dict:
+def _assemble(estimator, plan: _Plan, *, skipped, params, out_sets, notes) -> dict:
     """The report dict (schema: module docstring) from the three steps' results."""
+    z_cal = plan.data.z_cal
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
-        "alpha": alpha,
-        "alphas": sweep_alphas,
+        "alpha": plan.alpha,
+        "alphas": plan.alphas,
         "num_classes": int(estimator.num_classes_),
         "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
         "primary_estimator": PRIMARY_ESTIMATOR,
-        "estimators": order,
+        "estimators": plan.order,
         "model": _model_summary(estimator),
         "baselines": {
             "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
             "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
             "skipped": skipped,
-            "options": {b: options.get(b, {}) for b in run_baselines},
+            "options": {b: plan.data.options.get(b, {}) for b in plan.baselines},
             "params": params,
         },
         "datasets": out_sets,
@@ -366,7 +389,11 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
 
-    Three steps: fit the baselines (:func:`_fit_baselines`) → the α' sweep of the SDM estimators
+    Nine parameters, on purpose: the public entry of ``sdm-mlx evaluate`` and of the API, each argument one
+    input of the report (the model, its sets, the baselines' calibration data, the sweep) or an optional extra;
+    inside, they travel as one plan (:class:`_Plan`).
+
+    Three steps: fit the baselines (:meth:`_BaselineData.fit`) → the α' sweep of the SDM estimators
     (:func:`sdm_sweep`) → the per-set report (:func:`_set_report`).  The estimator is only read (public
     methods ``estimate`` and ``calibration_at``); it is never modified.
 
@@ -397,20 +424,18 @@ def evaluate(
 
     # step 1: baselines (fitted state at the estimator's α' for the report; refitted per α' in step 3)
     options = baseline_options() if options is None else {k: dict(v) for k, v in options.items()}
+    data = _BaselineData(z_cal, y_cal, C, options)
     skipped: dict[str, str] = {}
-    params = {n: b.get_params()
-              for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options=options).items()}
+    params = {n: b.get_params() for n, b in data.fit(baselines, alpha, skipped).items()}
     run_baselines = [b for b in baselines if b not in skipped]
-    order = run_baselines + list(SDM_ESTIMATORS)
+    plan = _Plan(alpha, sweep_alphas, run_baselines + list(SDM_ESTIMATORS), run_baselines, data)
     # step 2: SDM admissions at every α' (no change to the estimator)
     sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
     # step 3: reports
-    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order=order,
-                                  run_baselines=run_baselines, z_cal=z_cal, y_cal=y_cal, C=C, options=options,
-                                  callback=callback) for name, ds in datasets.items()}
+    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, plan, callback=callback)
+                for name, ds in datasets.items()}
     nested = estimator.nested_
     for name, ds in datasets.items():
         out_sets[name]["ladder"] = admission_ladder(nested, predictions[name], np.asarray(ds.y, dtype=np.int64), C)
-    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options=options,
-                       run_baselines=run_baselines, params=params, out_sets=out_sets, notes=notes)
+    report = _assemble(estimator, plan, skipped=skipped, params=params, out_sets=out_sets, notes=notes)
     return strict(report)

@@ -53,6 +53,12 @@ class SupportIndex(Protocol):
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
         """(q [N], d0 [N]): the Similarity (``equation:q``) and the squared distance to the nearest support."""
 
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None, *,
+                                  check_input: bool = True) -> tuple:
+        """(q, d0, top-n squared distances, top-n indices) in one query.  Checked at this boundary unless
+        ``check_input=False``: then ``queries`` are finite float32 [N, dim], ``y_hat`` int64 [N] in 0..C−1 and
+        ``good_by_class`` bool [C, size], as the estimator makes them."""
+
 
 def make_index(support, backend: str = "exact", shard: bool = False, shard_timeout: float | None = None, **kwargs):
     """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib).

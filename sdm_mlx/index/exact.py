@@ -244,8 +244,12 @@ class ExactIndex:
         queries = self._check_queries(queries)
         return (queries, *check_predictions(queries, y_hat, good_by_class, self.size))
 
-    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None, *,
+                                  check_input: bool = True):
         """(q, d0, top-n squared distances, top-n indices) in one pass over the support (``equation:q``).
+
+        ``check_input=False`` skips the checks of arrays the caller made itself (the estimator's): ``queries``
+        finite float32 [N, dim], ``y_hat`` int64 [N] in 0..C−1, ``good_by_class`` bool [C, size].
 
         The top-n neighbours are those of :meth:`search`, taken from the same distance blocks,
         and d0 is the float64 distance of the first of them (rounded to float32): d0 ==
@@ -258,7 +262,10 @@ class ExactIndex:
         float32 error band of that distance (ties included) are resolved exactly in
         float64 on the host, ordered by (distance, support index).
         """
-        queries, y_hat, good_np = self._check_similarity_args(queries, y_hat, good_by_class)
+        if check_input:
+            queries, y_hat, good_np = self._check_similarity_args(queries, y_hat, good_by_class)
+        else:
+            good_np = good_by_class
         ex = _exclusion(exclude, queries.shape[0])
         qc = queries - self._center
         grouping = self._grouping(good_np)

@@ -63,10 +63,14 @@ class HnswIndex:
         self._pos_of_label[self._label_of_pos] = np.arange(self._label_of_pos.shape[0])
         self.size = int(self._label_of_pos.shape[0])
 
-    def _knn(self, queries, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _check_queries(self, queries) -> np.ndarray:
         qn = _as_float32_matrix(queries, "queries")
         if qn.shape[1] != self.dim:
             raise InputError(f"queries have dimension {qn.shape[1]}, the support set has {self.dim}")
+        return qn
+
+    def _knn(self, qn: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """hnswlib's k-NN of checked queries (finite float32 [N, dim])."""
         n = min(n, self.size)
         self._index.set_ef(max(self.ef, n))
         labels, dist = self._index.knn_query(qn, k=n, num_threads=self._num_threads)
@@ -89,7 +93,7 @@ class HnswIndex:
 
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
         """Top-n approximate nearest exemplars (neighbours of ``equation:q``): (squared distances, indices)."""
-        qn = np.asarray(queries, dtype=np.float32)
+        qn = self._check_queries(queries)
         ex = _exclusion(exclude, qn.shape[0])
         avail = self.size - (1 if ex is not None else 0)
         dist, idx = self._neighbours(qn, min(n, avail), ex)
@@ -104,9 +108,12 @@ class HnswIndex:
         q, d0, _, _ = self.similarity_and_neighbours(queries, y_hat, good_by_class, k, 0, exclude)
         return q, d0
 
-    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
-        """(q, d0, top-n distances, top-n indices) from one approximate k-NN query (``equation:q``)."""
-        qn = np.asarray(queries, dtype=np.float32)
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None, *,
+                                  check_input: bool = True):
+        """(q, d0, top-n distances, top-n indices) from one approximate k-NN query (``equation:q``).
+
+        ``check_input=False``: ``queries`` finite float32 [N, dim], made by the caller (not checked again)."""
+        qn = self._check_queries(queries) if check_input else queries
         ex = _exclusion(exclude, qn.shape[0])
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         n = max(0, int(n))

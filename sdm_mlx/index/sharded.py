@@ -143,9 +143,14 @@ class ShardedExactIndex:
         y_hat, good_np = check_predictions(queries, y_hat, good_by_class, self.size)
         return queries, y_hat, good_np, _exclusion(exclude, queries.shape[0])
 
-    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None):
-        """(q, d0, top-n squared distances, top-n global indices), as :meth:`ExactIndex.similarity_and_neighbours`."""
-        queries, y_hat, good_np, ex = self._check_similarity_args(queries, y_hat, good_by_class, exclude)
+    def similarity_and_neighbours(self, queries, y_hat, good_by_class, k: int, n: int, exclude=None, *,
+                                  check_input: bool = True):
+        """(q, d0, top-n squared distances, top-n global indices), as :meth:`ExactIndex.similarity_and_neighbours`
+        (``check_input=False`` skips the local checks; the ranks still check that they hold the same batch)."""
+        if check_input:
+            queries, y_hat, good_np, ex = self._check_similarity_args(queries, y_hat, good_by_class, exclude)
+        else:
+            good_np, ex = good_by_class, _exclusion(exclude, queries.shape[0])
         n = max(0, int(n))
         dist.check_same("query batches (similarity)", queries, y_hat, good_np, np.array([k, n]),
                         ex if ex is not None else np.zeros(0), timeout=self.timeout, grp=self.group)

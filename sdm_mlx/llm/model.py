@@ -137,6 +137,20 @@ def lm_head_weight(model):
     return w.astype(mx.float32)
 
 
+def model_dims(model) -> tuple[int, int]:
+    """``(|V|, D)`` of the model's LM head (rows = output vocabulary incl. padding rows, e.g. 32064 for Phi-3.5)."""
+    layer = getattr(model, "lm_head", None)
+    if layer is None:
+        layer = trunk(model).embed_tokens
+    w = layer.weight
+    rows = int(w.shape[0])
+    if hasattr(layer, "scales"):  # packed quantised weights: columns are packed, use the scales' group count
+        cols = int(layer.scales.shape[1]) * int(layer.group_size)
+    else:
+        cols = int(w.shape[1])
+    return rows, cols
+
+
 @dataclass
 class SharedPrefix:
     """Leading tokens shared by every document of a call, run through the trunk once: per-layer keys and

@@ -29,7 +29,8 @@ import numpy as np
 from ..storage.artifact import atomic_directory, read_manifest, sha256_file
 from ..errors import ArtifactError, InputError
 from ..storage.files import dumps, write_json
-from .heads import HeadShapeError, SDMHeads, model_dims
+from ..llm.model import model_dims
+from .heads import HeadShapeError, SDMHeads
 
 FORMAT = "sdm_mlx_network"
 FORMAT_VERSION = 1

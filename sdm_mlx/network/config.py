@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..llm import embed as _embed
-from ..estimator.config import DISTRIBUTED_TIMEOUT, EstimatorConfig
+from ..estimator.config import DISTRIBUTED_TIMEOUT, TIMEOUT_HELP, EstimatorConfig
 from ..settings import option
 from ..llm.verification_data import PAPER_SYSTEM, PRESETS
 from ..errors import InputError
@@ -93,9 +93,7 @@ class NetworkConfig:
     verifier_options: dict = option({}, "any other SDMEstimator keyword for the verification layer (YAML only)",
                                     cli=False)
     seed: int = option(0, "random seed")
-    distributed_timeout: float = option(DISTRIBUTED_TIMEOUT, "under mlx.launch: seconds a rank waits in one collective "
-                                                             "for the other ranks before it stops (a dead or hung "
-                                                             "rank; docs/distributed.md)")
+    distributed_timeout: float = option(DISTRIBUTED_TIMEOUT, "under mlx.launch: " + TIMEOUT_HELP)
     verbose: bool = option(False, "progress on stderr (the CLI turns it on; --quiet off)", cli=False)
     overwrite: bool = option(False, "replace the outputs of an earlier network-train run in --output (a directory "
                                     "that sdm-mlx did not create is never written into); a run with the "

@@ -28,8 +28,6 @@ comparing its first JSON object with the JSON of each label's completion.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -38,30 +36,6 @@ from ..llm import embed as _embed
 from ..llm.answers import first_json_object, is_closed  # noqa: F401  (re-exported: the answer rules)
 from .heads import SDMHeads
 from ..errors import InputError
-
-STOP_REASONS = ("delimiter", "eos", "max_tokens")
-
-
-@dataclass
-class GeneratedOutput:
-    """One greedy joint decoding.
-
-    ``token_ids``: generated tokens (an EOS that stopped decoding is not kept);
-    ``embedding``: the verifier input (float32 ``[2D]``) or None;
-    ``n_kept``: pooled positions of ``prompt_ids + token_ids``;
-    ``delimiter_index``: global index of the generated delimiter token (−1: none);
-    ``missing_delimiter``: no delimiter in the generated text (a parse failure).
-    """
-
-    prompt_ids: list
-    token_ids: list
-    text: str
-    stop_reason: str
-    embedding: np.ndarray | None = None
-    n_kept: int = 0
-    delimiter_index: int = -1
-    missing_delimiter: bool = True
-    truncated: bool = False
 
 
 def parse_task_prediction(text: str, completions: Sequence[str]) -> int:
@@ -123,14 +97,16 @@ def greedy_generate(
     max_length: int = _embed.DEFAULT_MAX_LENGTH,
     progress: Callable[[int], None] | None = None,
     prefix_cache=None,
-) -> list[GeneratedOutput]:
+) -> list:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
     Decoded by :class:`sdm_mlx.decoding.batching.DecodeEngine` (continuous batching of ``batch_size``
     rows, the shared prompt prefix prefilled once: ``prefix_cache`` a
-    :class:`~sdm_mlx.decoding.prompt_cache.PrefixCache`, default a fresh one, ``False`` off).  Returns one
-    :class:`GeneratedOutput` per prompt, in input order.  With ``features=True`` each carries the verifier
-    input (see the module docstring).  ``progress(k)`` is called as ``k`` more prompts finish.
+    :class:`~sdm_mlx.decoding.prompt_cache.PrefixCache`, default a fresh one, ``False`` off).  Returns the
+    engine's :class:`~sdm_mlx.decoding.decode_types.Decoded` per prompt, in input order (``stop_reason``:
+    "delimiter", "eos" or "max_tokens" of :data:`sdm_mlx.decoding.STOP_REASONS`).  With ``features=True`` each
+    carries the verifier input ``features`` [1, 2D] and its ``feature_info`` (see the module docstring).
+    ``progress(k)`` is called as ``k`` more prompts finish.
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
@@ -142,22 +118,13 @@ def greedy_generate(
     engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=delimiter, max_batch=batch_size,
                           max_length=max_length, prefix_cache=prefix_cache)
     reqs = [DecodeRequest(p, max_new_tokens, stop_at_delimiter=stop_at_delimiter, features=features) for p in ids]
-    out = []
-    for p, dec in zip(ids, engine.run(reqs, progress=progress)):
-        g = GeneratedOutput(prompt_ids=p, token_ids=dec.token_ids, text=dec.text, stop_reason=dec.stop_reason)
-        if features:
-            info = dec.feature_info
-            g.embedding = dec.features.reshape(-1)
-            g.n_kept, g.delimiter_index = int(info["n_kept"]), int(info["delimiter_index"])
-            g.missing_delimiter, g.truncated = bool(info["missing_delimiter"]), bool(info["truncated"])
-        out.append(g)
-    return out
+    return engine.run(reqs, progress=progress)
 
 
-def generation_features(outputs: Sequence[GeneratedOutput]) -> np.ndarray:
-    """Stack the verifier inputs of generated outputs: float32 ``[N, 2D]``."""
+def generation_features(outputs: Sequence) -> np.ndarray:
+    """Stack the verifier inputs of :func:`greedy_generate`'s outputs: float32 ``[N, 2D]``."""
     if not outputs:
         return np.zeros((0, 0), dtype=np.float32)
-    if any(o.embedding is None for o in outputs):
+    if any(o.features is None for o in outputs):
         raise InputError("outputs were generated with features=False")
-    return np.stack([o.embedding for o in outputs]).astype(np.float32)
+    return np.stack([o.features.reshape(-1) for o in outputs]).astype(np.float32)

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..llm import embed as _embed
+from ..llm.model import model_dims
 from ..errors import ArtifactError, InputError
 
 
@@ -45,20 +46,6 @@ class PositiveHead(nn.Module):
 
     def __call__(self, h: mx.array) -> mx.array:
         return h @ self.weight.T
-
-
-def model_dims(model) -> tuple[int, int]:
-    """``(|V|, D)`` of the model's LM head (rows = output vocabulary incl. padding rows, e.g. 32064 for Phi-3.5)."""
-    layer = getattr(model, "lm_head", None)
-    if layer is None:
-        layer = _embed.trunk(model).embed_tokens
-    w = layer.weight
-    rows = int(w.shape[0])
-    if hasattr(layer, "scales"):  # packed quantised weights: columns are packed, use the scales' group count
-        cols = int(layer.scales.shape[1]) * int(layer.group_size)
-    else:
-        cols = int(w.shape[1])
-    return rows, cols
 
 
 def is_tied(model) -> bool:

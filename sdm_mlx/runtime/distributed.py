@@ -41,6 +41,9 @@ from ..errors import InputError, SDMError
 #: Seconds a rank waits in one collective for the other ranks under ``mlx.launch`` before it stops (a dead or
 #: hung rank).  The one default of the ``shard_timeout`` and ``distributed_timeout`` settings.
 DISTRIBUTED_TIMEOUT = 900.0
+#: The help text of those settings (one concept, one text)
+TIMEOUT_HELP = ("seconds a rank waits in one collective for the other ranks before it stops (a dead or hung rank; "
+                "docs/distributed.md)")
 DEFAULT_TIMEOUT = DISTRIBUTED_TIMEOUT
 #: Exit status of a rank that the watchdog stops (timeout, or SIGTERM during a collective).
 WATCHDOG_EXIT = 75

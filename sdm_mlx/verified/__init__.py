@@ -15,8 +15,7 @@ verification layer's index-conditional estimate p̂_lower, then branch.
     result.verified, result.text, result.p_lower, result.reason, result.to_dict()
 
 Modules (the decoding loop itself is :mod:`sdm_mlx.decoding`): :mod:`.prompts` (``PromptBuilder``: prompts and re-ask prompts, shared with
-``serve``), :mod:`.runner` (``BatchRunner``: many prompts' attempts at once),
-:mod:`.decoding` (``GreedyDecoder``: one prompt), :mod:`.verification`
+``serve``), :mod:`.runner` (``BatchRunner``: many prompts' attempts at once), :mod:`.verification`
 (``AnswerVerifier``, ``Verdict``), :mod:`.generator` (``VerifiedGenerator``),
 :mod:`.outcome` (``VerificationResult``, ``Attempt``).
 
@@ -71,7 +70,6 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "GenerationConfig": "config", "ON_REJECT": "config",
-    "GreedyDecoder": "decoding",
     "ABSTAIN_TEXT": "generator", "REASK_TEMPLATE": "generator", "VerifiedGenerator": "generator",
     "Attempt": "outcome", "VerificationResult": "outcome",
     "PromptBuilder": "prompts", "BatchRunner": "runner", "Cancelled": "runner",

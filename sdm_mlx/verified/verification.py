@@ -84,7 +84,7 @@ class AnswerVerifier:
                  verified_label: int = 1):
         if not estimator.is_fitted:
             raise InputError("the verification layer is not fitted")
-        from ..network.heads import model_dims
+        from ..llm.model import model_dims
 
         _, hidden = model_dims(model)
         if estimator.input_dim_ != 2 * hidden:

@@ -15,6 +15,7 @@ import pytest
 
 from sdm_mlx import calibration as cal
 from sdm_mlx.calibration.rescaler import (
+    RescalerSettings,
     _row_loss_mlx,
     init_rescaler_weights,
     rescaled_output,
@@ -288,7 +289,7 @@ def test_nan_inputs_raise():
     with pytest.raises(ValueError, match="NaN"):
         cal.min_valid_qbin(np.array([np.nan]), np.array([1.5]), np.array([0]), np.array([True]), 2, 0.9)
     with pytest.raises(ValueError, match="NaN"):
-        train_rescaler(np.array([[np.nan, 1.0]]), np.array([1.0]), np.array([0]), max_epochs=1)
+        train_rescaler(np.array([[np.nan, 1.0]]), np.array([1.0]), np.array([0]), RescalerSettings(max_epochs=1))
     with pytest.raises(ValueError, match="lie in"):
         cal.output_ecdfs(np.array([[0.4, 0.6]]), np.array([2]), 2)
 
@@ -314,16 +315,16 @@ def test_rescaler_init_bounds_and_seed():
 
 def test_rescaler_training_reduces_loss_and_is_reproducible():
     v, qt, y = _toy_calibration()
-    fit = train_rescaler(v, qt, y, seed=3, max_epochs=15)
+    fit = train_rescaler(v, qt, y, RescalerSettings(seed=3, max_epochs=15))
     before = rescaler_loss(fit.W_init, v, qt, y).mean()
     after = rescaler_loss(fit.W, v, qt, y).mean()
     assert after < before
     assert fit.epoch_losses[-1] < fit.epoch_losses[0]
     assert fit.best_loss == fit.epoch_losses.min()
-    again = train_rescaler(v, qt, y, seed=3, max_epochs=15)
+    again = train_rescaler(v, qt, y, RescalerSettings(seed=3, max_epochs=15))
     np.testing.assert_array_equal(fit.W, again.W)
     np.testing.assert_array_equal(fit.epoch_losses, again.epoch_losses)
-    other = train_rescaler(v, qt, y, seed=4, max_epochs=15)
+    other = train_rescaler(v, qt, y, RescalerSettings(seed=4, max_epochs=15))
     assert not np.array_equal(fit.W, other.W)
 
 
@@ -350,7 +351,8 @@ def _naive_mlx_epochs(W0, v, qt, y, perms, lr=1e-4):
 def test_rescaler_sequential_batch1_semantics(engine):
     v, qt, y = _toy_calibration(n=24, C=3, seed=5)
     seed, epochs, lr = 11, 2, 1e-2  # a large lr makes every step visible
-    fit = train_rescaler(v, qt, y, seed=seed, max_epochs=epochs, learning_rate=lr, engine=engine, patience=100)
+    fit = train_rescaler(v, qt, y, RescalerSettings(seed=seed, max_epochs=epochs, learning_rate=lr, engine=engine,
+                                                    patience=100))
     rng = np.random.default_rng(seed)
     perms = [rng.permutation(len(y)) for _ in range(epochs)]
     W_ref, losses_ref = _naive_mlx_epochs(init_rescaler_weights(3, seed), v, qt, y, perms, lr=lr)
@@ -362,7 +364,7 @@ def test_rescaler_sequential_batch1_semantics(engine):
 def test_rescaler_early_stopping_and_best_weights():
     v, qt, y = _toy_calibration(n=60, seed=2)
     # a huge learning rate makes the epoch loss bounce so the patience rule fires
-    fit = train_rescaler(v, qt, y, seed=1, max_epochs=300, learning_rate=0.5, patience=2)
+    fit = train_rescaler(v, qt, y, RescalerSettings(seed=1, max_epochs=300, learning_rate=0.5, patience=2))
     h = fit.epoch_losses
     assert fit.best_loss == h.min() and h[fit.best_epoch] == fit.best_loss
     if fit.stopped_early:
@@ -370,7 +372,8 @@ def test_rescaler_early_stopping_and_best_weights():
         # the stopping epochs: the last patience+1 = 3 epochs are all strictly worse than the best
         assert np.all(h[-3:] > fit.best_loss)
     # the kept weights are those at the end of the best epoch
-    rerun = train_rescaler(v, qt, y, seed=1, max_epochs=fit.best_epoch + 1, learning_rate=0.5, patience=2)
+    rerun = train_rescaler(v, qt, y, RescalerSettings(seed=1, max_epochs=fit.best_epoch + 1, learning_rate=0.5,
+                                                      patience=2))
     np.testing.assert_array_equal(rerun.epoch_losses, h[: fit.best_epoch + 1])
     assert rerun.best_epoch == fit.best_epoch
     np.testing.assert_array_equal(fit.W, rerun.W)
@@ -379,7 +382,7 @@ def test_rescaler_early_stopping_and_best_weights():
 def test_rescaler_patience_counter_semantics():
     # patience 0: stop at the first epoch strictly worse than the best
     v, qt, y = _toy_calibration(n=40, seed=4)
-    fit = train_rescaler(v, qt, y, seed=0, max_epochs=200, learning_rate=0.5, patience=0)
+    fit = train_rescaler(v, qt, y, RescalerSettings(seed=0, max_epochs=200, learning_rate=0.5, patience=0))
     h = fit.epoch_losses
     if fit.stopped_early:
         assert h[-1] > np.min(h[:-1])
@@ -421,7 +424,8 @@ W4 = np.eye(2, dtype=np.float32) * 4  # a fixed W'' that finds thresholds on the
 
 def test_calibrate_round_end_to_end_and_alpha_split():
     sdm, q, y, y_hat = _synthetic_round_inputs()
-    rnd = cal.calibrate_round(sdm, q, y, y_hat, alpha=0.9, seed=0, max_epochs=15, learning_rate=1e-3)
+    rnd = cal.calibrate_round(sdm, q, y, y_hat, alpha=0.9,
+                              rescaler=RescalerSettings(seed=0, max_epochs=15, learning_rate=1e-3))
     assert rnd.rescaler is not None and rnd.rescaler.epoch_losses[-1] < rnd.rescaler.epoch_losses[0]
     C = 2
     assert rnd.W.dtype == np.float32 and rnd.W.shape == (C, C)
@@ -570,7 +574,7 @@ def test_estimate_class_without_calibration_rows():
     # class 1 never occurs in calibration: its output eCDF and sample-size array are empty
     sdm, q, y, y_hat = _synthetic_round_inputs(n=200, seed=3)
     y = np.zeros_like(y)
-    rnd = cal.calibrate_round(sdm, q, y, y_hat, alpha=0.9, seed=0, max_epochs=5)
+    rnd = cal.calibrate_round(sdm, q, y, y_hat, alpha=0.9, rescaler=RescalerSettings(seed=0, max_epochs=5))
     assert rnd.output_ecdfs[1].size == 0 and rnd.sample_size_arrays[1].size == 0
     np.testing.assert_array_equal(rnd.v[:, 1], 0.0)
     assert rnd.min_valid == math.inf and np.all(rnd.psi == 0)  # empty class ⇒ ψ = 0 ⇒ no threshold

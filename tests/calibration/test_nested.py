@@ -80,6 +80,31 @@ def test_shared_row_work_gives_each_level_the_full_estimator(fitted):
     np.testing.assert_array_equal(main.lower.p, estimate(est.calibration_, pred.logits, pred.q, pred.d, pred.sdm).lower.p)
 
 
+def test_alpha_derived_state_has_one_owner_and_each_level_is_computed_once(fitted, monkeypatch):
+    """nested_ is the one store; calibration_, robust_min_valid_ and offsets_ are read-only views of its level
+    at α'; a recalibration runs Alg. 3 once per round and level (none at the level the rounds were fitted at)
+    and the Cauchy aggregation once per level."""
+    from sdm_mlx.calibration import rounds as rounds_module
+
+    est, _, _ = fitted
+    assert est.calibration_ is est.nested_.levels[est.nested_.anchor]
+    assert est.robust_min_valid_ == est.calibration_.robust_min_valid and est.offsets_ is est.calibration_.offsets
+    for name in ("calibration_", "robust_min_valid_", "offsets_"):
+        with pytest.raises(AttributeError):
+            setattr(est, name, None)
+        assert name not in vars(est)
+    alg3, cauchy = [], []
+    real_alg3, real_cauchy = rounds_module._min_valid_qbin, rounds_module._cauchy
+    monkeypatch.setattr(rounds_module, "_min_valid_qbin", lambda *a: alg3.append(a[-1]) or real_alg3(*a))
+    monkeypatch.setattr(rounds_module, "_cauchy", lambda at, j, a: cauchy.append(a) or real_cauchy(at, j, a))
+    before = est.calibration_
+    est.recalibrate()
+    levels = [a for a in est.nested_.grid if a != est.rounds_[0].alpha]
+    assert sorted(alg3) == sorted(levels * len(est.rounds_)) and sorted(cauchy) == sorted(est.nested_.grid)
+    np.testing.assert_array_equal(est.calibration_.psi, before.psi)
+    assert est.calibration_.min_valid == before.min_valid
+
+
 @pytest.mark.parametrize("levels_at_once", [1, 2, 3, 1000])
 def test_levels_stacked_in_groups_equal_one_level_at_a_time(fitted, monkeypatch, levels_at_once):
     from sdm_mlx.calibration import conditional

@@ -2,7 +2,7 @@
 
 :func:`sdm_mlx.calibration.conditional._ladder_pass` evaluates every level of a model's ladder and every
 variant (lower, upper, centroid) in one stack of rows, with per-level constants built once per calibration
-(:class:`~sdm_mlx.calibration.conditional._Ladder`).  The reference below is the estimator written out
+(:class:`~sdm_mlx.calibration.ladder.Ladder`).  The reference below is the estimator written out
 plainly from the public building blocks (v, the argmax test, the rescaled output, OOD, n̂, DKW ε and bounds,
 the offsets): every field of the estimate must be equal bit for bit, on random models that cover one
 shared W'' and several, offset tables of one width and of different widths, ψ / minima of +inf, classes
@@ -215,7 +215,8 @@ def test_ladder_equals_the_reference_at_every_level(monkeypatch, stacked_rows, s
 
 
 def test_repeated_calls_of_any_batch_size_give_the_same_answers():
-    """The per-shape index arrays kept on the ladder (:meth:`_Ladder.layout`) do not leak between batches."""
+    """The per-shape index arrays kept on the ladder (:meth:`~sdm_mlx.calibration.ladder.Ladder.layout`) do not
+    leak between batches."""
     rng = np.random.default_rng(5)
     nested = _nested(rng, 3)
     z, q, d, sdm = _inputs(rng, 30, 3)

@@ -208,7 +208,7 @@ def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path)
 
     from sdm_mlx.llm import embed as E
     from sdm_mlx.verified.config import BUILTIN, GenerationConfig
-    from sdm_mlx.network.heads import model_dims
+    from sdm_mlx.llm.model import model_dims
     from sdm_mlx.verified import REASK_TEMPLATE, VerifiedGenerator
 
     params = inspect.signature(VerifiedGenerator).parameters

@@ -34,6 +34,23 @@ def test_paper_map_row_resolves_and_is_cited(row):
     assert row["label"] in (inspect.getdoc(obj) or ""), f"{row['target']}'s docstring does not cite {row['label']}"
 
 
+#: a paper label as the package cites it (``equation:q``, ``eq:sdm-loss``, ``alg:...``, ``defn:...``, ``tab:...``)
+CITED = re.compile(r"\b(?:eq|equation|alg|defn|tab):[A-Za-z][A-Za-z-]*")
+
+
+def test_every_cited_paper_label_has_a_row():
+    """The repository's own check (no paper needed, so it runs in CI): a label a docstring or comment cites is one
+    the map holds, so a reader finds the equation's row and its function."""
+    mapped = {r["label"] for r in _paper_map_rows()}
+    cited = {}
+    for path in (ROOT / "sdm_mlx").rglob("*.py"):
+        for label in CITED.findall(path.read_text(encoding="utf-8")):
+            cited.setdefault(label, str(path.relative_to(ROOT)))
+    assert cited, "no paper labels found: the pattern is stale"
+    missing = {label: where for label, where in cited.items() if label not in mapped}
+    assert not missing, f"cited but not in docs/paper-map.md: {missing}"
+
+
 def test_paper_labels_exist_in_the_paper():
     paper = ROOT.parent / "shared" / "paper" / "sdm_paper.tex"
     if not paper.exists():

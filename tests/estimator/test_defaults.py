@@ -111,6 +111,8 @@ def test_estimator_defaults_come_from_one_place_and_paper_is_exact():
     sig = inspect.signature(SDMEstimator.__init__).parameters
     for key, value in ESTIMATOR_DEFAULTS.items():
         assert sig[key].default == value, key
+    # the signature is written out (scikit-learn): it holds the settings' names and the two display-only ones
+    assert set(sig) - {"self"} == set(ESTIMATOR_DEFAULTS) | {"verbose", "class_names"}
     paper = SDMEstimator.paper(seed=3)
     assert {k: getattr(paper, k) for k in PAPER_SETTINGS} == PAPER_SETTINGS and paper.seed == 3
     assert PAPER_SETTINGS == {"iterations": 10, "epochs": 50, "exemplar_dim": 1000, "batch_size": 50,

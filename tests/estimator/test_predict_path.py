@@ -103,3 +103,41 @@ def test_the_public_estimate_validates_each_row_once(lab, counted):
         list(est.iter_estimate(X, chunk_rows=20))
     with pytest.raises(ValueError, match=r"features: features contain NaN or Inf \(rows \[37\]\)"):
         est.estimate(X)
+
+
+def test_predict_reads_its_input_once_with_the_progress_bar_on(lab, tmp_path, monkeypatch):
+    import builtins
+
+    path = tmp_path / "in.jsonl"
+    write_rows(path, rows(N_ROWS, seed=3, both=False))
+    opened, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file) == str(path):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["predict", "--model", str(lab / "model"), "--input", str(path), "--output", str(out)]) == 0
+    assert len(opened) == 1  # no second pass to count the rows for the bar
+    assert len(out.read_text().splitlines()) == N_ROWS
+
+
+def test_scoring_does_not_recheck_the_arrays_the_estimator_made(lab, monkeypatch):
+    """The features are checked once at the boundary; the index and the calibration math take the estimator's
+    own arrays (h', ŷ, q, d, the SDM output) unchecked."""
+    from sdm_mlx.calibration import conditional
+    from sdm_mlx.index import exact
+
+    calls = []
+    for module, name in ((exact, "_as_float32_matrix"), (exact, "check_predictions"), (conditional, "_matrix"),
+                         (conditional, "_vector")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    est = SDMEstimator.load(lab / "model")
+    X = np.asarray([r["embedding"] for r in rows(N_ROWS, seed=3, both=False)], dtype=np.float32)
+    est.estimate(X)  # the first call validates each level's record once (built by the package at load)
+    calls.clear()
+    est.estimate(X)
+    assert calls == []

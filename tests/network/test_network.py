@@ -16,7 +16,7 @@ from sdm_mlx.network import (
     network_loss, parse_task_prediction, regularization_mask, save_network,
 )
 from sdm_mlx.network.generation import first_json_object, is_closed
-from sdm_mlx.network.heads import model_dims
+from sdm_mlx.llm.model import model_dims
 from sdm_mlx.network.loss import rescaled_regularizer
 from sdm_mlx.network.trainer import completion_token_positions, make_optimizer, make_train_step, train_epoch
 from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
@@ -310,8 +310,8 @@ def test_generation_features_equal_force_decoded_features(phi3):
     feats = prompt_completion_features(model, tok, [g.prompt_ids for g in gens], [g.token_ids for g in gens],
                                        on_missing="prompt")
     for g, f in zip(gens, feats.embeddings):
-        assert g.missing_delimiter == ("}" not in g.text)
-        np.testing.assert_allclose(g.embedding, f, atol=2e-5)
+        assert g.feature_info["missing_delimiter"] == ("}" not in g.text)
+        np.testing.assert_allclose(g.features.reshape(-1), f, atol=2e-5)
     # a "generation" that contains the delimiter: pooled up to the state predicting it
     comp_ids = tok.encode('{"sentiment": "positive"}', add_special_tokens=False)
     ref = prompt_completion_features(model, tok, [tok.encode(prompts[0])], [comp_ids], on_missing="error")
@@ -436,7 +436,7 @@ def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path
 
 def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
     import sdm_mlx.network.trainer as tr
-    from sdm_mlx.network.generation import GeneratedOutput
+    from sdm_mlx.decoding.decode_types import Decoded
     from tiny_tasks import write_synthetic_sentiment
 
     model, tok = phi3
@@ -463,8 +463,8 @@ def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
         by_prompt = {}
         for r in rows:
             by_prompt.setdefault(r["prompt"], texts[r["id"]])
-        return [GeneratedOutput(prompt_ids=[1], token_ids=[1], text=by_prompt[p], stop_reason="delimiter",
-                                embedding=np.zeros(4, np.float32)) for p in prompts]
+        return [Decoded(prompt_ids=[1], token_ids=[1], text=by_prompt[p], stop_reason="delimiter", seconds=0.0,
+                        features=np.zeros((1, 4), np.float32)) for p in prompts]
 
     monkeypatch.setattr(tr, "greedy_generate", fake_generate)
     res = tr.count_verified(None, tok, FakeVerifier(), rows, comps)

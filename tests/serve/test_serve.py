@@ -317,7 +317,7 @@ def test_decoder_stop_strings_and_temperature(tiny_phi3_path):
 
     from sdm_mlx.network.heads import SDMHeads
     from sdm_mlx.decoding import SamplingParams
-    from sdm_mlx.verified import GreedyDecoder
+    from greedy_decoder import GreedyDecoder
 
     model, tok = E.load_model(tiny_phi3_path)
     dec = GreedyDecoder(model, tok, stop_at_delimiter=False)

@@ -46,7 +46,7 @@ from verified_lab import OOD_PROMPT, SYSTEM, TEMPLATE  # noqa: E402  (tests/help
 def test_plain_greedy_equals_mlx_lm(fixture_name, request):
     import mlx_lm
 
-    from sdm_mlx.verified import GreedyDecoder
+    from greedy_decoder import GreedyDecoder
 
     path = request.getfixturevalue(fixture_name)
     model, tok = E.load_model(path)
@@ -73,7 +73,7 @@ def test_plain_greedy_equals_mlx_lm(fixture_name, request):
 def test_joint_decoding_with_reference_copy_equals_plain(tiny_phi3_path):
     """W_pos = W_ref: argmax(concat(z, z)) mod |V| = argmax z, so the joint path reproduces plain greedy."""
     from sdm_mlx.network.heads import SDMHeads
-    from sdm_mlx.verified import GreedyDecoder
+    from greedy_decoder import GreedyDecoder
 
     model, tok = E.load_model(tiny_phi3_path)
     ids = E.encode(tok, E.chat_text(tok, "A warm and funny film.", system=SYSTEM, prompt_template=TEMPLATE))
@@ -117,7 +117,7 @@ def test_verified_answer(setup):
 
 def test_generation_features_match_force_decoded_text(setup):
     """The verifier input of a generated answer = embed.py's force-decoded prompt + completion features."""
-    from sdm_mlx.verified import GreedyDecoder
+    from greedy_decoder import GreedyDecoder
 
     gen = _generator(setup)
     prompt = gen.prompt_text(setup.verified_doc)
@@ -336,7 +336,7 @@ def test_cli_head_on_another_base_model_is_a_user_error(setup, tiny_qwen2_path):
 def test_decoding_features_equal_the_feature_pass(setup, joint):
     """``GreedyDecoder(features=True)``: the pooled decoding states = a separate force-decoded feature pass."""
     from sdm_mlx.llm.embed import trunk
-    from sdm_mlx.verified import GreedyDecoder
+    from greedy_decoder import GreedyDecoder
 
     gen = _generator(setup)
     norm = trunk(gen.model).norm

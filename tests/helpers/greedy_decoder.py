@@ -1,29 +1,19 @@
-"""One prompt at a time through the batched engine: ``GreedyDecoder`` (plain, or joint neg+pos with a head).
+"""A test helper: one prompt at a time through the batched engine, ``GreedyDecoder`` (plain, or joint neg+pos
+with a head); the package itself decodes with :class:`sdm_mlx.decoding.batching.DecodeEngine` directly.
 
-A convenience over :class:`~.batching.DecodeEngine` (the codebase's one
-decoding loop) for a single prompt: ``decoder(prompt_ids, max_tokens,
-on_text=None, *, stop=(), temperature=0.0, sampling=None) -> Decoded``.
-Plain decoding picks from the base model's logits (greedy: the tokens of
-``mlx_lm.generate``), joint decoding from ``concat(z_neg, z_pos)`` (token =
-index mod |V|); stopping, streaming, stop strings and the verifier features
-(``features=True``) are the engine's.
+``decoder(prompt_ids, max_tokens, on_text=None, *, stop=(), temperature=0.0, sampling=None) -> Decoded``.
+Plain decoding picks from the base model's logits (greedy: the tokens of ``mlx_lm.generate``), joint decoding
+from ``concat(z_neg, z_pos)`` (token = index mod |V|); stopping, streaming, stop strings and the verifier
+features (``features=True``) are the engine's.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..llm import embed as _embed
-from ..decoding.batching import STOP_REASONS, DecodeEngine, DecodeRequest, Decoded
-from ..decoding.sampling import SamplingParams
-from ..decoding.streaming import first_stop
-
-__all__ = ["STOP_REASONS", "Decoded", "GreedyDecoder", "eos_ids", "first_stop"]
-
-
-def eos_ids(tokenizer) -> set:
-    """End-of-sequence token ids of an (mlx-lm wrapped) tokenizer."""
-    return _embed.eos_token_ids(tokenizer)
+from sdm_mlx.llm import embed as _embed
+from sdm_mlx.decoding.batching import DecodeEngine, DecodeRequest, Decoded
+from sdm_mlx.decoding.sampling import SamplingParams
 
 
 class GreedyDecoder:
