@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ..estimator.config import EstimatorConfig
 from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
 from ..errors import InputError
@@ -109,6 +111,40 @@ def default_normalize(args, train) -> None:
 
 
 def run(args) -> int:
+    """Train under the lock of ``--output`` (one run per output at a time; see :func:`output_lock`)."""
+    from ..runtime.distributed import is_distributed, is_primary, launched_rank
+
+    if launched_rank() is not None and is_distributed() and not is_primary():
+        return _run(args)  # under mlx.launch every rank runs this command; rank 0 alone writes (and locks)
+    with output_lock(args.output):
+        return _run(args)
+
+
+@contextmanager
+def output_lock(output):
+    """The exclusive lock of ``--output`` for the whole run, taken before anything is read: a second ``train`` on
+    the same output stops at once (exit 2, naming the process that holds it) instead of resuming the first run's
+    checkpoint ``OUTPUT.partial`` while that run still writes it.  The lock file is removed when the run ends."""
+    import os
+
+    from ..errors import OutputError
+    from ..storage.artifact import Busy, artifact_lock
+    from ..storage.files import describe_os_error, make_dirs
+
+    try:
+        make_dirs(os.path.dirname(os.path.realpath(output)))  # (the model is saved there at the end in any case)
+    except OSError as e:
+        raise OutputError(f"cannot create the directory of --output {describe_os_error(e, output)}") from None
+    try:
+        with artifact_lock(output, OutputError, wait=False):  # (nothing in the run waits for this lock: no Busy)
+            yield
+    except Busy as e:
+        raise OutputError(f"--output {output} is in use by {e.holder or 'another sdm-mlx process'}: another run is "
+                          "training into it now (with its checkpoint OUTPUT.partial); wait for it to finish, or "
+                          "choose another --output") from None
+
+
+def _run(args) -> int:
     import os
     import sys
     import time

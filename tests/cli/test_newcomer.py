@@ -1,0 +1,92 @@
+"""Mistakes a newcomer makes in a first hour (issue 41, section 3), each through the CLI in a subprocess, as a user
+runs it: two ``train`` runs on one ``--output``, lock files left behind, a directory that is not a model given to
+``serve``, string labels, a model path of the wrong kind, and which options ``--help`` shows as required."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sdm_mlx.storage.datasets import factcheck_splits
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+CLI = [sys.executable, "-m", "sdm_mlx"]
+
+
+def cli(*args, cwd, timeout=300):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=ENV, timeout=timeout)
+
+
+def user_error(r, *fragments):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for f in fragments:
+        assert f in r.stderr, (f, r.stderr)
+
+
+def write_rows(path, n=400, label=lambda y: y):
+    pool = factcheck_splits()[0]
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i}", "label": label(int(pool.y[i])),
+                                "attributes": [float(v) for v in pool.X[i]]}) + "\n")
+    return path
+
+
+def locks(directory) -> list:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".sdm-lock"))
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    """A directory with 400 labelled factcheck rows and a model trained on them by ``sdm-mlx train``."""
+    d = tmp_path_factory.mktemp("newcomer")
+    write_rows(d / "train.jsonl")
+    r = cli("train", "--train", "train.jsonl", "--output", "model", "--iterations", "2", "--epochs", "2",
+            "--exemplar-dim", "16", "--rescaler-max-epochs", "10", "--quiet", cwd=d)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_a_successful_train_leaves_no_lock_file_and_no_checkpoint(box):
+    # two rounds: the checkpoint model.partial was replaced under its lock once, then removed with its lock
+    assert locks(box) == [] and not os.path.exists(box / "model.partial"), os.listdir(box)
+    r = cli("train", "--train", "train.jsonl", "--output", "model", "--overwrite", "--iterations", "1", "--epochs",
+            "1", "--exemplar-dim", "8", "--quiet", cwd=box)  # replacing a model takes (and drops) its lock too
+    assert r.returncode == 0, r.stderr
+    assert locks(box) == [], os.listdir(box)
+
+
+def test_a_second_train_on_a_busy_output_stops_at_the_start(box, tmp_path):
+    write_rows(tmp_path / "train.jsonl")
+    first = subprocess.Popen([*CLI, "train", "--train", "train.jsonl", "--output", "busy", "--iterations", "3",
+                              "--epochs", "100000", "--patience", "0", "--exemplar-dim", "8"],
+                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not locks(tmp_path) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert locks(tmp_path) == [".busy.sdm-lock"], (os.listdir(tmp_path), first.poll())
+        t0 = time.time()
+        second = cli("train", "--train", "train.jsonl", "--output", "busy", "--iterations", "3", cwd=tmp_path)
+        seconds = time.time() - t0
+        user_error(second, "--output busy is in use by", f"pid {first.pid}: sdm-mlx train",
+                   "wait for it to finish, or choose another --output")
+        assert seconds < 60, seconds  # at the start: before reading the rows (the first run trains for minutes)
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.send_signal(signal.SIGINT)
+        rc = first.wait(timeout=120)
+    assert rc == 130, first.stderr.read()[-2000:]
+    assert locks(tmp_path) == []  # an interrupted run releases (and removes) its lock too
+    # and the output is free again
+    third = cli("train", "--train", "train.jsonl", "--output", "busy", "--iterations", "1", "--epochs", "1",
+                "--exemplar-dim", "8", "--restart", "--quiet", cwd=tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert locks(tmp_path) == []
