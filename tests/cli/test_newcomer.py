@@ -90,3 +90,55 @@ def test_a_second_train_on_a_busy_output_stops_at_the_start(box, tmp_path):
                 "--exemplar-dim", "8", "--restart", "--quiet", cwd=tmp_path)
     assert third.returncode == 0, third.stderr
     assert locks(tmp_path) == []
+
+
+def test_serve_on_a_directory_that_is_not_a_model_says_what_is_missing(box, tmp_path):
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "readme.txt").write_text("x")
+    r = cli("serve", "-m", "notamodel", "--verifier", box / "model", "--port", "1", cwd=tmp_path)
+    user_error(r, "notamodel is not an mlx-lm model directory: config.json is missing",
+               "holds config.json, the weights *.safetensors and the tokenizer files")
+    assert "write" not in r.stderr  # (was: "cannot read or write notamodel/config.json")
+    (tmp_path / "notamodel" / "config.json").write_text("{}")
+    r = cli("generate", "-m", "notamodel", "--verifier", box / "model", "--prompt", "hi", cwd=tmp_path)
+    user_error(r, "notamodel is not an mlx-lm model directory: the weights (*.safetensors) is missing")
+
+
+def _fake_runs(box, root):
+    """The directories of a first hour, without training: an LLM (its marker files), a demo run holding a model,
+    a network-train run holding a network and its verifier."""
+    import shutil
+
+    (root / "llm").mkdir()
+    (root / "llm" / "config.json").write_text("{}")
+    (root / "llm" / "model.safetensors").write_bytes(b"")
+    for run, kind, inner in (("demo", "demo", "model"), ("nt", "network-train", "verifier")):
+        (root / run).mkdir()
+        (root / run / ".sdm_mlx_run.json").write_text(json.dumps({"format": "sdm_mlx_run", "kind": kind}))
+        shutil.copytree(box / "model", root / run / inner)
+    (root / "nt" / "network").mkdir()
+    (root / "nt" / "network" / "network_config.json").write_text(json.dumps({"format": "sdm_mlx_network"}))
+
+
+def test_a_model_path_of_the_wrong_kind_gets_a_hint_of_what_was_meant(box, tmp_path):
+    _fake_runs(box, tmp_path)
+    rows = write_rows(tmp_path / "rows.jsonl", n=5)
+    cases = [  # (command, what the message says the path is, what it suggests)
+        (("predict", "--model", "llm", "--input", rows), "it is an mlx-lm LLM directory",
+         "an LLM goes to -m/--model of embed, generate or serve"),
+        (("predict", "--model", "demo", "--input", rows), "it is a demo run directory", "did you mean demo/model?"),
+        (("evaluate", "--model", "nt", "--input", rows), "it is a network-train run directory",
+         "did you mean nt/verifier?"),
+        (("inspect", "--model", "rows.jsonl"), "it is a data file", "this option takes an SDM estimator directory"),
+        (("predict", "--model", "dmeo/model", "--input", rows), "no model artifact at", "did you mean demo/model?"),
+        (("serve", "--head", "nt/verifier"), "it is an SDM estimator",
+         "pass it as --verifier (with -m MODEL) instead of --head"),
+        (("serve", "--head", "nt"), "it is a network-train run directory", "did you mean nt/network?"),
+        (("serve", "--head", "llm"), "it is an mlx-lm LLM directory", "pass it as -m/--model (with --verifier DIR)"),
+        (("serve", "-m", "nt/verifier", "--verifier", "nt/verifier"), "it is an SDM estimator",
+         "pass it as --verifier; -m/--model takes the LLM"),
+        (("generate", "-m", "lmm", "--verifier", "nt/verifier", "--prompt", "hi"), "model not found: lmm",
+         "did you mean llm?"),
+    ]
+    for args, what, meant in cases:
+        user_error(cli(*args, cwd=tmp_path), what, meant)
