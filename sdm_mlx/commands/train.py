@@ -51,7 +51,9 @@ def add_arguments(p) -> None:
         help="which row fields form the feature vector",
     )
     p.add_argument("--num-classes", type=int, default=None, help="C (default: max label + 1)")
-    p.add_argument("--class-names", nargs="+", default=None, help="display names of the classes 0..C-1")
+    p.add_argument("--class-names", nargs="+", default=None,
+                   help="names of the classes 0..C-1, in class order; rows may then give a label as its name "
+                        "(a string label is read as the index of its name)")
     p.add_argument("--report", default=None, help="training report JSON (default: OUTPUT/training_report.json)")
     p.add_argument("--paper", action="store_true",
                    help="the paper's exact Alg. 1 settings: J=10 rounds of 50 epochs, lr 1e-5, batch 50, M=1000, "
@@ -159,8 +161,9 @@ def _run(args) -> int:
     inputs = [("--train", args.train), ("--calibration", args.calibration)]
     refuse_same_files([("--report", args.report)], inputs)
     check_artifact_output(args.output, args.overwrite, inputs)
-    train = read_jsonl(args.train, args.features)
-    cal = read_jsonl(args.calibration, args.features, prefer=train.features) if args.calibration else None
+    train = read_jsonl(args.train, args.features, label_names=args.class_names)  # string labels: their index there
+    cal = read_jsonl(args.calibration, args.features, prefer=train.features,
+                     label_names=args.class_names) if args.calibration else None
     if cal is not None and cal.X.shape[1] != train.X.shape[1]:
         raise InputError(
             f"{args.calibration}: feature width {cal.X.shape[1]} differs from {args.train} ({train.X.shape[1]})"

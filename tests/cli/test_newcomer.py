@@ -142,3 +142,24 @@ def test_a_model_path_of_the_wrong_kind_gets_a_hint_of_what_was_meant(box, tmp_p
     ]
     for args, what, meant in cases:
         user_error(cli(*args, cwd=tmp_path), what, meant)
+
+
+def test_string_labels_name_the_way_out_and_class_names_read_them(box, tmp_path):
+    names = ["false", "true"]
+    write_rows(tmp_path / "words.jsonl", n=300, label=lambda y: names[y])
+    r = cli("train", "--train", "words.jsonl", "--output", "m", cwd=tmp_path)
+    user_error(r, "words.jsonl:1: label 'true' is a string", "--class-names", "or relabel the rows with 0..C-1")
+    user_error(cli("train", "--train", "words.jsonl", "--output", "m", "--class-names", "false", "yes", cwd=tmp_path),
+               "label 'true' is not one of the class names of --class-names ('false', 'yes')")
+    # the way out works: --class-names reads the strings as the index of their name, and the model keeps the names
+    r = cli("train", "--train", "words.jsonl", "--output", "m", "--class-names", *names, "--iterations", "1",
+            "--epochs", "2", "--exemplar-dim", "8", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = cli("evaluate", "--model", "m", "--input", "words.jsonl", "--report", "rep.json", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "rep.json").read_text())["class_names"] == names
+    r = cli("predict", "--model", "m", "--input", "words.jsonl", "--output", "p.jsonl", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # a model trained without names cannot know what 'true' means: relabel (or train with names)
+    user_error(cli("evaluate", "--model", box / "model", "--input", "words.jsonl", cwd=tmp_path),
+               "this model was trained without class names", "relabel the rows with its class indices")
