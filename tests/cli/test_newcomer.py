@@ -163,3 +163,30 @@ def test_string_labels_name_the_way_out_and_class_names_read_them(box, tmp_path)
     # a model trained without names cannot know what 'true' means: relabel (or train with names)
     user_error(cli("evaluate", "--model", box / "model", "--input", "words.jsonl", cwd=tmp_path),
                "this model was trained without class names", "relabel the rows with its class indices")
+
+
+def test_required_options_show_as_required_in_help(tmp_path):
+    import re
+
+    from sdm_mlx.cli import build_parser, is_required
+
+    r = cli("predict", "--help", cwd=tmp_path)
+    assert r.returncode == 0
+    usage = r.stdout.split("\n\n")[0]
+    assert " --model MODEL --input INPUT" in usage and "[--model" not in usage and "[--input" not in usage, usage
+    r = cli("network-train", "--help", cwd=tmp_path)
+    assert " -m MODEL --output OUTPUT_DIR" in r.stdout.split("\n\n")[0], r.stdout[:400]
+    r = cli("serve", "--help", cwd=tmp_path)
+    assert "Required: --head DIR" in " ".join(r.stdout.split()) and "-m/--model MODEL with --verifier DIR" in \
+        " ".join(r.stdout.split())
+    # every verb: each option it cannot run without is unbracketed in its usage line, and only those are
+    _, subparsers = build_parser()
+    for verb, (parser, mod) in subparsers.items():
+        usage = " ".join(parser.format_usage().split())
+        required = [a for a in parser._actions if is_required(a)]
+        assert {a.dest for a in required} >= set(getattr(mod, "REQUIRED", ())), verb
+        for a in parser._actions:
+            if not a.option_strings or a.dest == "help":
+                continue
+            bracketed = re.search(r"(\[|\| )" + re.escape(a.option_strings[0]) + r"[ \]|]", usage)  # [--x ..] [a | --x]
+            assert bool(bracketed) != (a in required), (verb, a.option_strings, usage)
