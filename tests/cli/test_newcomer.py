@@ -190,3 +190,22 @@ def test_required_options_show_as_required_in_help(tmp_path):
                 continue
             bracketed = re.search(r"(\[|\| )" + re.escape(a.option_strings[0]) + r"[ \]|]", usage)  # [--x ..] [a | --x]
             assert bool(bracketed) != (a in required), (verb, a.option_strings, usage)
+
+
+def test_running_the_quick_start_demo_again_works(tmp_path):
+    # the Quick start's `sdm-mlx demo`, twice (the quick settings made smaller still: this is about the directory)
+    small = ("--quick", "--no-plots", "--iterations", "1", "--epochs", "1", "--exemplar-dim", "16",
+             "--rescaler-max-epochs", "5")
+    first = cli("demo", *small, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    report = (tmp_path / "runs" / "demo" / "report.json").stat().st_mtime_ns
+    second = cli("demo", *small, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "replacing the outputs of the previous demo run in runs/demo" in second.stderr
+    assert (tmp_path / "runs" / "demo" / "report.json").stat().st_mtime_ns != report
+    assert sorted(os.listdir(tmp_path / "runs")) == ["demo"] and locks(tmp_path / "runs") == []
+    # a directory the user names is still never replaced without --overwrite, nor a foreign runs/demo
+    user_error(cli("demo", *small, "--output", "runs/demo", cwd=tmp_path), "pass --overwrite")
+    (tmp_path / "other" / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "other" / "runs" / "demo" / "mine.txt").write_text("x")
+    user_error(cli("demo", *small, cwd=tmp_path / "other"), "sdm_mlx did not create")
