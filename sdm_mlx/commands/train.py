@@ -130,7 +130,7 @@ def output_lock(output):
     import os
 
     from ..errors import OutputError
-    from ..storage.artifact import Busy, artifact_lock
+    from ..storage.locks import Busy, artifact_lock
     from ..storage.files import describe_os_error, make_dirs
 
     try:

@@ -101,7 +101,7 @@ def concat_predictions(parts: list[Predictions]) -> Predictions:
 
 
 def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
-                      chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False, label_names=None):
+                      chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False, *, label_names=None):
     """Yield :class:`~sdm_mlx.storage.datasets.Dataset` s of consecutive chunks of ``chunk_rows`` rows of a JSONL file.
 
     Streaming :func:`~sdm_mlx.storage.datasets.read_jsonl`: every chunk is validated as ``read_jsonl`` validates a
@@ -125,7 +125,8 @@ def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
                 if key in seen:
                     raise InputError(f"{source}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
                 seen[key] = line_no
-        ds = parse_rows(batch, source, features, require_labels, prefer, label_names, "the model")
+        ds = parse_rows(batch, source, features, require_labels, prefer, label_names=label_names,
+                        names_from="the model")
         first = first or ds
         where = f"{source}:{batch[0][0]}"
         if ds.features != first.features:

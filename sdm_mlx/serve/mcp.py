@@ -58,6 +58,12 @@ def thresholds_of(estimator) -> dict:
             "psi": [float(p) for p in cal.psi], "alpha": float(estimator.alpha)}
 
 
+def figures_of(engine: Engine, verification: dict) -> tuple[dict | None, dict]:
+    """(the verifier's row of a stored verdict, the verifier's thresholds): what :func:`why` quotes."""
+    record = engine.verdicts.get(verification["verdict_id"]) or {}  # (dropped at once by --max-verdicts 1)
+    return record.get("verifier"), thresholds_of(engine.gen.estimator)
+
+
 def why(verification: dict, row: dict | None = None, thresholds: dict | None = None) -> str:
     """The ``why`` of a verdict: its reason in words with the row's own figures (``row``: the verifier's row of
     the verdict, q, d, q̃_lower, p̂_lower, ...) and what would change it (:func:`sdm_mlx.calibration.reasons.reason_text`,
@@ -142,8 +148,7 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
             verification, _ = await asyncio.wrap_future(engine.submit(engine.verify_question, question, answer))
         except ValueError as e:
             raise ToolError(str(e)) from None
-        record = engine.verdicts.get(verification["verdict_id"]) or {}  # (dropped at once by --max-verdicts 1)
-        return verify_summary(verification, record.get("verifier"), thresholds_of(engine.gen.estimator))
+        return verify_summary(verification, *figures_of(engine, verification))
 
     @server.tool(structured_output=True)
     async def add_feedback(verdict_id: str, label: bool | int) -> dict[str, Any]:

@@ -44,14 +44,12 @@ import ctypes
 import ctypes.util
 import datetime as _dt
 import errno
-import fcntl
 import json
 import os
 import shutil
 import stat
 import sys
 import tempfile
-import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -64,6 +62,7 @@ from .artifact_load import (  # noqa: F401  (re-exported: the reading side of wh
     check_manifest, interrupted_save_hint, load_artifact, manifest_digest, read_manifest,
     recover_interrupted_save, sha256_file,
 )
+from .locks import Busy, artifact_lock, lock_path  # noqa: F401  (re-exported: the writer protocol's lock)
 from .files import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
@@ -74,8 +73,6 @@ RUN_MARKER = ".sdm_mlx_run.json"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # Linux renameat2 flag
 _RENAME_SWAP = 2      # macOS renamex_np flag
-_locks: dict = {}  # real path -> {"rlock", "fd", "depth"}: the locks this process holds
-_locks_guard = threading.Lock()
 
 
 def _to_storable(a) -> np.ndarray:
@@ -103,101 +100,8 @@ def unpack_ragged(prefix: str, group: dict, count: int) -> list[np.ndarray]:
 
 
 # --------------------------------------------------------------------------------------------
-# the writer protocol: lock, write-protection, atomic exchange
+# the writer protocol: write-protection, atomic exchange (its lock: storage/locks.py)
 # --------------------------------------------------------------------------------------------
-def lock_path(path) -> str:
-    """The lock file of the artifact directory ``path``: ``.<name>.sdm-lock`` beside it."""
-    parent, base = os.path.split(os.path.realpath(os.fspath(path)))
-    return os.path.join(parent, f".{base}.sdm-lock")
-
-
-class Busy(OutputError):
-    """The lock of an output is held by another process (``artifact_lock(..., wait=False)``); ``holder`` names it
-    ("pid N: sdm-mlx VERB", or "" when unknown)."""
-
-    def __init__(self, message: str, holder: str = ""):
-        super().__init__(message)
-        self.holder = holder
-
-
-def _open_locked(lock: str, shown: str, error, wait: bool) -> int:
-    """The descriptor of ``lock`` (created if missing) under an exclusive ``flock``.
-
-    Lock files are removed when released (:func:`artifact_lock`), so a lock taken on a file that was meanwhile
-    unlinked (or replaced by a new one) is no lock at all: after ``flock`` the path must still name the locked
-    file, else it is opened again.  ``wait=False``: raise :class:`Busy` instead of waiting for another process."""
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as e:
-            raise error(f"cannot write {shown}: cannot create its lock file ({e.strerror or e})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise Busy(f"{shown} is in use by another sdm-mlx process{f' ({holder})' if holder else ''}: it is "
-                       "being written now; wait for that process to finish, or choose another output", holder) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(lock))
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # the file was unlinked by the holder that released it: take the current one
-
-
-def _lock_holder(fd: int) -> str:
-    """``pid N: sdm-mlx VERB`` from a held lock file's contents, or ""."""
-    try:
-        return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
-
-
-def _write_holder(fd: int) -> None:
-    """Record this process in its lock file, for the message another process gets (best effort)."""
-    verb = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}: sdm-mlx {verb}".strip().encode(), 0)
-    except OSError:
-        pass
-
-
-@contextmanager
-def artifact_lock(path, error=ArtifactError, wait: bool = True):
-    """Hold the exclusive update lock of the artifact directory ``path`` (re-entrant in one process:
-    ``update_model`` holds it while ``save`` takes it again).
-
-    The lock is an ``flock`` on the hidden sibling ``.<name>.sdm-lock``, which is removed again when the
-    outermost holder releases it (a lock file is not left beside the output).  ``wait=False``: if another
-    process holds it, raise :class:`Busy` (an :class:`~sdm_mlx.errors.OutputError` naming that process) at once
-    (``sdm-mlx train`` holds its ``--output``'s lock for the whole run this way)."""
-    real = os.path.realpath(os.fspath(path))
-    with _locks_guard:
-        entry = _locks.setdefault(real, {"rlock": threading.RLock(), "fd": None, "depth": 0})
-    with entry["rlock"]:
-        if entry["depth"] == 0:
-            entry["fd"] = _open_locked(lock_path(real), os.fspath(path), error, wait)
-            _write_holder(entry["fd"])
-        entry["depth"] += 1
-        try:
-            yield
-        finally:
-            entry["depth"] -= 1
-            if entry["depth"] == 0:
-                try:
-                    os.unlink(lock_path(real))  # still ours (checked when taken): waiters re-open a new one
-                except OSError:
-                    pass  # a directory the user may not write: the (empty) file stays, the lock is released
-                os.close(entry["fd"])
-                entry["fd"] = None
-
-
 def owner_cannot_write(path: str) -> bool:
     """True when the directory ``path`` is write-protected: its owner's write bit is off (``chmod u-w``),
     or this process lacks write permission.  (Checked by mode bits too, so that root respects it.)"""

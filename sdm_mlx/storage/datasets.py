@@ -159,7 +159,7 @@ _NAMES_WAY_OUT = {
 
 
 def parse_rows(rows, source: str, features: str = "auto", require_labels: bool = True,
-               prefer: str | None = None, label_names=None, names_from: str = "--class-names") -> Dataset:
+               prefer: str | None = None, *, label_names=None, names_from: str = "--class-names") -> Dataset:
     """Build a validated :class:`Dataset` from an iterable of (line_number, dict); see the module docstring.
 
     ``label_names``: class names in class order; a string label is the index of its name (:func:`label_index`)."""
@@ -296,12 +296,13 @@ def pending_rows(rows, output_path, is_complete_row, log) -> list[tuple[int, dic
     return todo
 
 
-def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer: str | None = None,
+def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer: str | None = None, *,
                label_names=None, names_from: str = "--class-names") -> Dataset:
     """Read and validate a JSONL file of rows (``-`` = stdin; see the module docstring); string labels are read
     through ``label_names`` (:func:`label_index`)."""
     source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
-    return parse_rows(iter_jsonl(path), source, features, require_labels, prefer, label_names, names_from)
+    return parse_rows(iter_jsonl(path), source, features, require_labels, prefer, label_names=label_names,
+                      names_from=names_from)
 
 
 def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path) -> None:

@@ -132,7 +132,7 @@ def test_concurrent_cli_api_writers_and_readers_lose_nothing(model_dir, tmp_path
 
 _COUNTER = """
 import os, sys
-from sdm_mlx.storage.artifact import artifact_lock
+from sdm_mlx.storage.locks import artifact_lock
 path, n = sys.argv[1], int(sys.argv[2])
 counter = path + ".count"
 for _ in range(n):
