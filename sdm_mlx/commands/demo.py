@@ -15,7 +15,7 @@ so the same evaluation can be re-run with ``sdm-mlx train`` / ``sdm-mlx evaluate
 Settings: the defaults are reduced so the demo finishes in minutes on 2 CPU cores (J = 5 rounds of
 20 epochs, M = 1000; measured times: docs/demo.md); ``--paper`` uses the paper's
 J = 10, 50 epochs, M = 1000 (``--iterations 10 --epochs 50 --exemplar-dim 1000``); ``--quick`` is a
-smoke run of ~15 s (J = 2, 4 epochs, M = 256, rescaler <= 40 epochs) whose numbers mean little.
+smoke run (J = 2, 4 epochs, M = 256, rescaler <= 40 epochs; 52 s at load average 16) whose numbers mean little.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
                                                               "rescaler_max_epochs")))
     mode.add_argument("--paper", action="store_true",
                       help="the paper's settings: J=10, 50 epochs, M=1000, lr 1e-5, no early stopping "
-                           "(roughly 10-15 minutes on 2 CPU cores, extrapolated)")
+                           "(310 s once on 2 CPU cores, load not recorded: docs/demo.md)")
     p.add_argument("--heldout-fraction", type=float, default=0.15,
                    help="share of each topic's statements held out as the in-distribution test set")
     p.add_argument("--alphas", type=float, nargs="+", default=None, help="alpha' sweep for the curves")

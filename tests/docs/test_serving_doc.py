@@ -42,3 +42,20 @@ def test_with_an_api_key_every_client_example_sends_it():
     feedback = (DOCS / "feedback.md").read_text(encoding="utf-8")
     row = next(line for line in feedback.splitlines() if line.startswith("| `sdm-mlx serve"))
     assert "--api-key KEY" in row and "Authorization: Bearer KEY" in row, row
+
+
+#: the one figure for the tiny recipe's network-train (issue 41: it had three, "~30 s", "20–40 s", "about a minute")
+TINY_TIME = "35–105 s on 2 CPU cores at load average 6–15"
+
+
+def test_the_tiny_network_train_has_one_wall_time_with_its_load():
+    root = DOCS.parent
+    places = [root / "recipes" / "tiny_sentiment.yaml", root / "recipes" / "README.md", DOCS / "networks.md",
+              DOCS / "serving.md"]
+    for path in places:
+        assert TINY_TIME in path.read_text(encoding="utf-8"), path
+    for path in [root / "README.md", *DOCS.glob("*.md"), *places]:
+        text = path.read_text(encoding="utf-8")
+        for old in ("~30 s on 2 CPU cores", "~20–40 s", "training ≈ 20–40 s", "in about a minute",
+                    "1,000 rows, about a minute"):
+            assert old not in text, (path, old)
