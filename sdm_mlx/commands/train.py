@@ -115,11 +115,17 @@ def default_normalize(args, train) -> None:
 def run(args) -> int:
     """Train under the lock of ``--output`` (one run per output at a time; see :func:`output_lock`)."""
     from ..runtime.distributed import is_distributed, is_primary, launched_rank
+    from ..storage.artifact import check_artifact_output
 
     if launched_rank() is not None and is_distributed() and not is_primary():
         return _run(args)  # under mlx.launch every rank runs this command; rank 0 alone writes (and locks)
+    check_artifact_output(args.output, args.overwrite, _inputs(args))  # the plain refusals first (again under the lock)
     with output_lock(args.output):
         return _run(args)
+
+
+def _inputs(args) -> list:
+    return [("--train", args.train), ("--calibration", args.calibration)]
 
 
 @contextmanager
@@ -158,7 +164,7 @@ def _run(args) -> int:
     from ..storage.files import refuse_same_files, write_json
     from ..runtime.callbacks import log
 
-    inputs = [("--train", args.train), ("--calibration", args.calibration)]
+    inputs = _inputs(args)
     refuse_same_files([("--report", args.report)], inputs)
     check_artifact_output(args.output, args.overwrite, inputs)
     train = read_jsonl(args.train, args.features, label_names=args.class_names)  # string labels: their index there

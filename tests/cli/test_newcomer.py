@@ -65,9 +65,10 @@ def test_a_successful_train_leaves_no_lock_file_and_no_checkpoint(box):
 
 def test_a_second_train_on_a_busy_output_stops_at_the_start(box, tmp_path):
     write_rows(tmp_path / "train.jsonl")
+    log = open(tmp_path / "first.log", "w")  # a file, not a pipe: a line per epoch would fill an unread pipe and block
     first = subprocess.Popen([*CLI, "train", "--train", "train.jsonl", "--output", "busy", "--iterations", "3",
                               "--epochs", "100000", "--patience", "0", "--exemplar-dim", "8"],
-                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.time() + 120
         while not locks(tmp_path) and first.poll() is None and time.time() < deadline:
@@ -82,8 +83,12 @@ def test_a_second_train_on_a_busy_output_stops_at_the_start(box, tmp_path):
         assert first.poll() is None  # the first run goes on
     finally:
         first.send_signal(signal.SIGINT)
-        rc = first.wait(timeout=120)
-    assert rc == 130, first.stderr.read()[-2000:]
+        try:
+            rc = first.wait(timeout=120)
+        finally:
+            first.kill()
+            log.close()
+    assert rc == 130, (tmp_path / "first.log").read_text()[-2000:]
     assert locks(tmp_path) == []  # an interrupted run releases (and removes) its lock too
     # and the output is free again
     third = cli("train", "--train", "train.jsonl", "--output", "busy", "--iterations", "1", "--epochs", "1",
