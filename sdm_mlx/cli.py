@@ -154,12 +154,30 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser, classes=()) -> 
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a real default; never "(default: None)" or "(default: False)" (flags and unset options)."""
+    """Shows a real default; never "(default: None)" or "(default: False)" (flags and unset options).  An option a
+    verb cannot run without (its help ends with "(required)": :func:`_mark_required`, a settings field declared
+    ``required``) is shown without brackets in the usage line, as argparse shows its own required options; it is
+    not ``required`` to argparse itself, because ``-c/--config`` may give it instead."""
 
     def _get_help_string(self, action):
         if action.default in (None, False) or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        marked = [a for a in actions if is_required(a) and not a.required]
+        for action in marked:
+            action.required = True
+        try:
+            return super()._format_usage(usage, actions, groups, prefix)
+        finally:
+            for action in marked:
+                action.required = False
+
+
+def is_required(action: argparse.Action) -> bool:
+    """True for an option the verb cannot run without (given on the command line or in ``--config``)."""
+    return bool(action.option_strings) and (action.help or "").endswith("(required)")
 
 
 def _available_verbs() -> dict:

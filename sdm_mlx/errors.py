@@ -83,3 +83,8 @@ def require_options(args, *names: str) -> None:
 
 class DataConversionWarning(UserWarning):
     """Input that was converted to the expected form (e.g. a column-vector y flattened to 1-D)."""
+
+
+class NothingAdmittedWarning(UserWarning):
+    """A selective score over rows of which nothing was admitted: the score (0.0) compares nothing, so a search
+    whose every fold gives it chose its "best" parameters arbitrarily (:func:`sdm_mlx.evaluation.selective.selective_score`)."""

@@ -12,6 +12,8 @@ One module per step, one named function per equation (docs/paper-map.md):
 * :mod:`.rounds`      one round (:class:`RoundCalibration`), aggregation, :class:`Calibration`
 * :mod:`._checks`     input checks shared by the above
 * :mod:`.rescaler`    Alg. 2, the rescaler W'' (``rescaler_*`` settings);  :mod:`.diagnosis` why rows are not admitted
+* :mod:`.reasons`     the rejection reasons below in words, with what would change the verdict (the one source of
+                      their text: verdict pages, reports, the demo, the MCP tool)
 
 May import: layers 0-2 (:mod:`sdm_mlx.errors`, :mod:`sdm_mlx.results`, :mod:`sdm_mlx.storage`,
 :mod:`sdm_mlx.core`).  Nothing is imported until used (PEP 562): ``sdm_mlx.calibration.estimate`` and the other
@@ -77,7 +79,7 @@ _EXPORTS = {
     "dkw_bounds": "bounds", "dkw_epsilon": "bounds", "effective_sample_size": "bounds",
     "sample_size_arrays": "bounds", "cauchy_factor": "cauchy", "cauchy_offsets": "cauchy",
     "cauchy_robust_min": "cauchy", "lookup_offsets": "cauchy", "mad": "cauchy", "magnitude_medians": "cauchy",
-    "REJECTION_REASONS": "conditional", "estimate": "conditional", "Calibration": "rounds",
+    "REJECTION_REASONS": "conditional", "REASONS": "reasons", "reason_text": "reasons", "estimate": "conditional", "Calibration": "rounds",
     "RoundCalibration": "rounds", "aggregate_rounds": "rounds", "calibrate_round": "rounds",
     "exact_one_minus": "threshold", "min_valid_qbin": "threshold", "train_rescaler": "rescaler",
     "RescalerSettings": "rescaler",
@@ -95,6 +97,8 @@ __all__ = [
     "estimate_nested",
     "nested_admissions",
     "REJECTION_REASONS",
+    "REASONS",
+    "reason_text",
     "Calibration",
     "RescalerSettings",
     "RoundCalibration",

@@ -25,11 +25,17 @@ MODEL_FIELDS = ("model", "verifier", "head", "system", "prompt_template", "use_c
 POLICY_FIELDS = ("on_reject", "max_attempts", "reask_fallback", "reask_template")
 
 
+#: what a verb that loads a model and its verifier cannot run without (shown by --help; :func:`generation_config`)
+REQUIRED_MODEL = ("Required: --head DIR (an SDM network: it names its base model and holds its verifier), or "
+                  "-m/--model MODEL with --verifier DIR (on the command line or in --config).")
+
+
 def add_generation_arguments(p, *, policy: bool = True, per_request: bool = False) -> None:
     """The generator's options (model, verifier, head, prompts; with ``policy`` the reject policy —
     ``per_request``: the server's default, which a request overrides) and mlx-lm's/older spellings."""
     from ..settings import add_arguments as add_settings
 
+    p.description = (p.description or "").rstrip(".") + ". " + REQUIRED_MODEL
     add_settings(p, GenerationConfig, title="model, verifier and prompts", only=MODEL_FIELDS)
     if policy:
         note = " (a request overrides --on-reject / --max-attempts with sdm.on_reject / sdm.max_attempts)"

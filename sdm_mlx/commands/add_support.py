@@ -60,7 +60,8 @@ def run(args) -> int:
         if args.undo is not None:
             return est.remove_support(_undo_ids(est, args.undo), source=args.source)
         trained_on = est.feature_field_
-        data = read_jsonl(args.input, args.features, require_labels=True, prefer=trained_on)
+        data = read_jsonl(args.input, args.features, require_labels=True, prefer=trained_on,
+                          label_names=est.class_names, names_from="the model")
         check_model_width(data, est.input_dim_, trained_on, args.input)
         return est.add_support(data.X, data.y, ids=data.ids, source=args.source)
 

@@ -7,14 +7,15 @@ the same adaptor logits) on
 * ``heldout_topics``: held-out statements of the training topics (in distribution), and
 * ``generated``: the 245 LLM-generated statements (distribution shift; the paper's test set),
 
-printing one table per set.  Everything lands in ``--output`` (default ``runs/demo``): the model,
+printing one table per set.  Everything lands in ``--output`` (default ``runs/demo``, whose outputs a new
+run replaces: running the README's Quick start again works as the first time): the model,
 ``report.json``, ``label_errors.jsonl``, plots (with matplotlib) and the three splits as JSONL
 so the same evaluation can be re-run with ``sdm-mlx train`` / ``sdm-mlx evaluate``.
 
 Settings: the defaults are reduced so the demo finishes in minutes on 2 CPU cores (J = 5 rounds of
 20 epochs, M = 1000; measured times: docs/demo.md); ``--paper`` uses the paper's
 J = 10, 50 epochs, M = 1000 (``--iterations 10 --epochs 50 --exemplar-dim 1000``); ``--quick`` is a
-smoke run of ~15 s (J = 2, 4 epochs, M = 256, rescaler <= 40 epochs) whose numbers mean little.
+smoke run (J = 2, 4 epochs, M = 256, rescaler <= 40 epochs; 52 s at load average 16) whose numbers mean little.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SETTINGS = (EstimatorConfig,)
 
 HELP = "Train and evaluate on the embedded factcheck data (in-distribution and shifted): the paper's point in minutes."
 
+#: Where the demo writes without --output: the demo's own directory, whose outputs a rerun replaces (so the README's
+#: Quick start can be run again as it is).
+DEFAULT_OUTPUT = os.path.join("runs", "demo")
+
 #: How to ask for the paper's settings (printed and recorded in the report).
 PAPER_FLAGS = "--paper (= --iterations 10 --epochs 50 --exemplar-dim 1000 --learning-rate 1e-5 --patience 0)"
 
@@ -44,9 +49,10 @@ MODES = {
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--output", default=os.path.join("runs", "demo"),
-                   help="directory for the model, report, label errors, plots and data (new or empty; an earlier "
-                        "demo run's directory only with --overwrite)")
+    p.add_argument("--output", default=None,
+                   help=f"directory for the model, report, label errors, plots and data (default: {DEFAULT_OUTPUT}, "
+                        "where a new demo run replaces the outputs of the previous one; a directory given here must be "
+                        "new or empty, or an earlier demo run's with --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the outputs of an earlier demo run in --output (a directory that sdm-mlx did not "
                         "create is never written into)")
@@ -57,7 +63,7 @@ def add_arguments(p) -> None:
                                                               "rescaler_max_epochs")))
     mode.add_argument("--paper", action="store_true",
                       help="the paper's settings: J=10, 50 epochs, M=1000, lr 1e-5, no early stopping "
-                           "(roughly 10-15 minutes on 2 CPU cores, extrapolated)")
+                           "(310 s once on 2 CPU cores, load not recorded: docs/demo.md)")
     p.add_argument("--heldout-fraction", type=float, default=0.15,
                    help="share of each topic's statements held out as the in-distribution test set")
     p.add_argument("--alphas", type=float, nargs="+", default=None, help="alpha' sweep for the curves")
@@ -149,8 +155,11 @@ def run(args) -> int:
         raise InputError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
     t_start, callback, cfg = time.perf_counter(), cli_callback(args.quiet), settings(args)
     est = estimator_from_args(args, list(FACTCHECK_CLASS_NAMES), base=MODES[cfg["mode"]])
-    out = args.output
-    prepare_run_directory(out, "demo", args.overwrite)
+    out = args.output or DEFAULT_OUTPUT
+    rerun = args.output is None and os.path.isdir(out) and bool(os.listdir(out))
+    prepare_run_directory(out, "demo", args.overwrite or rerun)  # (a foreign runs/demo is still refused)
+    if rerun:
+        callback.message(f"replacing the outputs of the previous demo run in {out} (give --output DIR to keep them)")
     pool, heldout, generated = factcheck_splits(args.heldout_fraction, seed=est.seed)
     callback.message(f"factcheck data ({FACTCHECK_CITATION})")
     callback.message(f"  pool (train + calibration): {len(pool)} statements of 6 topics; held-out topic statements: "

@@ -81,8 +81,8 @@ def calibration_logits(est, calibration_data: str | None, features: str, callbac
         from ..evaluation.evaluate import calibration_from_data
 
         callback.message(f"recomputing the calibration logits from {calibration_data} ...")
-        return calibration_from_data(est, read_jsonl(calibration_data, features,
-                                                     prefer=est.feature_field_))
+        return calibration_from_data(est, read_jsonl(calibration_data, features, prefer=est.feature_field_,
+                                                     label_names=est.class_names, names_from="the model"))
     z = getattr(est, "calibration_logits_", None)
     y = getattr(est, "calibration_labels_", None)
     if z is not None and y is not None:
@@ -114,7 +114,8 @@ def run(args) -> int:
         est.recalibrate(args.alpha)
     datasets = {}
     for name, path in zip(dataset_names(inputs), inputs):
-        ds = read_jsonl(path, args.features, require_labels=True, prefer=est.feature_field_)
+        ds = read_jsonl(path, args.features, require_labels=True, prefer=est.feature_field_,
+                        label_names=est.class_names, names_from="the model")
         check_model_width(ds, est.input_dim_, est.feature_field_, path)
         datasets[name] = ds
         callback.message(f"{name}: {len(ds)} rows from {path}")

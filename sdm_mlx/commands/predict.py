@@ -52,7 +52,8 @@ def run(args) -> int:
         raise InputError(f"--chunk-rows must be ≥ 1, got {args.chunk_rows}")
     est = SDMEstimator.load(args.model, shard_index=args.shard_index)  # the index is built once, as asked
     # the input is read, scored and written chunk by chunk (bounded memory: sdm_mlx.estimator.chunking)
-    chunks = read_jsonl_chunks(args.input, args.features, est.feature_field_, args.chunk_rows)
+    chunks = read_jsonl_chunks(args.input, args.features, est.feature_field_, args.chunk_rows,
+                               label_names=est.class_names)
     kept = {"admitted": 0, "labelled": 0, "correct": 0, "admitted_correct": 0, "reasons": Counter(),
             "decisions": Counter()}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ..estimator.config import EstimatorConfig
 from ._common import add_estimator_arguments, estimator_from_args, mode_help, training_report
 from ..errors import InputError
@@ -49,7 +51,9 @@ def add_arguments(p) -> None:
         help="which row fields form the feature vector",
     )
     p.add_argument("--num-classes", type=int, default=None, help="C (default: max label + 1)")
-    p.add_argument("--class-names", nargs="+", default=None, help="display names of the classes 0..C-1")
+    p.add_argument("--class-names", nargs="+", default=None,
+                   help="names of the classes 0..C-1, in class order; rows may then give a label as its name "
+                        "(a string label is read as the index of its name)")
     p.add_argument("--report", default=None, help="training report JSON (default: OUTPUT/training_report.json)")
     p.add_argument("--paper", action="store_true",
                    help="the paper's exact Alg. 1 settings: J=10 rounds of 50 epochs, lr 1e-5, batch 50, M=1000, "
@@ -109,6 +113,46 @@ def default_normalize(args, train) -> None:
 
 
 def run(args) -> int:
+    """Train under the lock of ``--output`` (one run per output at a time; see :func:`output_lock`)."""
+    from ..runtime.distributed import is_distributed, is_primary, launched_rank
+    from ..storage.artifact import check_artifact_output
+
+    if launched_rank() is not None and is_distributed() and not is_primary():
+        return _run(args)  # under mlx.launch every rank runs this command; rank 0 alone writes (and locks)
+    check_artifact_output(args.output, args.overwrite, _inputs(args))  # the plain refusals first (again under the lock)
+    with output_lock(args.output):
+        return _run(args)
+
+
+def _inputs(args) -> list:
+    return [("--train", args.train), ("--calibration", args.calibration)]
+
+
+@contextmanager
+def output_lock(output):
+    """The exclusive lock of ``--output`` for the whole run, taken before anything is read: a second ``train`` on
+    the same output stops at once (exit 2, naming the process that holds it) instead of resuming the first run's
+    checkpoint ``OUTPUT.partial`` while that run still writes it.  The lock file is removed when the run ends."""
+    import os
+
+    from ..errors import OutputError
+    from ..storage.locks import Busy, artifact_lock
+    from ..storage.files import describe_os_error, make_dirs
+
+    try:
+        make_dirs(os.path.dirname(os.path.realpath(output)))  # (the model is saved there at the end in any case)
+    except OSError as e:
+        raise OutputError(f"cannot create the directory of --output {describe_os_error(e, output)}") from None
+    try:
+        with artifact_lock(output, OutputError, wait=False):  # (nothing in the run waits for this lock: no Busy)
+            yield
+    except Busy as e:
+        raise OutputError(f"--output {output} is in use by {e.holder or 'another sdm-mlx process'}: another run is "
+                          "training into it now (with its checkpoint OUTPUT.partial); wait for it to finish, or "
+                          "choose another --output") from None
+
+
+def _run(args) -> int:
     import os
     import sys
     import time
@@ -120,11 +164,12 @@ def run(args) -> int:
     from ..storage.files import refuse_same_files, write_json
     from ..runtime.callbacks import log
 
-    inputs = [("--train", args.train), ("--calibration", args.calibration)]
+    inputs = _inputs(args)
     refuse_same_files([("--report", args.report)], inputs)
     check_artifact_output(args.output, args.overwrite, inputs)
-    train = read_jsonl(args.train, args.features)
-    cal = read_jsonl(args.calibration, args.features, prefer=train.features) if args.calibration else None
+    train = read_jsonl(args.train, args.features, label_names=args.class_names)  # string labels: their index there
+    cal = read_jsonl(args.calibration, args.features, prefer=train.features,
+                     label_names=args.class_names) if args.calibration else None
     if cal is not None and cal.X.shape[1] != train.X.shape[1]:
         raise InputError(
             f"{args.calibration}: feature width {cal.X.shape[1]} differs from {args.train} ({train.X.shape[1]})"

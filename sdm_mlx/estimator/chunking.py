@@ -101,13 +101,14 @@ def concat_predictions(parts: list[Predictions]) -> Predictions:
 
 
 def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
-                      chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False):
+                      chunk_rows: int = PREDICT_CHUNK_ROWS, require_labels: bool = False, *, label_names=None):
     """Yield :class:`~sdm_mlx.storage.datasets.Dataset` s of consecutive chunks of ``chunk_rows`` rows of a JSONL file.
 
     Streaming :func:`~sdm_mlx.storage.datasets.read_jsonl`: every chunk is validated as ``read_jsonl`` validates a
     file (errors name the file and line), and across chunks the ids must stay unique (the error names
     the line an id was first seen on), the feature field and width and the presence of labels the
-    same.  Memory: one chunk of rows plus the set of ids seen.
+    same.  Memory: one chunk of rows plus the set of ids seen.  ``label_names``: a model's class names, through
+    which string labels are read (:func:`~sdm_mlx.storage.datasets.label_index`).
     """
     from ..storage.datasets import parse_rows
     from ..storage.files import iter_jsonl
@@ -124,7 +125,8 @@ def read_jsonl_chunks(path, features: str = "auto", prefer: str | None = None,
                 if key in seen:
                     raise InputError(f"{source}:{line_no}: duplicate id {row['id']!r} (first seen on line {seen[key]})")
                 seen[key] = line_no
-        ds = parse_rows(batch, source, features, require_labels, prefer)
+        ds = parse_rows(batch, source, features, require_labels, prefer, label_names=label_names,
+                        names_from="the model")
         first = first or ds
         where = f"{source}:{batch[0][0]}"
         if ds.features != first.features:

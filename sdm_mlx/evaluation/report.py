@@ -32,29 +32,19 @@ def format_ladder(ladder: Sequence[Mapping[str, Any]], n: int) -> str:
     return "\n".join(lines)
 
 
-#: A few words per rejection reason of the SDM estimator (precedence: sdm_mlx.calibration.REJECTION_REASONS).
-REASON_GLOSS = {
-    "no_valid_threshold": "calibration found no q~ threshold reaching alpha' for every class",
-    "no_robust_threshold": "the Cauchy robust min valid q~ is infinite",
-    "ood_distance": "farther from the training support than every calibration row (d = 0)",
-    "argmax_flip": "the (rescaled) SDM output does not keep the prediction as its unique argmax",
-    "ood_similarity": "too few nearest training rows share the predicted label (low q)",
-    "below_model_min_qbin": "similarity bin below the model's min valid q~",
-    "below_robust_min_qbin": "similarity bin below the robust (Cauchy) min valid q~",
-    "below_threshold_psi": "p_lower below the class threshold psi",
-}
-
-
 def rejection_reason_lines(ds: Mapping[str, Any]) -> list[str]:
     """Why sdm_p_lower rejected the rows it did not admit: one line per reason, most frequent first."""
     reasons = ds.get("rejection_reasons") or {}
     if not reasons:
         return []
     total = sum(reasons.values())
-    lines = [f"rejected by sdm_p_lower: {total} of {ds['n']} rows, by reason (the first failing condition):"]
+    from ..calibration.reasons import reason_words
+
+    lines = [f"rejected by sdm_p_lower: {total} of {ds['n']} rows, by reason (the first failing condition; "
+             "then what would change it):"]
     width = len(str(max(reasons.values())))
     for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"  {count:>{width}}  {reason}: {REASON_GLOSS.get(reason, '')}".rstrip(": "))
+        lines.append(f"  {count:>{width}}  {reason}: {reason_words(reason).plain_line}")
     return lines
 
 

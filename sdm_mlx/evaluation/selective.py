@@ -11,7 +11,10 @@ any setting that reaches the accuracy and, among those, the one that admits most
     scorer = make_scorer(selective_score, response_method=("predict_selective",), min_accuracy=0.9)
     GridSearchCV(SDMEstimator(), {"alpha": [0.8, 0.9, 0.95]}, scoring=scorer)
 
-(:func:`selective_scorer` builds the same scorer.)  The accuracy is marginal over the admitted rows of one
+(:func:`selective_scorer` builds the same scorer.)  A fold of which nothing is admitted scores 0.0 and warns
+(:class:`~sdm_mlx.errors.NothingAdmittedWarning`): if every fold of every candidate does, the search compared
+nothing and its ``best_params_`` is arbitrary, which the warning says (``compared_nothing(search)`` tells after
+the fact).  The accuracy is marginal over the admitted rows of one
 validation fold: with few admitted rows it is a noisy estimate, so a ``min_accuracy`` at or below the
 ``alpha`` values searched is the honest use; index-conditional calibration per class is what
 ``sdm-mlx evaluate`` checks.
@@ -19,9 +22,11 @@ validation fold: with few admitted rows it is a noisy estimate, so a ``min_accur
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, NothingAdmittedWarning
 
 
 def selective_score(y_true, y_selective, *, min_accuracy: float = 0.95) -> float:
@@ -38,11 +43,23 @@ def selective_score(y_true, y_selective, *, min_accuracy: float = 0.95) -> float
         raise InputError(f"selective_score: {y_true.shape[0]} labels for {y_sel.shape[0]} predictions")
     admitted = np.array([v is not None for v in y_sel], dtype=bool)
     if not admitted.any():
+        warnings.warn(f"selective_score: nothing was admitted among the {y_sel.shape[0]} rows scored, so this score "
+                      "(0.0) compares nothing; if every fold of every candidate scores 0.0, a search over alpha chose "
+                      "its best_params_ arbitrarily: train longer (epochs, rescaler_max_epochs), use more rows, or "
+                      "search lower alpha values", NothingAdmittedWarning, stacklevel=2)
         return 0.0
     accuracy = float(np.mean(y_sel[admitted] == y_true[admitted]))
     if accuracy < float(min_accuracy):
         return accuracy - float(min_accuracy)
     return float(admitted.mean())
+
+
+def compared_nothing(search) -> bool:
+    """True when a fitted ``GridSearchCV`` / ``RandomizedSearchCV`` scored 0.0 in every fold of every candidate
+    with :func:`selective_score`: nothing was admitted anywhere, so its ``best_params_`` says nothing."""
+    results = search.cv_results_
+    folds = [np.asarray(v, dtype=float) for k, v in results.items() if k.startswith("split") and k.endswith("_test_score")]
+    return bool(folds) and all(np.all(f == 0.0) for f in folds)
 
 
 def selective_scorer(min_accuracy: float = 0.95):

@@ -20,20 +20,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-#: the rejection reasons of ``sdm_mlx.calibration.REJECTION_REASONS`` in words
-REASON_WORDS = {
-    "no_valid_threshold": "the model has no valid threshold at this α (Alg. 3 found none), so it admits nothing",
-    "no_robust_threshold": "the robust (Cauchy) threshold over the J rounds is infinite, so the model admits nothing",
-    "ood_distance": "out of distribution: farther from the training data than every calibration row of some class",
-    "argmax_flip": "the calibrated output does not single out the predicted class (the prediction flips)",
-    "ood_similarity": "out of distribution: too few consistent nearest training exemplars (floor of q~ is 0)",
-    "below_model_min_qbin": "the lower estimate's q~ is below the model's minimum valid q~",
-    "below_robust_min_qbin": "the lower estimate's q~ is below the robust (Cauchy) minimum valid q~",
-    "below_threshold_psi": "the lower estimate does not clear the class threshold ψ for exactly the predicted class",
-    "parse_failure": "the answer could not be parsed (no closing delimiter or no JSON object)",
-    "predicted_unverified": "the verifier predicts the answer is not verified",
-}
-
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
 _STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:60rem;padding:1rem;
@@ -122,11 +108,15 @@ def _decision(row: dict, ctx: PageContext) -> str:
             f"<p>{region}</p><p class=muted>{esc(policy)}</p>")
 
 
-def _reason(row: dict) -> str:
+def _reason(row: dict, ctx: PageContext) -> str:
+    """The reason in words (:func:`sdm_mlx.calibration.reasons.reason_text`), with the row's and the model's figures."""
+    from ..calibration.reasons import reason_text
+
     reason = row.get("rejection_reason")
-    if not reason:
-        return "admitted: every condition of the index-conditional estimator holds"
-    return f"{esc(REASON_WORDS.get(reason, reason))} <span class=muted>({esc(reason)})</span>"
+    thresholds = {"min_valid": ctx.min_valid, "robust_min_valid": ctx.robust_min_valid, "psi": ctx.psi or None,
+                  "alpha": ctx.alpha}
+    text = esc(reason_text(reason, row, thresholds))
+    return text if not reason else f"{text} <span class=muted>({esc(reason)})</span>"
 
 
 def _statistics(row: dict, ctx: PageContext) -> str:
@@ -137,7 +127,7 @@ def _statistics(row: dict, ctx: PageContext) -> str:
     head = "".join(f"<th>{esc(k)}</th>" for k, _ in cells)
     vals = "".join(f"<td>{v}</td>" for _, v in cells)
     return (f"<h2>Estimate</h2><table><tr>{head}</tr><tr>{vals}</tr></table>"
-            f"<p>Reason: {_reason(row)}</p>")
+            f"<p>Reason: {_reason(row, ctx)}</p>")
 
 
 def _prediction(row: dict, ctx: PageContext) -> str:

@@ -2,7 +2,7 @@
 
 Routes::
 
-    GET  /health                    {"status": "ok"}
+    GET  /health                    {"status": "ok", "model": the served model id} (no API key needed)
     GET  /v1/models                 the served model
     POST /v1/chat/completions       verified chat completion (stream or not)
     POST /v1/completions            verified text completion (stream or not)

@@ -6,7 +6,8 @@ Tools:
   (templated as a one-user-message chat, exactly as ``sdm-mlx serve`` templates
   a chat) and returns the verdict: ``verdict_id``, ``verified``, ``admitted``,
   ``p_lower`` (p̂_lower of the predicted class, null when rejected as ⊥),
-  ``prediction``, ``rejection_reason`` with ``why`` (a sentence), and the
+  ``prediction``, ``rejection_reason`` with ``why`` (the failed condition in words, with the row's own
+  q, d, q̃ and what would change the verdict: :mod:`sdm_mlx.calibration.reasons`), and the
   nearest training exemplars as short text lines;
 * ``add_feedback(verdict_id, label)`` — the user's verdict on an answer (``true``
   right, ``false`` wrong, or a class index): the verdict's feature row joins the
@@ -40,22 +41,6 @@ from typing import Any
 
 from .engine import Engine
 
-#: One sentence per rejection reason (``rejection_reason`` -> ``why``).
-WHY = {
-    None: "admitted: the answer is verified.",
-    "parse_failure": "the answer has no closing delimiter / no parseable JSON object, so it cannot be verified.",
-    "predicted_unverified": "admitted, but the verifier predicts the answer is incorrect.",
-    "ood_distance": "out of distribution: farther from the verifier's support set than every calibration row (d = 0).",
-    "ood_similarity": "out of distribution: too few nearby training rows with the same label (low similarity q).",
-    "argmax_flip": "the rescaled SDM output does not keep the predicted class as its unique argmax.",
-    "below_model_min_qbin": "too little similarity/distance evidence: below the model's minimum valid bin.",
-    "below_robust_min_qbin": "too little evidence: below the robust (Cauchy) minimum valid bin.",
-    "below_threshold_psi": "the lower probability p̂_lower falls below the calibrated threshold for the class.",
-    "no_valid_threshold": "the verifier has no valid threshold for this class (calibration found none).",
-    "no_robust_threshold": "the verifier has no robust threshold for this class.",
-}
-
-
 def exemplar_lines(exemplars: list) -> list:
     """Nearest exemplars as short text: ``id=... label=... predicted=... d²=...``."""
     out = []
@@ -66,14 +51,38 @@ def exemplar_lines(exemplars: list) -> list:
     return out
 
 
-def verify_summary(verification: dict) -> dict[str, Any]:
-    """The ``verify`` tool result of a verdict (see the module docstring)."""
+def thresholds_of(estimator) -> dict:
+    """The verifier's thresholds at its α' that a reason's text quotes (min valid q̃, robust, ψ per class)."""
+    cal = estimator.calibration_
+    return {"min_valid": float(cal.min_valid), "robust_min_valid": float(cal.robust_min_valid),
+            "psi": [float(p) for p in cal.psi], "alpha": float(estimator.alpha)}
+
+
+def figures_of(engine: Engine, verification: dict) -> tuple[dict | None, dict]:
+    """(the verifier's row of a stored verdict, the verifier's thresholds): what :func:`why` quotes."""
+    record = engine.verdicts.get(verification["verdict_id"]) or {}  # (dropped at once by --max-verdicts 1)
+    return record.get("verifier"), thresholds_of(engine.gen.estimator)
+
+
+def why(verification: dict, row: dict | None = None, thresholds: dict | None = None) -> str:
+    """The ``why`` of a verdict: its reason in words with the row's own figures (``row``: the verifier's row of
+    the verdict, q, d, q̃_lower, p̂_lower, ...) and what would change it (:func:`sdm_mlx.calibration.reasons.reason_text`,
+    the text of the verdict page and of the evaluation reports too)."""
+    from ..calibration.reasons import reason_text
+
+    reason = verification.get("rejection_reason")
+    text = reason_text(reason, {**verification, **(row or {})}, thresholds)
+    return ("verified: " + text) if reason is None and verification.get("verified") else text
+
+
+def verify_summary(verification: dict, row: dict | None = None, thresholds: dict | None = None) -> dict[str, Any]:
+    """The ``verify`` tool result of a verdict (see the module docstring); ``row`` and ``thresholds`` as :func:`why`."""
     reason = verification["rejection_reason"]
     return {
         "verdict_id": verification["verdict_id"], "verified": verification["verified"],
         "admitted": verification["admitted"], "p_lower": verification["p_lower"],
         "prediction": verification["prediction"], "rejection_reason": reason,
-        "why": WHY.get(reason, f"rejected: {reason}."), "exemplars": exemplar_lines(verification["exemplars"]),
+        "why": why(verification, row, thresholds), "exemplars": exemplar_lines(verification["exemplars"]),
     }
 
 
@@ -142,7 +151,7 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
             verification, _ = await asyncio.wrap_future(engine.submit(engine.verify_question, question, answer))
         except ValueError as e:
             raise ToolError(str(e)) from None
-        return verify_summary(verification)
+        return verify_summary(verification, *figures_of(engine, verification))
 
     @server.tool(structured_output=True)
     async def add_feedback(verdict_id: str, label: bool | int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ the servers' persisted feedback):
 1. the complete new version is written into a hidden sibling temporary directory
    (``.<name>.<pid>.*.sdm-tmp``) and fsynced;
 2. under :func:`artifact_lock` (an exclusive ``flock`` on the hidden sibling ``.<name>.sdm-lock``,
-   re-entrant within a process) the target is checked again — an update
+   re-entrant within a process, removed again on release) the target is checked again — an update
    (:func:`sdm_mlx.estimator.updates.update_model`) holds the lock from before it re-reads the version on
    disk, so it applies its change to the current version; a plain save over the version it was
    loaded from is refused if another writer replaced that version meanwhile (``expected_digest``);
@@ -44,14 +44,12 @@ import ctypes
 import ctypes.util
 import datetime as _dt
 import errno
-import fcntl
 import json
 import os
 import shutil
 import stat
 import sys
 import tempfile
-import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -64,6 +62,7 @@ from .artifact_load import (  # noqa: F401  (re-exported: the reading side of wh
     check_manifest, interrupted_save_hint, load_artifact, manifest_digest, read_manifest,
     recover_interrupted_save, sha256_file,
 )
+from .locks import Busy, artifact_lock, lock_path  # noqa: F401  (re-exported: the writer protocol's lock)
 from .files import (
     DIR_MODE, FILE_MODE, describe_os_error, dumps, fsync_dir, make_dirs, refuse_inputs_inside,
     remove_stale_temporaries, strict,
@@ -74,8 +73,6 @@ RUN_MARKER = ".sdm_mlx_run.json"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2  # Linux renameat2 flag
 _RENAME_SWAP = 2      # macOS renamex_np flag
-_locks: dict = {}  # real path -> {"rlock", "fd", "depth"}: the locks this process holds
-_locks_guard = threading.Lock()
 
 
 def _to_storable(a) -> np.ndarray:
@@ -103,40 +100,8 @@ def unpack_ragged(prefix: str, group: dict, count: int) -> list[np.ndarray]:
 
 
 # --------------------------------------------------------------------------------------------
-# the writer protocol: lock, write-protection, atomic exchange
+# the writer protocol: write-protection, atomic exchange (its lock: storage/locks.py)
 # --------------------------------------------------------------------------------------------
-def lock_path(path) -> str:
-    """The lock file of the artifact directory ``path``: ``.<name>.sdm-lock`` beside it."""
-    parent, base = os.path.split(os.path.realpath(os.fspath(path)))
-    return os.path.join(parent, f".{base}.sdm-lock")
-
-
-@contextmanager
-def artifact_lock(path, error=ArtifactError):
-    """Hold the exclusive update lock of the artifact directory ``path`` (re-entrant in one process:
-    ``update_model`` holds it while ``save`` takes it again)."""
-    real = os.path.realpath(os.fspath(path))
-    with _locks_guard:
-        entry = _locks.setdefault(real, {"rlock": threading.RLock(), "fd": None, "depth": 0})
-    with entry["rlock"]:
-        if entry["depth"] == 0:
-            try:
-                fd = os.open(lock_path(real), os.O_CREAT | os.O_RDWR, 0o644)
-            except OSError as e:
-                raise error(f"cannot write {os.fspath(path)}: cannot create its lock file "
-                            f"({e.strerror or e})") from None
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            entry["fd"] = fd
-        entry["depth"] += 1
-        try:
-            yield
-        finally:
-            entry["depth"] -= 1
-            if entry["depth"] == 0:
-                os.close(entry["fd"])
-                entry["fd"] = None
-
-
 def owner_cannot_write(path: str) -> bool:
     """True when the directory ``path`` is write-protected: its owner's write bit is off (``chmod u-w``),
     or this process lacks write permission.  (Checked by mode bits too, so that root respects it.)"""

@@ -108,20 +108,35 @@ def read_manifest(path, filename: str, fmt: str, version: int, what: str, error=
     """(absolute path, parsed ``filename``) of an artifact directory whose JSON manifest has the given
     ``format`` and ``format_version``; ``error`` names the problem otherwise (missing, corrupt, wrong format
     or version).  Repairs a save interrupted between its two renames first."""
+    given = os.fspath(path)
     path = recover_interrupted_save(path)
     if not os.path.isdir(path):
-        raise error(f"no {what} at {path} (expected a directory with {filename}){interrupted_save_hint(path)}")
+        raise error(f"no {what} at {path} (expected a directory with {filename}){interrupted_save_hint(path)}"
+                    + _hint(given, what))
     mpath = os.path.join(path, filename)
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing") from None
+        raise error(f"{path} is not an sdm_mlx {what}: {filename} is missing" + _hint(given, what)) from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise error(f"{mpath} is corrupt: {e}") from None
     except OSError as e:
         raise error(f"cannot read {describe_os_error(e, mpath)}") from None
     return path, check_manifest(manifest, mpath, fmt, version, what, error)
+
+
+#: the model kind (sdm_mlx.storage.path_hints) a reader of ``what`` wants
+_WANTED = {"model artifact": "estimator", "SDM network": "network"}
+
+
+def _hint(path: str, what: str) -> str:
+    """``"; <what the path is and what was probably meant>"`` for a model path of the wrong kind, or ``""``."""
+    from .path_hints import wrong_kind_hint
+
+    wanted = _WANTED.get(what)
+    hint = wrong_kind_hint(path, wanted) if wanted else ""
+    return f"; {hint}" if hint else ""
 
 
 def check_manifest(manifest, mpath: str, fmt: str, version: int, what: str, error=ArtifactError) -> dict:

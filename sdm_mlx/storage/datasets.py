@@ -1,7 +1,7 @@
 """Datasets: JSONL reading/validation and the embedded factcheck data.
 
-JSONL rows: ``id`` (required, unique), ``label`` (int 0..C−1; required for
-training, calibration and evaluation), ``embedding`` and/or ``attributes``
+JSONL rows: ``id`` (required, unique), ``label`` (int 0..C−1, or a class name when the class names are
+given: ``train --class-names``, a model's stored names; required for training, calibration and evaluation), ``embedding`` and/or ``attributes``
 (lists of floats), optional ``document``.  Feature selection (``features``):
 ``"embedding"``, ``"attributes"``, ``"embedding+attributes"`` (concatenated,
 embedding first) or ``"auto"`` (whichever the file has; both ⇒ concatenated, unless the
@@ -130,9 +130,39 @@ def _row_features(row: dict, features: str, where: str) -> list:
     return parts
 
 
+def label_index(lab, where: str, label_names=None, names_from: str = "--class-names") -> int:
+    """The class index of a row's ``label``: an integer as it is, a string through ``label_names`` (the class
+    names in class order: ``--class-names`` of ``train``, or a model's stored names, ``names_from`` says which).
+    A string without names, or not among them, is an error naming the way out."""
+    if isinstance(lab, int) and not isinstance(lab, bool):
+        return lab
+    if isinstance(lab, str):
+        names = [str(n) for n in label_names] if label_names else []
+        if lab in names:
+            return names.index(lab)
+        if names:
+            raise InputError(f"{where}: label {lab!r} is not one of the class names of {names_from} "
+                             f"({', '.join(map(repr, names[:10]))}); relabel the row, or give every label "
+                             f"string in {names_from}")
+        raise InputError(f"{where}: label {lab!r} is a string, and labels are class indices 0..C-1 without class "
+                         f"names: {_NAMES_WAY_OUT.get(names_from, _NAMES_WAY_OUT['--class-names']).format(lab=lab)}")
+    raise InputError(f"{where}: label must be an integer class index (or a class name), got {lab!r}")
+
+
+#: how to give string labels their class indices, by where the names would come from
+_NAMES_WAY_OUT = {
+    "--class-names": "pass the label strings in class order with --class-names (e.g. --class-names {lab} OTHER: "
+                     "{lab!r} -> 0, 'OTHER' -> 1), or relabel the rows with 0..C-1",
+    "the model": "this model was trained without class names, so relabel the rows with its class indices "
+                 "0..C-1 (or train with --class-names NAME ... to read string labels)",
+}
+
+
 def parse_rows(rows, source: str, features: str = "auto", require_labels: bool = True,
-               prefer: str | None = None) -> Dataset:
-    """Build a validated :class:`Dataset` from an iterable of (line_number, dict); see the module docstring."""
+               prefer: str | None = None, *, label_names=None, names_from: str = "--class-names") -> Dataset:
+    """Build a validated :class:`Dataset` from an iterable of (line_number, dict); see the module docstring.
+
+    ``label_names``: class names in class order; a string label is the index of its name (:func:`label_index`)."""
     if features not in FEATURE_CHOICES:
         raise InputError(f"features must be one of {FEATURE_CHOICES}, got {features!r}")
     ids, feats, labels, docs, seen = [], [], [], [], {}
@@ -168,10 +198,7 @@ def parse_rows(rows, source: str, features: str = "auto", require_labels: bool =
         if require_labels or "label" in row:
             if "label" not in row:
                 raise InputError(f"{where}: missing field 'label'")
-            lab = row["label"]
-            if isinstance(lab, bool) or not isinstance(lab, int):
-                raise InputError(f"{where}: label must be an integer class index, got {lab!r}")
-            labels.append(lab)
+            labels.append(label_index(row["label"], where, label_names, names_from))
         ids.append(rid)
         feats.append(arr)
         docs.append(row.get("document"))
@@ -269,10 +296,13 @@ def pending_rows(rows, output_path, is_complete_row, log) -> list[tuple[int, dic
     return todo
 
 
-def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer: str | None = None) -> Dataset:
-    """Read and validate a JSONL file of rows (``-`` = stdin; see the module docstring)."""
+def read_jsonl(path, features: str = "auto", require_labels: bool = True, prefer: str | None = None, *,
+               label_names=None, names_from: str = "--class-names") -> Dataset:
+    """Read and validate a JSONL file of rows (``-`` = stdin; see the module docstring); string labels are read
+    through ``label_names`` (:func:`label_index`)."""
     source = "<stdin>" if os.fspath(path) == "-" else os.fspath(path)
-    return parse_rows(iter_jsonl(path), source, features, require_labels, prefer)
+    return parse_rows(iter_jsonl(path), source, features, require_labels, prefer, label_names=label_names,
+                      names_from=names_from)
 
 
 def check_model_width(ds: Dataset, input_dim: int, trained_on: str | None, path) -> None:

@@ -126,7 +126,7 @@ CASES = {
     "negative_label": (_bad_rows(_set(1, "label", -1)), r"labels must lie in 0\.\.1"),
     "bool_label": (_bad_rows(_set(1, "label", True)), "bad.jsonl:2: label must be an integer"),
     "float_label": (_bad_rows(_set(1, "label", 1.0)), "bad.jsonl:2: label must be an integer"),
-    "string_label": (_bad_rows(_set(1, "label", "1")), "label must be an integer"),
+    "string_label": (_bad_rows(_set(1, "label", "1")), "label '1' is a string, and labels are class indices 0..C-1"),
     "duplicate_ids": (_bad_rows(_set(5, "id", 0)), "bad.jsonl:6: duplicate id 0"),
     "missing_id": (_bad_rows(lambda rs: rs[2].pop("id")), "bad.jsonl:3: missing field 'id'"),
     "line_not_object": (_with(lambda b: write_rows(b / "bad.jsonl", ["[1, 2]"]),

@@ -20,7 +20,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 from sdm_mlx.evaluation import baselines, metrics  # noqa: E402
 from sdm_mlx import calibration  # noqa: E402
 from sdm_mlx.storage.datasets import check_labels  # noqa: E402
-from sdm_mlx.errors import InputError, NotFittedError  # noqa: E402
+from sdm_mlx.errors import InputError, NotFittedError, NothingAdmittedWarning  # noqa: E402
 from sdm_mlx.estimator import SDMEstimator  # noqa: E402
 
 #: small settings: one round, two epochs, M = 8 (the checks fit ~100 tiny models)
@@ -185,7 +185,7 @@ def test_selective_scorer_lets_grid_search_tune_alpha():
     from sklearn.model_selection import GridSearchCV, StratifiedKFold
 
     from sdm_mlx.storage.datasets import factcheck_splits
-    from sdm_mlx.evaluation.selective import selective_score, selective_scorer
+    from sdm_mlx.evaluation.selective import compared_nothing, selective_score, selective_scorer
 
     pool = factcheck_splits()[0]
     X, y = pool.X[:1600], np.asarray(["false", "true"], dtype=object)[pool.y[:1600]]
@@ -208,7 +208,37 @@ def test_selective_scorer_lets_grid_search_tune_alpha():
     assert admitted.tolist() == best.estimate(X).admitted.tolist()
     if (sel[admitted] == y[admitted]).mean() >= 0.7:
         assert selective_score(y, sel, min_accuracy=0.7) == pytest.approx(admitted.mean())
-    assert selective_score(y, np.full(len(y), None, dtype=object)) == 0.0
+    with pytest.warns(NothingAdmittedWarning, match="nothing was admitted among the 1600 rows"):
+        assert selective_score(y, np.full(len(y), None, dtype=object)) == 0.0
+    assert not compared_nothing(search)
     wrong = np.where(admitted, np.where(y == "true", "false", "true"), None)  # every admitted row wrong
     assert selective_score(y, wrong, min_accuracy=0.9) == pytest.approx(-0.9)
     assert selective_scorer(0.7)(best, X, y) == pytest.approx(selective_score(y, sel, min_accuracy=0.7))
+
+
+def test_a_grid_search_whose_folds_admit_nothing_says_so():
+    """Issue 41: GridSearchCV over alpha with selective_score, every fold admitting nothing, compared nothing and
+    picked an arbitrary alpha silently (the docs' example hid the warnings with simplefilter("ignore"))."""
+    import pathlib
+
+    from sklearn.metrics import make_scorer
+    from sklearn.model_selection import GridSearchCV
+
+    from sdm_mlx.evaluation.selective import compared_nothing, selective_score
+    from sdm_mlx.storage.datasets import factcheck_splits
+
+    pool = factcheck_splits()[0]
+    X, y = pool.X[:400], pool.y[:400]
+    scorer = make_scorer(selective_score, response_method=("predict_selective",), min_accuracy=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        search = GridSearchCV(SDMEstimator(iterations=1, epochs=1, exemplar_dim=8, rescaler_max_epochs=2),
+                              {"alpha": [0.9, 0.95]}, scoring=scorer, cv=2).fit(X, y)
+    nothing = [w for w in caught if issubclass(w.category, NothingAdmittedWarning)]
+    assert len(nothing) == 4, [str(w.message)[:80] for w in caught]  # 2 candidates x 2 folds, each said
+    assert "compares nothing" in str(nothing[0].message) and "best_params_ arbitrarily" in str(nothing[0].message)
+    assert compared_nothing(search)
+    # the documented example keeps these warnings visible and checks the search
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "python-api.md").read_text(encoding="utf-8")
+    example = doc[doc.index("GridSearchCV(SDMEstimator"):].split("```")[0]
+    assert "simplefilter" not in example and "compared_nothing(search)" in example

@@ -16,6 +16,7 @@ import pytest
 from sdm_mlx import cli
 from sdm_mlx.evaluation.baselines import run_baselines
 from sdm_mlx.storage.datasets import Dataset, read_jsonl
+from sdm_mlx.calibration.reasons import REASONS
 from sdm_mlx.estimator import SDMEstimator
 from sdm_mlx.evaluation.evaluate import (
     DEFAULT_BASELINES,
@@ -377,7 +378,8 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
         reasons = loads_strict((out_dir / "report.json").read_text())["datasets"][name]["rejection_reasons"]
         assert f"rejected by sdm_p_lower: {sum(reasons.values())} of " in block
         for reason, count in reasons.items():
-            assert re.search(rf"^ +{count}  {reason}: ", block, re.M), (reason, count, block)
+            line = rf"^ +{count}  {reason}: {re.escape(REASONS[reason].plain_line)}$"  # the one text of each reason
+            assert re.search(line, block, re.M), (reason, count, block)
     rep = loads_strict((out_dir / "report.json").read_text())  # strict JSON: no NaN / Infinity
     loads_strict((out_dir / "model" / "manifest.json").read_text())
     assert list(rep["datasets"]) == ["heldout_topics", "generated"]

@@ -15,7 +15,8 @@ import pytest
 
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.estimator import SDMEstimator
-from sdm_mlx.evaluation.verdict_html import PageContext, render_index, render_page
+from sdm_mlx.calibration.reasons import REASONS
+from sdm_mlx.evaluation.verdict_html import PageContext, esc, render_index, render_page
 
 EVIL = '<script>document.documentElement.setAttribute("data-pwned","1")</script> "quoted" \'single\' & مرحبا بالعالم'
 LONG = "x" * 6000  # one unbreakable word: must wrap, not widen the page
@@ -49,7 +50,9 @@ def test_every_user_string_is_escaped_and_nothing_is_external():
     assert "<script" not in index and index.index('href="rows/1.html"') < index.index('href="rows/0.html"')
     reject = render_page(_evil_row(admitted=False, decision="reject", rejection_reason="below_threshold_psi",
                                    alpha_region_lower=None), _context(), document="doc")
-    assert "REJECT" in reject and "threshold ψ for exactly the predicted class" in reject
+    # the reason's one text (sdm_mlx/calibration/reasons.py) with the row's p̂_lower against ψ of its class
+    assert "REJECT" in reject and esc(REASONS["below_threshold_psi"].condition) in reject
+    assert "What would change the verdict:" in reject
     odd = render_page(_evil_row(admitted=False, decision="reject", rejection_reason="<u>new</u>"), _context())
     assert "<u>" not in odd and "&lt;u&gt;new&lt;/u&gt;" in odd
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import pathlib
 import signal
 import socket
 import threading
@@ -85,6 +86,15 @@ def _user(doc):
 
 
 # --------------------------------------------------------------------------- OpenAI client
+
+
+def test_health_is_what_the_docs_say(server, client):
+    # docs/serving.md's routes table: {"status": "ok", "model": ID}, ID the served model's id as /v1/models has it
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text(encoding="utf-8")
+    row = next(line for line in doc.splitlines() if line.startswith("| `GET /health` |"))
+    assert '`{"status": "ok", "model": ID}`' in row and "as `/v1/models`" in row, row
+    r = _get(server, "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "model": client.models.list().data[0].id}
 
 
 def test_models_and_verified_chat(server, client, setup):  # noqa: F811

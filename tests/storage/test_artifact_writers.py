@@ -127,7 +127,37 @@ def test_concurrent_cli_api_writers_and_readers_lose_nothing(model_dir, tmp_path
     assert bad == 0 and ok > 0, err[-2000:]
     s = consistent(path)
     assert s["added_rows"] == 3 * 2 * 3 + 4 * 2 - 2
-    assert not [n for n in os.listdir(tmp_path) if n.endswith((".sdm-tmp", ".sdm-previous"))]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith((".sdm-tmp", ".sdm-previous", ".sdm-lock"))]
+
+
+_COUNTER = """
+import os, sys
+from sdm_mlx.storage.locks import artifact_lock
+path, n = sys.argv[1], int(sys.argv[2])
+counter = path + ".count"
+for _ in range(n):
+    with artifact_lock(path):  # read, yield the CPU, write: a lost update unless the lock excludes
+        value = int(open(counter).read())
+        os.sched_yield()
+        with open(counter, "w") as f:
+            f.write(str(value + 1))
+print("done")
+"""
+
+
+def test_the_lock_excludes_while_its_file_comes_and_goes(tmp_path):
+    # the lock file is removed by each holder on release (no litter); a waiter that then holds an unlinked file
+    # must take the new one, or two processes would hold "the" lock at once and lose increments
+    path = str(tmp_path / "m")
+    (tmp_path / "m.count").write_text("0")
+    (tmp_path / "counter.py").write_text(_COUNTER)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "counter.py"), path, "150"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip() == "done", err
+    assert (tmp_path / "m.count").read_text() == str(4 * 150)
+    assert not (tmp_path / ".m.sdm-lock").exists()
 
 
 _UPDATER = """
