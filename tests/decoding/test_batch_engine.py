@@ -3,7 +3,9 @@
 Every request is decoded alone (a batch of one, no prompt cache) and in running batches of 2, 4, 8
 and 16 rows that it joins and leaves at token boundaries (including requests submitted while others
 are mid-decoding, and a prompt cache shared across requests); tokens and stop reasons must be
-identical and the verifier features within 1e-5.  Seeded sampling reproduces the same text alone and
+identical and the verifier features within 1e-5.  The batched products round differently from a batch of one
+(~1e-6), so two answers may go different ways at a near tie of the two best tokens: that alone is accepted, and
+the row is compared no further (tests/helpers/greedy_margins.py).  Seeded sampling reproduces the same text alone and
 in a batch.  The verdicts of ``VerifiedGenerator.generate_many`` equal one-at-a-time ``generate``.
 """
 
@@ -16,6 +18,7 @@ pytest.importorskip("mlx_lm")
 
 from verified_lab import SYSTEM, TEMPLATE, reviews  # noqa: E402  (tests/helpers/; the setup fixture: conftest.py)
 from verified_lab import verified_generator as _generator  # noqa: E402
+from greedy_margins import assert_same_greedy, step_margins  # noqa: E402
 
 from sdm_mlx.llm import embed as E  # noqa: E402
 
@@ -38,11 +41,19 @@ def _requests(prompts, sampling=None, max_tokens=16):
     return [DecodeRequest(p, max_tokens, sampling, features=True) for p in prompts]
 
 
-def _assert_same(alone, batched, tol=1e-5):
+def _assert_same(alone, batched, model, heads=None, tol=1e-5):
+    """Every batched answer is its answer alone (the same tokens, stop, text, and features within ``tol``), or
+    went another way at a near tie (:func:`assert_same_greedy`); at least one row is compared to its end."""
+    assert len(alone) == len(batched)
+    diverged = 0
     for a, b in zip(alone, batched):
-        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason and a.text == b.text
+        if assert_same_greedy(model, a.prompt_ids, a.token_ids, b.token_ids, heads):
+            diverged += 1
+            continue
+        assert a.stop_reason == b.stop_reason and a.text == b.text
         assert a.feature_info == b.feature_info
         np.testing.assert_allclose(b.features, a.features, rtol=tol, atol=tol)
+    assert diverged < len(alone), "every row went another way at a near tie: nothing was compared"
 
 
 @pytest.mark.parametrize("joint", [False, True])
@@ -55,12 +66,29 @@ def test_answers_do_not_depend_on_the_batch(setup, joint):  # noqa: F811
     alone = [_engine(model, tok, heads, 1).run(_requests([p]))[0] for p in prompts]
     assert len({a.stop_reason for a in alone}) >= 1 and any(a.token_ids for a in alone)
     for size in (2, 4, 8, 16):
-        _assert_same(alone, _engine(model, tok, heads, size).run(_requests(prompts)))
+        _assert_same(alone, _engine(model, tok, heads, size).run(_requests(prompts)), model, heads)
     # with a shared prompt cache: the template prefix is prefilled once, the answers stay the same
     cache = PrefixCache()
     cached = _engine(model, tok, heads, 16, prefix_cache=cache).run(_requests(prompts))
-    _assert_same(alone, cached)
+    _assert_same(alone, cached, model, heads)
     assert cache.hits >= len(prompts) - 2 and sum(d.cached_prompt_tokens > 0 for d in cached) >= len(prompts) - 2
+
+
+def test_another_token_where_the_best_one_led_clearly_fails_the_comparison(setup):  # noqa: F811
+    """The near-tie allowance of _assert_same can fail: a token changed where the reference's best token led by
+    more than rounding is reported, the same answer is not, and an answer cut short is judged at its last step."""
+    gen = _generator(setup)
+    a = _engine(gen.model, gen.tokenizer, gen.heads, 1).run(_requests(_prompts(gen.tokenizer, 1)))[0]
+    margins = step_margins(gen.model, a.prompt_ids, a.token_ids, gen.heads)
+    assert len(margins) == len(a.token_ids) + 1
+    k = int(np.argmax(margins[: len(a.token_ids)]))  # the step with the clearest winner
+    changed = list(a.token_ids)
+    changed[k] = (changed[k] + 1) % gen.heads.vocab_size
+    assert not assert_same_greedy(gen.model, a.prompt_ids, a.token_ids, list(a.token_ids), gen.heads)
+    with pytest.raises(AssertionError, match="not rounding"):
+        assert_same_greedy(gen.model, a.prompt_ids, a.token_ids, changed, gen.heads)
+    with pytest.raises(AssertionError, match="not rounding"):
+        assert_same_greedy(gen.model, a.prompt_ids, a.token_ids, changed[:k], gen.heads)
 
 
 def test_requests_join_a_running_batch(setup):  # noqa: F811
@@ -79,7 +107,7 @@ def test_requests_join_a_running_batch(setup):  # noqa: F811
             got[id(req)] = dec
         sizes.add(len(eng.rows))
     assert max(sizes) > 2  # really batched
-    _assert_same(alone, [got[id(r)] for r in reqs])
+    _assert_same(alone, [got[id(r)] for r in reqs], gen.model, gen.heads)
 
 
 def test_cancel_stops_one_row_only(setup):  # noqa: F811
@@ -101,7 +129,8 @@ def test_cancel_stops_one_row_only(setup):  # noqa: F811
     out = [done[id(r)] for r in reqs]
     assert out[1].stop_reason == "cancelled" and len(out[1].token_ids) <= 4
     alone = _engine(gen.model, gen.tokenizer, gen.heads, 1).run([reqs[0]])[0]
-    assert out[0].token_ids == alone.token_ids and out[0].stop_reason != "cancelled"
+    assert out[0].stop_reason != "cancelled"
+    assert_same_greedy(gen.model, alone.prompt_ids, alone.token_ids, out[0].token_ids, gen.heads)
 
 
 @pytest.mark.parametrize("joint", [False, True])
@@ -148,22 +177,39 @@ def test_prefix_cache_is_bounded_in_bytes(setup):  # noqa: F811
     assert 0 < small.nbytes <= small.max_bytes and len(small) == 1 and small.hits > 0
 
 
+def _distances(attempt) -> list:
+    return [e["squared_distance"] for e in attempt.exemplars or []]
+
+
 def test_generate_many_verdicts_equal_one_at_a_time(setup):  # noqa: F811
-    """Mixed policies in one batch; every result equals the same request run alone."""
+    """Mixed policies in one batch; every result equals the same request run alone.
+
+    The batch rounds the features differently from a request alone (the exemplar distances agree within 1e-5, never
+    bit for bit here).  A verdict is a step function of the features: where p̂_lower moved by more than 1e-5 the
+    features crossed a step, the verdict may go either way and the re-ask follows it, so that result is compared no
+    further (as in tests/serve/test_serve_many.py)."""
     gen = _generator(setup, on_reject="reask", max_attempts=2)
     docs = [setup.verified_doc, "Hello", "Boring, too long, and badly written."] + \
         [d for d, _ in reviews(5, seed=21)]
     alone = [gen.generate(d, id=i) for i, d in enumerate(docs)]
     many = gen.generate_many(docs, list(range(len(docs))))
     assert any(r.verified for r in many) and any(len(r.attempts) > 1 for r in many)  # re-asks ran in the batch
+    compared = 0
     for a, b in zip(alone, many):
-        assert (a.id, a.text, a.status, a.reason, a.stopped, len(a.attempts)) == \
-            (b.id, b.text, b.status, b.reason, b.stopped, len(b.attempts))
+        assert a.id == b.id
         for x, y in zip(a.attempts, b.attempts):
-            assert x.token_ids == y.token_ids and x.verified == y.verified
-            assert (x.p_lower is None) == (y.p_lower is None)
-            if x.p_lower is not None:
-                assert abs(x.p_lower - y.p_lower) <= 1e-5
+            dx, dy = _distances(x), _distances(y)
+            assert len(dx) == len(dy) and all(abs(u - v) <= 1e-5 * max(1.0, abs(u)) for u, v in zip(dx, dy))
+            assert x.token_ids == y.token_ids
+            if (x.p_lower is None) != (y.p_lower is None) or (x.p_lower is not None and
+                                                              abs(x.p_lower - y.p_lower) > 1e-5):
+                break  # across a step of p̂_lower: see the docstring
+            assert x.verified == y.verified
+        else:
+            compared += 1
+            assert (a.text, a.status, a.reason, a.stopped, len(a.attempts)) == \
+                (b.text, b.status, b.reason, b.stopped, len(b.attempts))
+    assert compared >= len(docs) // 2, f"only {compared} of {len(docs)} results were compared to their end"
 
 
 def _brute_force_cost(width, pass_cost):
@@ -213,8 +259,9 @@ def test_prefill_split_into_many_passes_changes_nothing(setup, monkeypatch):  # 
         return chunks
 
     monkeypatch.setattr(batch_plan, "length_chunks", finest)
-    _assert_same(alone, _engine(model, tok, gen.heads, 10).run(_requests(prompts)))
-    _assert_same(alone, _engine(model, tok, gen.heads, 10, prefix_cache=PrefixCache()).run(_requests(prompts)))
+    _assert_same(alone, _engine(model, tok, gen.heads, 10).run(_requests(prompts)), model, gen.heads)
+    _assert_same(alone, _engine(model, tok, gen.heads, 10, prefix_cache=PrefixCache()).run(_requests(prompts)), model,
+                 gen.heads)
     assert max(passes) > 1
 
 
@@ -251,17 +298,17 @@ def test_models_with_their_own_caches_decode_in_batches(sliding_window_model):
     for a, p in zip(alone, prompts):
         n = len(a.token_ids)
         ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=n), range(n))]
-        assert a.token_ids == ref[: len(a.token_ids)]
+        assert_same_greedy(model, p, a.token_ids, ref[: len(a.token_ids)])
     for size in (2, 3, 8):
         eng = DecodeEngine(model, tok, max_batch=size)
         assert eng.max_batch == size and eng.prefix_cache is None
-        _assert_same(alone, eng.run(requests()))
+        _assert_same(alone, eng.run(requests()), model)
     # joint neg+pos decoding (Alg. 4's and verified generation's) on the same caches
     from sdm_mlx.network.heads import SDMHeads
 
     heads = SDMHeads(model)
     joint_alone = [DecodeEngine(model, tok, heads=heads, max_batch=1).run([r])[0] for r in requests()]
-    _assert_same(joint_alone, DecodeEngine(model, tok, heads=heads, max_batch=4).run(requests()))
+    _assert_same(joint_alone, DecodeEngine(model, tok, heads=heads, max_batch=4).run(requests()), model, heads)
 
 
 def test_caches_that_do_not_merge_decode_one_row_at_a_time():
@@ -306,7 +353,7 @@ def test_a_make_cache_of_plain_kv_caches_keeps_the_prompt_cache(tiny_llama_path)
     assert cached.batchable and cached.prefix_cache is not None
     with_cache = cached.run(requests())
     assert cached.prefix_cache.hits >= 1  # the shared system message and template head, prefilled once
-    _assert_same(DecodeEngine(model, tok, max_batch=1, prefix_cache=False).run(requests()), with_cache)
+    _assert_same(DecodeEngine(model, tok, max_batch=1, prefix_cache=False).run(requests()), with_cache, model)
     for d, p in zip(with_cache, prompts):
         ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(p), model, max_tokens=6), range(6))]
-        assert d.token_ids == ref[: len(d.token_ids)]
+        assert_same_greedy(model, p, d.token_ids, ref[: len(d.token_ids)])

@@ -18,6 +18,7 @@ def _tool():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """The tiny network trained once; every calibration count of the run is recorded (:class:`_Counts`)."""
     from sdm_mlx.llm.embed import load_model
     from sdm_mlx.network import NetworkConfig, train_network
 
@@ -33,10 +34,34 @@ def run(tmp_path_factory):
     model, tok = load_model(built["model"])
     import warnings
 
-    with warnings.catch_warnings():
+    counts = _Counts()
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
         warnings.simplefilter("ignore")
+        mp.setattr("sdm_mlx.network.trainer.count_verified", counts.recording)
         result = train_network(cfg, model, tok)
+    result.counts = counts.calls
     return cfg, result
+
+
+class _Counts:
+    """Wraps the trainer's ``count_verified``: for every calibration count (the base head's, then one per epoch) the
+    rows in the order they were decoded, the decoding settings, W_pos at that moment and the result."""
+
+    def __init__(self):
+        from sdm_mlx.network import trainer
+
+        self.real, self.calls = trainer.count_verified, []
+
+    def recording(self, heads, tokenizer, verifier, rows, completions, **kwargs):
+        result = self.real(heads, tokenizer, verifier, rows, completions, **kwargs)
+        self.calls.append({"rows": list(rows), "completions": completions, "kwargs": dict(kwargs),
+                           "weight": heads.weight_numpy().copy(), "result": result})
+        return result
+
+
+def _decisions(counted: dict) -> dict:
+    """What a calibration count decided (its parts), without its wall time or example text."""
+    return {k: v for k, v in counted.items() if k not in ("seconds", "example")}
 
 
 def test_training_raises_the_admitted_count_with_the_strict_selection_rule(run):
@@ -58,21 +83,61 @@ def test_training_raises_the_admitted_count_with_the_strict_selection_rule(run):
     assert metrics["epochs"][-1]["nll"] < metrics["epochs"][0]["nll"] + 1e-9 or len(metrics["epochs"]) == 1
 
 
-def test_saved_network_reloads_with_identical_outputs(run):
-    from sdm_mlx.network import load_network
-    from sdm_mlx.network.artifact import load_head_weight
+def assert_reloads_as_saved(net, kept: dict) -> None:
+    """``net`` (a reloaded network) holds the W_pos the trainer kept and, decoding the calibration rows exactly as
+    the trainer did, makes the decisions the trainer counted when it kept that head.
+
+    The recount runs in the trainer's process and thread setting, over the same rows in the same order, in batches of
+    the same size, so it performs the same float operations as the trainer's count: any difference comes from the
+    reload.  (A recount in another row order, e.g. the order of verification_rows.jsonl, groups other prompts into
+    each decoding batch; the batched products then round differently (~1e-6 in the verifier features), which can move
+    a calibration row across an admission boundary: 245 against 246 on an AVX2 CPU with 2 OpenBLAS threads.)
+    """
     from sdm_mlx.network.trainer import count_verified
 
+    np.testing.assert_array_equal(np.array(net.heads.pos.weight), kept["weight"])  # a stored copy: exact
+    s, kw = net.settings, kept["kwargs"]
+    assert (s["max_new_tokens"], s["delimiter"], s["max_length"], s["completions"]) == \
+        (kw["max_new_tokens"], kw["delimiter"], kw["max_length"], kept["completions"])
+    again = count_verified(net.heads, net.tokenizer, net.verifier, kept["rows"], s["completions"],
+                           max_new_tokens=s["max_new_tokens"], delimiter=s["delimiter"], max_length=s["max_length"],
+                           batch_size=kw["batch_size"])
+    assert _decisions(again) == _decisions(kept["result"])
+
+
+def test_saved_network_reloads_with_identical_outputs(run):
+    from sdm_mlx.network import load_network
+
     cfg, res = run
+    kept = res.counts[res.selected_epoch]  # count 0: the base head's, count e: after epoch e
+    assert len(res.counts) == cfg.epochs + 1 and kept["result"]["count"] == res.best_count
     net = load_network(res.network_path)  # fresh mlx_lm.load of the stored base model + the verifier
-    np.testing.assert_array_equal(np.array(net.heads.pos.weight), load_head_weight(res.network_path))
     assert net.config["training"]["epoch"] == res.selected_epoch
-    rows = [json.loads(x) for x in open(os.path.join(cfg.output_dir, "verification_rows.jsonl"))]
-    cal = [r for r in rows if r["split"] == "calibration"]
-    s = net.settings
-    again = count_verified(net.heads, net.tokenizer, net.verifier, cal, s["completions"],
-                           max_new_tokens=s["max_new_tokens"], delimiter=s["delimiter"], batch_size=64)
-    assert again["count"] == res.best_count
+    assert net.config["training"]["calibration_count"] == res.best_count
+    assert_reloads_as_saved(net, kept)
+
+
+def test_the_reload_check_fails_when_the_head_is_lost_or_changed(run):
+    """The check above can fail: a reload that keeps the base head (the trained W_pos lost) decides other
+    calibration rows, and a single changed weight is caught by the exact comparison with the kept copy."""
+    import mlx.core as mx
+
+    from sdm_mlx.network import load_network
+    from sdm_mlx.network.heads import SDMHeads
+
+    cfg, res = run
+    kept = res.counts[res.selected_epoch]
+    assert res.selected_epoch >= 1  # a trained head, not the base head, was kept
+    net = load_network(res.network_path)
+    w = np.array(net.heads.pos.weight)
+    w[3, 5] += 1e-3
+    net.heads.pos.weight = mx.array(w)
+    with pytest.raises(AssertionError):
+        assert_reloads_as_saved(net, kept)
+    net.heads = SDMHeads(net.heads.model)  # W_pos = the base model's head again
+    lost = dict(kept, weight=np.array(net.heads.pos.weight))  # past the weight check, to the decisions
+    with pytest.raises(AssertionError):
+        assert_reloads_as_saved(net, lost)
 
 
 def test_finished_training_is_recorded_in_the_network(run):

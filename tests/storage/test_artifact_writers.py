@@ -70,13 +70,14 @@ def fresh(model_dir, tmp_path, name="m"):
     return dst
 
 
+#: reads the model in a loop until the file ``stop`` exists (the writers are done), at most ``seconds``
 _READER = """
-import sys, time
+import os, sys, time
 from sdm_mlx.estimator import SDMEstimator
-path, seconds = sys.argv[1], float(sys.argv[2])
+path, stop, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 ok = bad = 0
 end = time.time() + seconds
-while time.time() < end:
+while time.time() < end and not (ok and os.path.exists(stop)):
     try:
         est = SDMEstimator.load(path)
         assert len(est.support_ids_) == est.support_vectors_.shape[0]
@@ -103,7 +104,8 @@ def test_concurrent_cli_api_writers_and_readers_lose_nothing(model_dir, tmp_path
     path = fresh(model_dir, tmp_path)
     (tmp_path / "reader.py").write_text(_READER)
     (tmp_path / "api.py").write_text(_API_WRITER)
-    reader = subprocess.Popen([sys.executable, str(tmp_path / "reader.py"), str(path), "25"],
+    stop = tmp_path / "writers_done"
+    reader = subprocess.Popen([sys.executable, str(tmp_path / "reader.py"), str(path), str(stop), "240"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     api = subprocess.Popen([sys.executable, str(tmp_path / "api.py"), str(path), "4"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -122,7 +124,8 @@ def test_concurrent_cli_api_writers_and_readers_lose_nothing(model_dir, tmp_path
     undo = subprocess.run([*CLI, "add-support", "--model", str(path), "--undo", "w0r0-0", "api0-1"],
                           capture_output=True, text=True, timeout=300)
     assert undo.returncode == 0, undo.stderr
-    out, err = reader.communicate(timeout=120)
+    stop.touch()  # the reader read throughout the writes (it ran 25 s whatever they took before)
+    out, err = reader.communicate(timeout=300)
     ok, bad = map(int, out.split())
     assert bad == 0 and ok > 0, err[-2000:]
     s = consistent(path)
