@@ -294,31 +294,41 @@ def _trainer(model, X_tr, y_tr, config):
     return (_HostTrainer if kind == "host" else _MlxTrainer)(model, X_tr, y_tr, config)
 
 
-def _float32_forward(arrays, x_norm: np.ndarray, x_mx: mx.array | None = None):
-    """(z' [N, C], exemplar coordinates) of normalised rows in float32 BLAS products: h' itself when D ≥ M, else
-    x̄ Rᵀ with W_gᵀ W_g = Rᵀ R (distance-equivalent, as :func:`~sdm_mlx.core.adaptor.exemplar_basis`)."""
+def _float32_maps(arrays):
+    """The float32 maps of :func:`_float32_forward` for one epoch's parameters (W_g, b_g, W', b'): for D ≥ M,
+    W_g as an MLX array (h' = x̄ W_gᵀ + b_g); for D < M, the folded logits map (W' W_g, W' b_g + b') and the
+    basis Rᵀ with W_gᵀ W_g = Rᵀ R (distance-equivalent coordinates x̄ Rᵀ, as
+    :func:`~sdm_mlx.core.adaptor.exemplar_basis`), made once and used for both splits."""
     w_g, b_g, w_c, b_c = arrays
     m, dim = w_g.shape
     if dim >= m:
-        x_mx = mx.array(x_norm) if x_mx is None else x_mx
-        h = np.array(mx.matmul(x_mx, mx.array(w_g).T, stream=mx.cpu))
-        h += b_g
-        return h @ w_c.T + b_c, h
-    gram = w_g.T.astype(np.float64) @ w_g.astype(np.float64)
+        return {"w_g": mx.array(w_g), "b_g": b_g, "w_c": w_c, "b_c": b_c}
+    w64 = mx.array(w_g.astype(np.float64))
+    gram = np.array(mx.matmul(w64.T, w64, stream=mx.cpu))  # MLX's BLAS: NumPy's own next to it stalls here
     try:
         lower = np.linalg.cholesky(gram)
     except np.linalg.LinAlgError:  # W_g rank-deficient
         lower = np.linalg.qr(w_g.astype(np.float64))[1].T
-    fold_w, fold_b = w_c @ w_g, w_c @ b_g + b_c
-    return x_norm @ fold_w.T + fold_b, x_norm @ lower.astype(np.float32)
+    return {"fold_w": (w_c @ w_g).T.copy(), "fold_b": w_c @ b_g + b_c, "basis": lower.astype(np.float32)}
+
+
+def _float32_forward(maps: dict, x_norm: np.ndarray, x_mx: mx.array | None = None):
+    """(z' [N, C], exemplar coordinates) of normalised rows by float32 BLAS products (:func:`_float32_maps`)."""
+    if "w_g" in maps:
+        x_mx = mx.array(x_norm) if x_mx is None else x_mx
+        h = np.array(mx.matmul(x_mx, maps["w_g"].T, stream=mx.cpu))
+        h += maps["b_g"]
+        return h @ maps["w_c"].T + maps["b_c"], h
+    return x_norm @ maps["fold_w"] + maps["fold_b"], x_norm @ maps["basis"]
 
 
 def _epoch_refresh(arrays, x_tr, y_tr, x_ca, y_ca, num_classes, *, k, x_mx=(None, None)):
     """Alg. 1's refresh after an epoch in float32 (the dense index, :mod:`sdm_mlx.index.dense`): both splits'
     z', q, d0, d; it weights the next epoch's loss and chooses the epoch, and is never stored (the kept epoch is
     recomputed exactly by :func:`_refresh`)."""
-    z_tr, h_tr = _float32_forward(arrays, x_tr, x_mx[0])
-    z_ca, h_ca = _float32_forward(arrays, x_ca, x_mx[1])
+    maps = _float32_maps(arrays)
+    z_tr, h_tr = _float32_forward(maps, x_tr, x_mx[0])
+    z_ca, h_ca = _float32_forward(maps, x_ca, x_mx[1])
     good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
     index = make_index(h_tr, "dense")
     tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes=num_classes, exclude=np.arange(x_tr.shape[0]))

@@ -28,7 +28,13 @@ HOST_MULTIPLY_ADDS = 1 << 20
 
 class DenseIndex:
     """Float32 all-pairs support index: :meth:`similarity` (q, d0) as :class:`~sdm_mlx.index.ExactIndex` defines
-    them, with float32 distances.  Not batch-invariant (a BLAS product's rounding depends on the block)."""
+    them, with float32 distances.  Not batch-invariant (a BLAS product's rounding depends on the block).
+
+    As in the exact index, the support columns are grouped by the class they are good for (label = prediction
+    = c), the rows good for none last, so that for a query predicted c the good columns are one slice: the first
+    bad neighbour is a row minimum over the two other slices and q a count over the good slice (three passes
+    over a distance block).  The grouping follows the ``good_by_class`` of the last call.
+    """
 
     backend = "dense"
 
@@ -36,23 +42,40 @@ class DenseIndex:
         s = _as_float32_matrix(support, "support")
         self.size, self.dim = s.shape
         self._center = s.mean(axis=0, dtype=np.float64).astype(np.float32)
-        self._support = np.ascontiguousarray(s - self._center)
-        self._support_sq = np.einsum("ij,ij->i", self._support, self._support)
-        self._support_mx = None
+        self._raw = s
+        self._grouped = None  # (good_by_class, perm, inverse, bounds, support, ‖s‖², MLX support)
         self.block_rows = max(1, block_bytes // (4 * max(self.size, 1)))
 
-    def _distances(self, qc: np.ndarray) -> np.ndarray:
-        """Squared L2 [b, N_s] of centred queries to the support, clamped at 0."""
+    def _grouping(self, good: np.ndarray):
+        g = self._grouped
+        if g is not None and (g[0] is good or np.array_equal(g[0], good)):
+            return g
+        classes = good.shape[0]
+        category = np.full(self.size, classes, dtype=np.int64)
+        for c in range(classes):
+            category[good[c]] = c
+        perm = np.argsort(category, kind="stable")
+        inverse = np.empty_like(perm)
+        inverse[perm] = np.arange(self.size)
+        bounds = np.searchsorted(category[perm], np.arange(classes + 1))
+        support = np.ascontiguousarray(self._raw[perm] - self._center)
+        sq = np.einsum("ij,ij->i", support, support)
+        self._grouped = (good, perm, inverse, bounds, support, sq, None)
+        return self._grouped
+
+    def _distances(self, qc: np.ndarray, grouped) -> np.ndarray:
+        """Squared L2 [b, N_s] of centred queries to the grouped support, clamped at 0."""
+        support, sq = grouped[4], grouped[5]
         if qc.shape[0] * self.size * self.dim <= HOST_MULTIPLY_ADDS:
-            dots = qc @ self._support.T
+            dots = qc @ support.T
         else:
-            if self._support_mx is None:
-                self._support_mx = mx.array(self._support)
-            dots = np.array(mx.matmul(mx.array(qc), self._support_mx.T, stream=mx.cpu))
+            if grouped[6] is None:
+                grouped = self._grouped = (*grouped[:6], mx.array(support))
+            dots = np.array(mx.matmul(mx.array(qc), grouped[6].T, stream=mx.cpu))
         q_sq = np.einsum("ij,ij->i", qc, qc)
         dots *= np.float32(-2.0)
         dots += q_sq[:, None]
-        dots += self._support_sq[None, :]
+        dots += sq[None, :]
         return np.maximum(dots, np.float32(0.0), out=dots)
 
     def similarity(self, queries, y_hat, good_by_class, k: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
@@ -64,38 +87,44 @@ class DenseIndex:
         k_eff = max(0, min(int(k), self.size) - (1 if ex is not None else 0))
         q_out = np.zeros(queries.shape[0], dtype=np.int64)
         d0 = np.full(queries.shape[0], np.inf, dtype=np.float32)
-        columns = np.arange(self.size)
+        if self.size == 0:
+            return q_out, d0
+        grouped = self._grouping(good)
+        perm, inverse, bounds = grouped[1], grouped[2], grouped[3]
         qc = queries - self._center
         for start in range(0, queries.shape[0], self.block_rows):
             rows = np.arange(start, min(start + self.block_rows, queries.shape[0]))
-            dist = self._distances(qc[rows])
+            dist = self._distances(qc[rows], grouped)
             if ex is not None:
                 hit = np.flatnonzero(ex[rows] >= 0)
-                dist[hit, ex[rows][hit]] = np.inf
-            if self.size:
-                d0[rows] = dist.min(axis=1)
+                dist[hit, inverse[ex[rows][hit]]] = np.inf
+            d0[rows] = dist.min(axis=1)
             for c in np.unique(y_hat[rows]).tolist():
                 at = np.flatnonzero(y_hat[rows] == c)
                 block = dist[at] if at.size < rows.size else dist
-                q_out[rows[at]] = _leading_good(block, good[c], columns)
+                q_out[rows[at]] = _leading_good(block, int(bounds[c]), int(bounds[c + 1]), perm)
         np.minimum(q_out, k_eff, out=q_out)
         return q_out, d0
 
 
-def _leading_good(dist: np.ndarray, good: np.ndarray, columns: np.ndarray) -> np.ndarray:
-    """Per row, the good columns before the first bad one in (distance, column) order (excluded columns are
-    +inf: neither counts)."""
-    if not good.any():
-        return np.zeros(dist.shape[0], dtype=np.int64)
-    bad_dist = np.where(good[None, :], np.float32(np.inf), dist)
-    first = bad_dist.argmin(axis=1)  # the first bad column: smallest distance, then smallest index
-    limit = bad_dist[np.arange(dist.shape[0]), first]
-    good_dist = np.where(good[None, :], dist, np.float32(np.inf))
-    count = (good_dist < limit[:, None]).sum(axis=1)
-    tied = np.isfinite(limit) & (good_dist == limit[:, None]).any(axis=1)
-    if tied.any():  # good columns at the first bad distance come first when their index is smaller
-        t = np.flatnonzero(tied)
-        count[t] += ((good_dist[t] == limit[t, None]) & (columns[None, :] < first[t, None])).sum(axis=1)
+def _leading_good(dist: np.ndarray, a: int, b: int, perm: np.ndarray) -> np.ndarray:
+    """Per row of a distance block whose columns are grouped (column j is support ``perm[j]``, the good ones
+    [a, b)): the good columns before the first bad one in (distance, support index) order.  Excluded columns
+    are +inf: neither counts."""
+    n = dist.shape[0]
+    if b == a:
+        return np.zeros(n, dtype=np.int64)
+    inf = np.full(n, np.inf, dtype=np.float32)
+    limit = np.minimum(dist[:, :a].min(axis=1) if a > 0 else inf, dist[:, b:].min(axis=1) if b < dist.shape[1] else inf)
+    good = dist[:, a:b]
+    count = (good < limit[:, None]).sum(axis=1)
+    tied = np.flatnonzero(np.isfinite(limit) & (good == limit[:, None]).any(axis=1))
+    if tied.size:  # a good and a bad column at one distance (exact ties): the smaller support index first
+        at_limit = dist[tied] == limit[tied, None]
+        bad_at_limit = at_limit.copy()
+        bad_at_limit[:, a:b] = False
+        first = np.where(bad_at_limit, perm[None, :], perm.size).min(axis=1)
+        count[tied] += (at_limit[:, a:b] & (perm[None, a:b] < first[:, None])).sum(axis=1)
     return count.astype(np.int64)
 
 
