@@ -27,6 +27,8 @@ the MLX step's up to float rounding (tested to agree: ``tests/estimator/test_tra
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +39,9 @@ from ..core.adaptor import ExemplarAdaptor
 #: Bytes of one array's row block in the Adam pass (g, m, v, W_g and a scratch block stay in the 2 MB L2 cache
 #: of the 2-core test box: 256 KB measured faster than 64 KB and 1 MB, docs/performance.md).
 BLOCK_BYTES = 256 * 1024
+
+#: Threads of the Adam pass (each its own rows of W_g); at most the CPU count.
+THREADS = min(2, os.cpu_count() or 1)
 
 _NAMES = ("projection.weight", "projection.bias", "classifier.weight", "classifier.bias")
 
@@ -78,7 +83,7 @@ class HostAdaptorStep:
     """
 
     def __init__(self, model: ExemplarAdaptor, *, learning_rate: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 block_bytes: int = BLOCK_BYTES):
+                 block_bytes: int = BLOCK_BYTES, threads: int = THREADS):
         self.w_g = np.array(model.projection.weight, dtype=np.float32)  # [M, D]
         m, dim = self.w_g.shape
         w_c = np.array(model.classifier.weight, dtype=np.float32)  # [C, M]
@@ -92,10 +97,16 @@ class HostAdaptorStep:
         self._state = [(np.zeros_like(a), np.zeros_like(a)) for a in (self.w_g, self.p, self.b_c)]  # (m, v_scaled)
         self.steps = 0
         self.block_rows = max(1, min(m, int(block_bytes) // (4 * dim)))
-        self._tmp = np.empty((self.block_rows, dim), dtype=np.float32)
-        self._g = np.empty((self.block_rows, dim), dtype=np.float32)
-        self._gp = np.empty((self.block_rows, self.classes + 1), dtype=np.float32)
-        self._tmp_p = np.empty_like(self._gp)
+        blocks = -(-m // self.block_rows)
+        self.threads = max(1, min(int(threads), blocks // 4))  # a thread needs a few blocks to be worth it
+        self._scratch = [(np.empty((self.block_rows, dim), dtype=np.float32),
+                          np.empty((self.block_rows, self.classes + 1), dtype=np.float32),
+                          np.empty((self.block_rows, dim), dtype=np.float32),
+                          np.empty((self.block_rows, self.classes + 1), dtype=np.float32))
+                         for _ in range(self.threads)]
+        cut = [(blocks * i // self.threads) * self.block_rows for i in range(self.threads)] + [m]
+        self._halves = list(zip(cut[:-1], cut[1:]))
+        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self.fold_w = self.p[:, : self.classes].T @ self.w_g  # A = W' W_g [C, D]
         self._fold_bias()
 
@@ -115,6 +126,13 @@ class HostAdaptorStep:
     def to_model(self, model: ExemplarAdaptor) -> None:
         """Write the parameters into ``model`` (evaluated MLX arrays)."""
         set_params(model, self.params())
+
+    def close(self) -> None:
+        """Stop the Adam pass's threads (the step can still run, on the calling thread)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+            self._halves = [(0, self.w_g.shape[0])]
 
     def _fold_bias(self) -> None:
         self.fold_b = self.w_c @ self.b_g + self.b_c  # c = W' b_g + b'
@@ -165,28 +183,44 @@ class HostAdaptorStep:
         w -= tmp
 
     def _update(self, grad_a: np.ndarray, grad_sum: np.ndarray) -> None:
-        """Adam on every parameter from Gᵀ x̄ [C, D] and Gᵀ 1 [C], in one pass over the row blocks of W_g."""
+        """Adam on every parameter from Gᵀ x̄ [C, D] and Gᵀ 1 [C], in one pass over the row blocks of W_g (split
+        between :attr:`threads` threads, each its own rows: NumPy releases the GIL inside each pass)."""
         step, eps = self._constants()
         keep = np.float32(1.0 - self.b1)
         grad_a = grad_a * keep  # (1 − β₁) Gᵀ x̄
         grad_sum = grad_sum * keep
         grad_a_t = np.ascontiguousarray(grad_a.T)  # [D, C]
+        args = (grad_a, grad_a_t, grad_sum, step, eps)
+        if self._pool is None:
+            fold = self._rows(0, 0, self.w_g.shape[0], *args)
+        else:
+            parts = [self._pool.submit(self._rows, i, r0, r1, *args) for i, (r0, r1) in enumerate(self._halves)]
+            fold = parts[0].result()
+            for part in parts[1:]:
+                fold += part.result()  # in a fixed order: the same sums every run
+        m_c, v_c = self._state[2]
+        self._adam(grad_sum, m_c, v_c, self.b_c, np.empty_like(self.b_c), step, eps)
+        self.fold_w = fold
+        self._fold_bias()
+
+    def _rows(self, worker, start, stop, grad_a, grad_a_t, grad_sum, step, eps) -> np.ndarray:
+        """The block loop over rows [start, stop) of W_g and P with ``worker``'s scratch blocks; returns these
+        rows' share of the next A = W' W_g."""
         C = self.classes
-        (m_w, v_w), (m_p, v_p), (m_c, v_c) = self._state
+        (m_w, v_w), (m_p, v_p) = self._state[0], self._state[1]
         w, p = self.w_g, self.p
+        g_all, gp_all, tmp_all, tmp_p_all = self._scratch[worker]
         fold = np.zeros_like(self.fold_w)
-        for r0 in range(0, w.shape[0], self.block_rows):
-            r1 = min(r0 + self.block_rows, w.shape[0])
+        for r0 in range(start, stop, self.block_rows):
+            r1 = min(r0 + self.block_rows, stop)
             n = r1 - r0
-            wb, pb, g, gp = w[r0:r1], p[r0:r1], self._g[:n], self._gp[:n]
+            wb, pb, g, gp = w[r0:r1], p[r0:r1], g_all[:n], gp_all[:n]
             # gradients from the block's parameters before the update
             np.matmul(pb[:, :C], grad_a, out=g)  # ∂L/∂W_g[r] = W'ᵀ[r] (Gᵀ x̄)
             np.matmul(wb, grad_a_t, out=gp[:, :C])  # ∂L/∂W'ᵀ[r] = W_g[r] (Gᵀ x̄)ᵀ + b_g[r] (Gᵀ 1)ᵀ
             gp[:, :C] += pb[:, C:] * grad_sum
             np.matmul(pb[:, :C], grad_sum, out=gp[:, C])  # ∂L/∂b_g[r] = W'ᵀ[r] Gᵀ 1
-            self._adam(g, m_w[r0:r1], v_w[r0:r1], wb, self._tmp[:n], step, eps)
-            self._adam(gp, m_p[r0:r1], v_p[r0:r1], pb, self._tmp_p[:n], step, eps)
+            self._adam(g, m_w[r0:r1], v_w[r0:r1], wb, tmp_all[:n], step, eps)
+            self._adam(gp, m_p[r0:r1], v_p[r0:r1], pb, tmp_p_all[:n], step, eps)
             fold += pb[:, :C].T @ wb  # this block's share of the next A = W' W_g
-        self._adam(grad_sum, m_c, v_c, self.b_c, np.empty_like(self.b_c), step, eps)
-        self.fold_w = fold
-        self._fold_bias()
+        return fold

@@ -251,6 +251,9 @@ class _MlxTrainer:
     def sync(self) -> None:
         """The model holds the current parameters (it always does here)."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class _HostTrainer:
     """Alg. 1's epochs with the host step (:class:`~sdm_mlx.estimator.adaptor_step.HostAdaptorStep`), the
@@ -283,6 +286,9 @@ class _HostTrainer:
     def sync(self) -> None:
         """Write the current parameters into the model."""
         self.step.to_model(self.model)
+
+    def close(self) -> None:
+        self.step.close()
 
 
 #: Alg. 1's step: "host" (NumPy, :mod:`.adaptor_step`) or "mlx" (compiled); None: host when MLX runs on the CPU.
@@ -421,6 +427,7 @@ def train_round(
                              calibration_distance_ecdfs=ca_ecdfs, movement=moved, basis=basis)
         if config.patience is not None and stale >= config.patience:
             break
+    trainer.close()
     trainer.to_model(best.params)
     if dense:  # the kept epoch's state, exactly (batch-invariant forward, exact index): what is calibrated and stored
         (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k=k,
