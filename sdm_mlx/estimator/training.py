@@ -309,12 +309,11 @@ def _float32_maps(arrays):
     m, dim = w_g.shape
     if dim >= m:
         return {"w_g": mx.array(w_g), "b_g": b_g, "w_c": w_c, "b_c": b_c}
-    w64 = mx.array(w_g.astype(np.float64))
-    gram = np.array(mx.matmul(w64.T, w64, stream=mx.cpu))  # MLX's BLAS: NumPy's own next to it stalls here
+    w64 = w_g.astype(np.float64)
     try:
-        lower = np.linalg.cholesky(gram)
+        lower = np.linalg.cholesky(w64.T @ w64)
     except np.linalg.LinAlgError:  # W_g rank-deficient
-        lower = np.linalg.qr(w_g.astype(np.float64))[1].T
+        lower = np.linalg.qr(w64)[1].T
     return {"fold_w": (w_c @ w_g).T.copy(), "fold_b": w_c @ b_g + b_c, "basis": lower.astype(np.float32)}
 
 
