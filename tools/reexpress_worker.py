@@ -8,11 +8,14 @@ It does not import sdm_mlx.  Protocol: one JSON command per stdin line, one JSON
     {"cmd": "score", "data": "data.npz", "key": "X_test", "out": "answers.npz", "alpha": 0.95}
     {"cmd": "time_batch", "data": "data.npz", "key": "X_test", "batch": 1024, "repeat": 3}
     {"cmd": "time_rows", "data": "data.npz", "key": "X_test", "rows": 200}
-    {"cmd": "info"}
+    {"cmd": "score_time", "data": "data.npz", "keys": ["X_test", "X_shift"]}
+    {"cmd": "info", "threads": 2}
 
 ``data.npz`` holds X_train, y_train, X_cal, y_cal and the query matrices.  Every timing scores with
 ``SDMModel.score(..., nearest_exemplars=n)`` on the CPU device (the full per-row result: q, d0, d,
-the SDM output, the nested-region estimates and n nearest exemplars).
+the SDM output, the nested-region estimates and n nearest exemplars); ``train`` and ``score_time`` also answer
+the process's CPU seconds (``tools/bench_widths.py``; ``score_time`` scores each matrix once, as
+``speed/run_reexpress.py`` of the acceptance check does, with ``nearest_exemplars=0``).
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ def _train(c: dict) -> dict:
     config = TrainingConfig(number_of_classes=int(d["y_train"].max()) + 1, exemplar_dimension=c["exemplar_dim"],
                             epochs=c["epochs"], batch_size=c["batch_size"], learning_rate=c["learning_rate"],
                             max_neighbors=c["max_neighbors"], seed=c["seed"])
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     result = train_iterations(config, d["X_train"], d["y_train"].tolist(), d["X_cal"], d["y_cal"].tolist(),
                               number_of_random_shuffles=c["iterations"], backend_options={"device": "cpu"})
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     write_artifact(c["out"], result.artifact)
-    return {"train_s": seconds, "support_rows": len(result.artifact.support_records)}
+    return {"train_s": seconds, "train_cpu_s": cpu, "support_rows": len(result.artifact.support_records)}
 
 
 def _model() -> SDMModel:
@@ -86,8 +89,22 @@ def _time_rows(c: dict) -> dict:
     return {"seconds": times}
 
 
+def _score_time(c: dict) -> dict:
+    d = np.load(c["data"])
+    out = {}
+    for key in c["keys"]:
+        X = d[key]
+        t, cpu = time.perf_counter(), time.process_time()
+        _score(X, c.get("n_exemplars", 0))
+        out[key] = {"rows": int(X.shape[0]), "seconds": time.perf_counter() - t, "cpu_seconds": time.process_time() - cpu}
+    return out
+
+
 def _info(c: dict) -> dict:
     import reexpress_sdm
+
+    if c.get("threads"):
+        torch.set_num_threads(int(c["threads"]))
 
     return {"torch": torch.__version__, "reexpress_sdm": getattr(reexpress_sdm, "__version__", "?"),
             "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
@@ -103,6 +120,7 @@ def main() -> int:
         "score": _answers,
         "time_batch": _time_batch,
         "time_rows": _time_rows,
+        "score_time": _score_time,
         "info": _info,
     }
     for line in sys.stdin:

@@ -28,10 +28,12 @@ compiled chunk of 8-128 sequential steps) measured 120-370 µs per row (N = 3000
 C = 2: 0.37-1.1 s per epoch), while the same float32 arithmetic in NumPy takes
 ~20 µs per row (50-80 ms per epoch).  So:
 
-* ``engine="numpy"`` (default): the sequential single-row float32 Adam loop on
-  the host, the exact update of ``mlx.optimizers.Adam(bias_correction=True)``
-  with the analytic gradient ∂loss/∂W = (o − e_y) vᵀ (the ln(2+q~) factors
-  cancel).
+* ``engine="numpy"`` (default): the sequential single-row Adam loop on the
+  host, the update of ``mlx.optimizers.Adam(bias_correction=True)`` with the
+  analytic gradient ∂loss/∂W = (o − e_y) vᵀ (the ln(2+q~) factors cancel).
+  For C ≤ :data:`SCALAR_MAX_CLASSES` it is a Python loop generated per C over
+  float64 scalars (:class:`_ScalarEngine`, ~2 µs a row for C = 2, ~5 µs for
+  C = 4), above it the float32 NumPy array loop (:class:`_NumpyEngine`).
 * ``engine="mlx"``: ``mx.value_and_grad`` + ``mlx.optimizers.Adam(...,
   bias_correction=True)`` in one ``mx.compile``d step per row (optimizer state
   captured), one ``mx.eval`` per step.  Same semantics, slower; kept as the
@@ -197,6 +199,95 @@ class _NumpyEngine:
         return self.W.copy()
 
 
+#: Classes up to which the host engine runs :class:`_ScalarEngine` (one generated Python loop per C); above it
+#: :class:`_NumpyEngine`'s array loop (its per-call overhead is then shared by C² weights).
+SCALAR_MAX_CLASSES = 8
+
+_SCALAR_LOOPS: dict = {}
+
+
+def _scalar_loop(C: int):
+    """The generated epoch loop of :class:`_ScalarEngine` for C classes: every weight, moment and logit is a local
+    float, so a step is ~11 float operations per weight and no call into NumPy (whose ~1 µs per call made up most
+    of the array loop's ~20 µs per row)."""
+    if C in _SCALAR_LOOPS:
+        return _SCALAR_LOOPS[C]
+    cls, wts = range(C), [(i, k) for i in range(C) for k in range(C)]
+    names = lambda p: ", ".join(f"{p}{i}{k}" for i, k in wts)  # noqa: E731
+    vs = ", ".join(f"v{k}" for k in cls)
+    body = [
+        "def loop(rows, state, b1, b2):",
+        f"    ({names('w')},) = state[0]",
+        f"    ({names('m')},) = state[1]",
+        f"    ({names('s')},) = state[2]",
+        "    losses = []",
+        "    append = losses.append",
+        f"    for ({vs}), lb, y, step, ep, keep in rows:",
+        *[f"        l{i} = ({' + '.join(f'w{i}{k} * v{k}' for k in cls)}) * lb" for i in cls],
+        "        top = l0",
+        *[f"        if l{i} > top: top = l{i}" for i in cls if i > 0],
+        *[f"        e{i} = exp(l{i} - top)" for i in cls],
+        f"        total = {' + '.join(f'e{i}' for i in cls)}",
+        f"        append((top + log(total) - ({', '.join(f'l{i}' for i in cls)},)[y]) / lb)",
+        "        scale = keep / total",
+        *[f"        o{i} = e{i} * scale - (keep if y == {i} else 0.0)" for i in cls],
+    ]
+    for i, k in wts:
+        body += [f"        g = o{i} * v{k}",
+                 f"        m{i}{k} = b1 * m{i}{k} + g",
+                 f"        s{i}{k} = b2 * s{i}{k} + g * g",
+                 f"        w{i}{k} -= step * m{i}{k} / (sqrt(s{i}{k}) + ep)"]
+    body += [f"    state[0] = ({names('w')},)", f"    state[1] = ({names('m')},)", f"    state[2] = ({names('s')},)",
+             "    return losses"]
+    scope = {"exp": math.exp, "log": math.log, "sqrt": math.sqrt}
+    exec(compile("\n".join(body), f"<rescaler loop C={C}>", "exec"), scope)  # noqa: S102 (generated above)
+    _SCALAR_LOOPS[C] = scope["loop"]
+    return scope["loop"]
+
+
+class _ScalarEngine:
+    """Host engine for small C: MLX's ``Adam(bias_correction=True)`` update per row in float64 Python scalars.
+
+    The same update as :class:`_NumpyEngine` (m ← β₁ m + (1 − β₁) g, v ← β₂ v + (1 − β₂) g², W ← W − c₁ m /
+    (c₂ √v + ε), g = (o − e_y) vᵀ), with v held scaled by (1 − β₁)² / (1 − β₂) as
+    :mod:`sdm_mlx.network.host_step` does, in float64 rather than float32 (the weights handed out are rounded to
+    float32): about 2 µs per row for C = 2 on the 2-core test box against 20 µs for the array loop
+    (``docs/performance.md``).
+    """
+
+    def __init__(self, W0, lr, betas, eps):
+        W0 = np.asarray(W0, dtype=np.float64)
+        self.C = W0.shape[0]
+        self.state = [tuple(W0.ravel().tolist()), (0.0,) * W0.size, (0.0,) * W0.size]
+        self.t = 0
+        self.lr, self.eps = float(lr), float(eps)
+        self.b1, self.b2 = (float(b) for b in betas)
+        self.loop = _scalar_loop(self.C)
+
+    def run_epoch(self, V: np.ndarray, log_base: np.ndarray, Y: np.ndarray) -> np.ndarray:
+        n = V.shape[0]
+        t = np.arange(self.t + 1, self.t + n + 1, dtype=np.float64)
+        c1 = self.lr / (1.0 - self.b1 ** t)
+        c2 = 1.0 / np.sqrt(1.0 - self.b2 ** t)
+        kappa = math.sqrt(1.0 - self.b2) / (1.0 - self.b1)  # √v = κ √v_scaled
+        step, ep = (c1 / (c2 * kappa)).tolist(), (self.eps / (c2 * kappa)).tolist()
+        keep = [1.0 - self.b1] * n
+        rows = zip(V.astype(np.float64).tolist(), log_base.astype(np.float64).tolist(), Y.tolist(), step, ep, keep)
+        losses = self.loop(rows, self.state, self.b1, self.b2)
+        self.t += n
+        return np.asarray(losses, dtype=np.float64)
+
+    def weights(self) -> np.ndarray:
+        return np.asarray(self.state[0], dtype=np.float64).reshape(self.C, self.C).astype(_F32)
+
+
+def _host_engine(W0, lr, betas, eps):
+    """``engine="numpy"``: the scalar loop for C ≤ :data:`SCALAR_MAX_CLASSES`, else the NumPy array loop."""
+    if np.asarray(W0).shape[0] <= SCALAR_MAX_CLASSES:
+        return _ScalarEngine(W0, lr, betas, eps)
+    return _NumpyEngine(W0, lr, betas, eps)
+
+
 def _row_loss_mlx(params, v, log_base, y):
     logits = (params["W"] @ v) * log_base
     return (mx.logsumexp(logits) - logits[y]) / log_base
@@ -232,7 +323,7 @@ class _MlxEngine:
         return np.array(self.params["W"], dtype=_F32)
 
 
-_ENGINES = {"numpy": _NumpyEngine, "mlx": _MlxEngine}
+_ENGINES = {"numpy": _host_engine, "mlx": _MlxEngine}
 
 
 def _check_training_inputs(v, q_tilde, y):

@@ -24,7 +24,7 @@ train+calibration data with fresh initialisation and keeps the best round by the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import Callable
 
@@ -38,6 +38,7 @@ from ..calibration.bins import unique_argmax_is
 from ..core.activation import Q_SOFTMAX, sdm_nll_loss, sdm_numpy
 from ..runtime.callbacks import SILENT, Callback
 from ..core.adaptor import ExemplarAdaptor, InvariantForward, exemplar_basis, fit_normalization, normalize_mode
+from .adaptor_step import HostAdaptorStep, normalized, set_params
 from .config import EstimatorConfig
 from ..core.distance import distance_ecdfs, distance_quantile
 from ..index import default_k, good_neighbours_by_class, make_index
@@ -182,6 +183,13 @@ def adaptor_movement(model: ExemplarAdaptor, initial: dict[str, np.ndarray]) -> 
     return {name: float(np.linalg.norm(now[name] - w0) / np.linalg.norm(w0)) for name, w0 in initial.items()}
 
 
+def _movement(arrays, initial: dict[str, np.ndarray]) -> dict[str, float]:
+    """:func:`adaptor_movement` of the parameters ``arrays`` (W_g, b_g, W', b')."""
+    now = {"projection": arrays[0], "classifier": arrays[2]}
+    return {name: float(np.linalg.norm(now[name].astype(np.float64) - w0) / np.linalg.norm(w0))
+            for name, w0 in initial.items()}
+
+
 def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
     def loss_fn(m, x, y, q, d):
         z, _ = m(x)
@@ -200,7 +208,8 @@ def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
 
 
 def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, *, d_tr, order, batch_size) -> float:
-    """One pass of Adam over the training split in ``order``; returns the mean batch loss."""
+    """One pass of Adam over the training split in ``order`` (the compiled MLX step); returns the mean batch
+    loss."""
     q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
     total, batches = 0.0, 0
     for start in range(0, order.size, batch_size):
@@ -210,6 +219,126 @@ def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, *, d_tr, order, b
         total += loss.item()
         batches += 1
     return total / max(batches, 1)
+
+
+class _MlxTrainer:
+    """Alg. 1's epochs with the compiled MLX step (:func:`_make_step`): off the CPU (Metal), or when asked."""
+
+    def __init__(self, model: ExemplarAdaptor, X_tr: np.ndarray, y_tr: np.ndarray, config: TrainConfig):
+        self.model = model
+        self.optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8,
+                                    bias_correction=True)
+        self.step = _make_step(model, self.optimizer)
+        self.X, self.y = mx.array(X_tr), mx.array(y_tr.astype(np.int32))
+        self.x_norm = None
+
+    def run_epoch(self, q_tr, d_tr, order, batch_size) -> float:
+        return _run_epoch(self.step, self.model, self.optimizer, self.X, self.y, q_tr, d_tr=d_tr, order=order,
+                          batch_size=batch_size)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(W_g, b_g, W', b') as float32 NumPy arrays."""
+        m = self.model
+        return tuple(np.array(a, dtype=np.float32) for a in (m.projection.weight, m.projection.bias,
+                                                               m.classifier.weight, m.classifier.bias))
+
+    def params(self) -> dict:
+        return dict(tree_flatten(self.model.parameters()))
+
+    def to_model(self, params: dict) -> None:
+        self.model.load_weights(list(params.items()))
+
+    def sync(self) -> None:
+        """The model holds the current parameters (it always does here)."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class _HostTrainer:
+    """Alg. 1's epochs with the host step (:class:`~sdm_mlx.estimator.adaptor_step.HostAdaptorStep`), the
+    default on the CPU: no MLX dispatch and no host round trip inside an epoch."""
+
+    def __init__(self, model: ExemplarAdaptor, X_tr: np.ndarray, y_tr: np.ndarray, config: TrainConfig):
+        self.model = model
+        self.step = HostAdaptorStep(model, learning_rate=config.learning_rate)
+        self.x_norm = normalized(model, X_tr)
+        self.y = np.asarray(y_tr, dtype=np.int64)
+
+    def run_epoch(self, q_tr, d_tr, order, batch_size) -> float:
+        total, batches = 0.0, 0
+        for start in range(0, order.size, batch_size):
+            b = order[start : start + batch_size]
+            total += self.step(self.x_norm[b], self.y[b], q_tr[b], d_tr[b])
+            batches += 1
+        return total / max(batches, 1)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        s = self.step
+        return s.w_g, s.b_g, s.w_c, s.b_c
+
+    def params(self) -> dict:
+        return self.step.params()
+
+    def to_model(self, params: dict) -> None:
+        set_params(self.model, params)
+
+    def sync(self) -> None:
+        """Write the current parameters into the model."""
+        self.step.to_model(self.model)
+
+    def close(self) -> None:
+        self.step.close()
+
+
+#: Alg. 1's step: "host" (NumPy, :mod:`.adaptor_step`) or "mlx" (compiled); None: host when MLX runs on the CPU.
+TRAIN_STEP: str | None = None
+
+
+def _trainer(model, X_tr, y_tr, config):
+    kind = TRAIN_STEP or ("host" if mx.default_device() == mx.cpu else "mlx")
+    return (_HostTrainer if kind == "host" else _MlxTrainer)(model, X_tr, y_tr, config)
+
+
+def _float32_maps(arrays):
+    """The float32 maps of :func:`_float32_forward` for one epoch's parameters (W_g, b_g, W', b'): for D ≥ M,
+    W_g as an MLX array (h' = x̄ W_gᵀ + b_g); for D < M, the folded logits map (W' W_g, W' b_g + b') and the
+    basis Rᵀ with W_gᵀ W_g = Rᵀ R (distance-equivalent coordinates x̄ Rᵀ, as
+    :func:`~sdm_mlx.core.adaptor.exemplar_basis`), made once and used for both splits."""
+    w_g, b_g, w_c, b_c = arrays
+    m, dim = w_g.shape
+    if dim >= m:
+        return {"w_g": mx.array(w_g), "b_g": b_g, "w_c": w_c, "b_c": b_c}
+    w64 = w_g.astype(np.float64)
+    try:
+        lower = np.linalg.cholesky(w64.T @ w64)
+    except np.linalg.LinAlgError:  # W_g rank-deficient
+        lower = np.linalg.qr(w64)[1].T
+    return {"fold_w": (w_c @ w_g).T.copy(), "fold_b": w_c @ b_g + b_c, "basis": lower.astype(np.float32)}
+
+
+def _float32_forward(maps: dict, x_norm: np.ndarray, x_mx: mx.array | None = None):
+    """(z' [N, C], exemplar coordinates) of normalised rows by float32 BLAS products (:func:`_float32_maps`)."""
+    if "w_g" in maps:
+        x_mx = mx.array(x_norm) if x_mx is None else x_mx
+        h = np.array(mx.matmul(x_mx, maps["w_g"].T, stream=mx.cpu))
+        h += maps["b_g"]
+        return h @ maps["w_c"].T + maps["b_c"], h
+    return x_norm @ maps["fold_w"] + maps["fold_b"], x_norm @ maps["basis"]
+
+
+def _epoch_refresh(arrays, x_tr, y_tr, x_ca, y_ca, num_classes, *, k, x_mx=(None, None)):
+    """Alg. 1's refresh after an epoch in float32 (the dense index, :mod:`sdm_mlx.index.dense`): both splits'
+    z', q, d0, d; it weights the next epoch's loss and chooses the epoch, and is never stored (the kept epoch is
+    recomputed exactly by :func:`_refresh`)."""
+    maps = _float32_maps(arrays)
+    z_tr, h_tr = _float32_forward(maps, x_tr, x_mx[0])
+    z_ca, h_ca = _float32_forward(maps, x_ca, x_mx[1])
+    good = good_neighbours_by_class(y_tr, z_tr.argmax(axis=1), num_classes)
+    index = make_index(h_tr, "dense")
+    tr = split_state(z_tr, h_tr, y_tr, index, good, k, num_classes=num_classes, exclude=np.arange(x_tr.shape[0]))
+    ca = split_state(z_ca, h_ca, y_ca, index, good, k, num_classes=num_classes)
+    return tr, ca
 
 
 def _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, *, k, config):
@@ -264,32 +393,49 @@ def train_round(
     n_tr = X_tr.shape[0]
     model = _new_adaptor(X_tr, num_classes, config, seed)
     initial = _weights(model)
-    optimizer = optim.Adam(learning_rate=config.learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
-    step = _make_step(model, optimizer)
+    trainer = _trainer(model, X_tr, y_tr, config)
     k = int(config.k) if config.k is not None else default_k(y_tr, num_classes)
     rng = np.random.default_rng(seed)
     q_tr = np.full(n_tr, Q_SOFTMAX, dtype=np.float32)
     d_tr = np.ones(n_tr, dtype=np.float32)
-    y_tr_mx, X_tr_mx = mx.array(y_tr.astype(np.int32)), mx.array(X_tr)
+    dense = config.index_backend == "exact"  # the epochs' float32 refresh; hnsw keeps its own index every epoch
+    if dense:
+        x_tr = trainer.x_norm if trainer.x_norm is not None else normalized(model, X_tr)
+        x_ca = normalized(model, X_ca)
+        x_mx = (mx.array(x_tr), mx.array(x_ca)) if X_tr.shape[1] >= config.exemplar_dim else (None, None)
     best, history, stale = None, [], 0
     for epoch in range(1, config.epochs + 1):
-        loss = _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, d_tr=d_tr, order=rng.permutation(n_tr),
-                          batch_size=config.batch_size)
-        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k=k,
-                                                                     config=config)
+        loss = trainer.run_epoch(q_tr, d_tr, rng.permutation(n_tr), config.batch_size)
+        if dense:
+            (tr_state, tr_ecdfs), (ca_state, ca_ecdfs) = _epoch_refresh(trainer.arrays(), x_tr, y_tr, x_ca, y_ca,
+                                                                      num_classes, k=k, x_mx=x_mx)
+            basis = None
+        else:
+            trainer.sync()
+            (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes,
+                                                                         k=k, config=config)
         q_tr, d_tr = tr_state.q.astype(np.float32), tr_state.d.astype(np.float32)
         metric = balanced_median(ca_state.q, y_ca, num_classes)
-        moved = adaptor_movement(model, initial)
+        moved = _movement(trainer.arrays(), initial)
         history.append(_epoch_record(epoch, loss, metric, float((ca_state.y_hat == y_ca).mean()), moved))
         callback.on_epoch_end(round_index, epoch, {**history[-1], "epochs": config.epochs, "rounds": config.iterations})
         stale = 0 if best is None or metric > best.metric else stale + 1
         if best is None or metric >= best.metric:
-            best = KeptEpoch(metric=metric, epoch=epoch, params=dict(tree_flatten(model.parameters())),
+            best = KeptEpoch(metric=metric, epoch=epoch, params=trainer.params(),
                              train=tr_state, calibration=ca_state, train_distance_ecdfs=tr_ecdfs,
                              calibration_distance_ecdfs=ca_ecdfs, movement=moved, basis=basis)
         if config.patience is not None and stale >= config.patience:
             break
-    model.load_weights(list(best.params.items()))
+    trainer.close()
+    trainer.to_model(best.params)
+    if dense:  # the kept epoch's state, exactly (batch-invariant forward, exact index): what is calibrated and stored
+        (tr_state, tr_ecdfs), (ca_state, ca_ecdfs), basis = _refresh(model, X_tr, y_tr, X_ca, y_ca, num_classes, k=k,
+                                                                     config=config)
+        best = replace(best, metric=balanced_median(ca_state.q, y_ca, num_classes), train=tr_state,
+                       calibration=ca_state, train_distance_ecdfs=tr_ecdfs, calibration_distance_ecdfs=ca_ecdfs,
+                       basis=basis)
+        history[best.epoch - 1].update(balanced_median_q=best.metric,
+                                       cal_accuracy=float((ca_state.y_hat == y_ca).mean()))
     return RoundResult(
         model=model, metric=best.metric, best_epoch=best.epoch, k=k,
         train_idx=np.arange(n_tr) if train_idx is None else train_idx,

@@ -23,6 +23,7 @@ the k cap, so they scan at most k − 1 neighbours (DESIGN #5).
 
 Modules: :mod:`._arrays` (array checks, q from neighbour lists; the leaf every backend imports),
 :mod:`.screening` (the exact index's float32 screening and its error bands), :mod:`.exact`, :mod:`.hnsw`,
+:mod:`.dense` (the float32 index of the training epochs),
 :mod:`.sharded` (the exact index split over the ranks of ``mlx.launch``).
 Only this ``__init__`` (:func:`make_index`) imports the backends.
 
@@ -39,7 +40,7 @@ import numpy as np
 from .._lazy import lazy_exports
 from ..errors import InputError
 
-_EXPORTS = {"ExactIndex": "exact", "HnswIndex": "hnsw", "ShardedExactIndex": "sharded",
+_EXPORTS = {"ExactIndex": "exact", "HnswIndex": "hnsw", "ShardedExactIndex": "sharded", "DenseIndex": "dense",
             "good_neighbours_by_class": "_arrays", "similarity_from_neighbours": "_arrays"}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -61,7 +62,8 @@ class SupportIndex(Protocol):
 
 
 def make_index(support, backend: str = "exact", shard: bool = False, shard_timeout: float | None = None, **kwargs):
-    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib).
+    """Build a support index: ``backend`` is ``"exact"`` (MLX) or ``"hnsw"`` (hnswlib); ``"dense"`` is the float32
+    index of Alg. 1's epochs (:mod:`.dense`: not batch-invariant, never stored).
 
     ``shard``: under ``mlx.launch`` with more than one rank, the exact index is split over the ranks
     (:class:`sdm_mlx.index.sharded.ShardedExactIndex`, same results); ignored in a single process.
@@ -78,6 +80,10 @@ def make_index(support, backend: str = "exact", shard: bool = False, shard_timeo
         from .hnsw import HnswIndex
 
         return HnswIndex(support, **kwargs)
+    if backend == "dense":
+        from .dense import DenseIndex
+
+        return DenseIndex(support, **kwargs)
     raise InputError(f"unknown index backend {backend!r}; choose 'exact' or 'hnsw'")
 
 
@@ -87,5 +93,5 @@ def default_k(train_labels: np.ndarray, num_classes: int) -> int:
     return int(counts.max()) if counts.size else 0
 
 
-__all__ = ["ExactIndex", "HnswIndex", "ShardedExactIndex", "SupportIndex", "make_index", "default_k",
+__all__ = ["ExactIndex", "HnswIndex", "ShardedExactIndex", "DenseIndex", "SupportIndex", "make_index", "default_k",
            "good_neighbours_by_class", "similarity_from_neighbours"]

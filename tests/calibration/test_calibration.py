@@ -347,17 +347,53 @@ def _naive_mlx_epochs(W0, v, qt, y, perms, lr=1e-4):
     return np.array(params["W"]), epoch_losses
 
 
-@pytest.mark.parametrize("engine", ["numpy", "mlx"])
-def test_rescaler_sequential_batch1_semantics(engine):
+def _naive_float64_epochs(W0, v, qt, y, perms, lr, betas=(0.9, 0.999), eps=1e-8):
+    """Reference in float64: the textbook per-row loop of MLX's Adam(bias_correction=True) with
+    g = (o − e_y) vᵀ, o = softmax(W v ln(2+q~)), from the float32 v and ln(2+q~) that train_rescaler hands on."""
+    W = np.asarray(W0, dtype=np.float64).copy()
+    v = v.astype(np.float32).astype(np.float64)
+    m, s = np.zeros_like(W), np.zeros_like(W)
+    b1, b2 = betas
+    t, epoch_losses = 0, []
+    for perm in perms:
+        losses = []
+        for i in perm:
+            t += 1
+            lb = float(np.float32(math.log(2.0 + float(qt[i]))))
+            logits = W @ v[i] * lb
+            top = logits.max()
+            lse = top + math.log(np.exp(logits - top).sum())
+            losses.append((lse - logits[y[i]]) / lb)
+            g = np.outer(np.exp(logits - lse) - np.eye(len(W))[y[i]], v[i])
+            m = b1 * m + (1 - b1) * g
+            s = b2 * s + (1 - b2) * g * g
+            W = W - (lr / (1 - b1**t)) * m / (np.sqrt(s) / math.sqrt(1 - b2**t) + eps)
+        epoch_losses.append(np.mean(losses))
+    return W, epoch_losses
+
+
+@pytest.mark.parametrize("engine", ["numpy", "array", "mlx"])
+def test_rescaler_sequential_batch1_semantics(engine, monkeypatch):
+    """Every engine runs MLX's Adam per row: the float32 ones ("array": the NumPy array loop, "mlx") agree with a
+    naive float32 MLX loop, the float64 scalar loop (what "numpy" runs for C <= 8) with a naive float64 loop."""
+    from sdm_mlx.calibration import rescaler
+
+    if engine == "array":
+        monkeypatch.setitem(rescaler._ENGINES, "numpy", rescaler._NumpyEngine)
     v, qt, y = _toy_calibration(n=24, C=3, seed=5)
     seed, epochs, lr = 11, 2, 1e-2  # a large lr makes every step visible
-    fit = train_rescaler(v, qt, y, RescalerSettings(seed=seed, max_epochs=epochs, learning_rate=lr, engine=engine,
-                                                    patience=100))
+    fit = train_rescaler(v, qt, y, RescalerSettings(seed=seed, max_epochs=epochs, learning_rate=lr,
+                                                    engine="mlx" if engine == "mlx" else "numpy", patience=100))
     rng = np.random.default_rng(seed)
     perms = [rng.permutation(len(y)) for _ in range(epochs)]
+    assert fit.best_epoch == epochs - 1
+    if engine == "numpy":
+        W_ref, losses_ref = _naive_float64_epochs(init_rescaler_weights(3, seed), v, qt, y, perms, lr=lr)
+        np.testing.assert_allclose(fit.epoch_losses, losses_ref, rtol=1e-12)
+        np.testing.assert_allclose(fit.W, W_ref.astype(np.float32), rtol=1e-6, atol=1e-7)  # W rounded to float32
+        return
     W_ref, losses_ref = _naive_mlx_epochs(init_rescaler_weights(3, seed), v, qt, y, perms, lr=lr)
     np.testing.assert_allclose(fit.epoch_losses, losses_ref, rtol=1e-5)
-    assert fit.best_epoch == epochs - 1
     np.testing.assert_allclose(fit.W, W_ref, rtol=1e-5, atol=1e-6)
 
 

@@ -212,3 +212,42 @@ def test_host_matmul_in_products_of_a_few_rows_gives_the_same_answers(random_dat
         for a, b in zip(answers[0], other):
             assert a.dtype == b.dtype and np.array_equal(a, b)
     np.testing.assert_array_equal(answers[0][0], ref_q(queries, support, y_hat, good, 60, exclude))
+
+
+@pytest.mark.parametrize("self_excluded", [False, True])
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_dense_index_matches_the_reference_on_random_data(random_data, self_excluded, blocks):
+    """The float32 index of the training epochs (index.dense): the exact q and d0 where float32 orders the
+    neighbours as float64 does (random data: no near-ties), in one query block or several."""
+    support, queries, labels, preds, rng = random_data
+    good = good_neighbours_by_class(labels, preds, 3)
+    index = make_index(support, "dense", block_bytes=4 * 300 * (300 // blocks + 1))
+    if self_excluded:
+        queries, y_hat, ex = support, preds, np.arange(len(support))
+    else:
+        y_hat, ex = rng.integers(0, 3, len(queries)), None
+    for k in (1, 5, 50, 1000):
+        q, d0 = index.similarity(queries, y_hat, good, k, exclude=ex)
+        np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, k, exclude=ex))
+    rd, _ = brute(queries, support, ex)
+    np.testing.assert_allclose(d0, rd[:, 0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_dense_index_orders_exact_ties_by_support_index(exclude):
+    """Duplicated support rows with mixed labels: exact float32 ties, ordered by support index as the exact
+    index orders them (equal float32 distances of equal vectors)."""
+    rng = np.random.default_rng(7)
+    distinct = rng.normal(size=(15, 6)).astype(np.float32)
+    support = distinct[rng.integers(0, 15, 400)]
+    labels = rng.integers(0, 3, 400)
+    preds = np.where(rng.random(400) < 0.7, labels, rng.integers(0, 3, 400))
+    good = good_neighbours_by_class(labels, preds, 3)
+    if exclude:
+        queries, y_hat, ex = support, preds, np.arange(400)
+    else:
+        queries, y_hat, ex = distinct[rng.integers(0, 15, 60)], rng.integers(0, 3, 60), None
+    dense, exact = make_index(support, "dense"), ExactIndex(support)
+    for k in (3, 40, 400):
+        q, _ = dense.similarity(queries, y_hat, good, k, exclude=ex)
+        np.testing.assert_array_equal(q, exact.similarity(queries, y_hat, good, k, exclude=ex)[0])
