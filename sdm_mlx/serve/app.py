@@ -143,7 +143,7 @@ async def wait_disconnect(request: Request) -> None:
 
 def _live(engine: Engine, req: GenerationRequest) -> bool:
     """Stream tokens as generated only when a rejected answer is returned anyway (policy ``return``)."""
-    return (req.on_reject or engine.gen.on_reject) == "return"
+    return (req.on_reject or engine.gen.settings.on_reject) == "return"
 
 
 async def stream_events(engine: Engine, req: GenerationRequest, cid: str):

@@ -49,6 +49,7 @@ from typing import Callable
 
 from ..llm import embed as _embed
 from ..runtime.allocator import HeapTrimmer
+from ..verified.generator import AttemptPolicy, Streams
 from ..verified.runner import Cancelled
 from ..verified.verification import VerifyItem
 from ..errors import InputError
@@ -237,12 +238,13 @@ class Engine:
                     else self.prompt_ids(req.messages, req.prompt, req.chat_template_kwargs))
         on_tokens = on_stream if (on_stream is not None and req.sampling.logprobs) else None
         on_text = (lambda seg: on_stream(seg, None)) if (on_stream is not None and on_tokens is None) else None
+        policy = AttemptPolicy(on_reject=req.on_reject, max_attempts=req.max_attempts, max_tokens=req.max_tokens,
+                               stop=req.stop, sampling=req.sampling)
         result = yield from self.gen.attempts(
             base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt,
                                                template_kwargs=req.chat_template_kwargs),
-            prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
-            max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
-            sampling=req.sampling, cancel=gone, on_tokens=on_tokens,
+            prompt=req.prompt or req.messages[-1]["content"], policy=policy,
+            streams=Streams(on_text=on_text, on_tokens=on_tokens, cancel=gone),
         )
         last = result.attempts[-1]
         vid = self._store(req.kind, base_ids, last.token_ids, last.text, last, last.row)

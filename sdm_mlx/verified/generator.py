@@ -43,10 +43,50 @@ from .runner import BatchRunner, Cancelled
 from ..decoding.sampling import GREEDY, SamplingParams
 from .verification import AnswerVerifier, Verdict, VerifyItem
 
-__all__ = ["ABSTAIN_TEXT", "REASK_TEMPLATE", "STATUSES", "STOPPED", "Attempt", "VerificationResult",
-           "VerifiedGenerator"]
+__all__ = ["ABSTAIN_TEXT", "REASK_TEMPLATE", "STATUSES", "STOPPED", "Attempt", "AttemptPolicy", "Streams",
+           "VerificationResult", "VerifiedGenerator", "split_options"]
 #: Rows decoded at once by default (``max_batch`` of the engine).
 DEFAULT_MAX_BATCH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptPolicy:
+    """How one prompt's attempts run: ``on_reject``, ``max_attempts``, ``max_tokens`` (None: the generator's
+    settings), ``stop`` strings and ``sampling`` (:class:`~sdm_mlx.decoding.sampling.SamplingParams`; attempt
+    ``k`` draws with seed + k − 1)."""
+
+    on_reject: str | None = None
+    max_attempts: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    sampling: SamplingParams = GREEDY
+
+
+@dataclasses.dataclass(frozen=True)
+class Streams:
+    """What one prompt's attempts report as they run, and how they are stopped: ``on_text(segment)`` /
+    ``on_tokens(text, records)`` stream the answer (:class:`~sdm_mlx.decoding.batching.DecodeRequest`),
+    ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict,
+    ``cancel()`` is polled at every token (True: :class:`~.runner.Cancelled`)."""
+
+    on_text: Callable[[str], None] | None = None
+    on_tokens: Callable[[str, list], None] | None = None
+    on_attempt_start: Callable[[int], None] | None = None
+    on_attempt: Callable[["Attempt"], None] | None = None
+    cancel: Callable[[], bool] | None = None
+
+
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(AttemptPolicy))
+_STREAM_FIELDS = frozenset(f.name for f in dataclasses.fields(Streams))
+
+
+def split_options(options: dict) -> tuple[AttemptPolicy, Streams]:
+    """``(AttemptPolicy, Streams)`` of flat per-call keywords (``generate(prompt, on_reject=..., on_text=...)``)."""
+    unknown = set(options) - _POLICY_FIELDS - _STREAM_FIELDS
+    if unknown:
+        raise TypeError(f"unexpected options: {sorted(unknown)}")
+    return (AttemptPolicy(**{k: v for k, v in options.items() if k in _POLICY_FIELDS}),
+            Streams(**{k: v for k, v in options.items() if k in _STREAM_FIELDS}))
 
 
 def _load_model(config: GenerationConfig, head_config: dict | None, model, tokenizer):
@@ -121,7 +161,13 @@ class VerifiedGenerator:
     Attributes
     ----------
     config : GenerationConfig
-        The settings in force.
+        The settings as given.
+    settings : GenerationConfig
+        The settings in force: ``config`` with its head-dependent fields (``system``, ``prompt_template``,
+        ``use_chat_template``, ``max_tokens``, ``delimiter``, ``max_length``) resolved against the head's stored
+        settings (:meth:`GenerationConfig.templating`).
+    prompts : PromptBuilder
+        The templating (system message, prompt and re-ask templates) of every prompt.
     model, tokenizer, heads, estimator :
         The loaded language model and tokenizer, the SDM heads (None: plain decoding) and the verification
         layer's ``SDMEstimator``.
@@ -129,10 +175,6 @@ class VerifiedGenerator:
         The batched decoding loop (continuous batching); ``decoding`` is its mode, "plain" or "joint".
     verifier : AnswerVerifier
         Features of an answer -> the estimator's verdict.
-    system, prompt_template, use_chat_template, max_tokens, delimiter, max_length :
-        The templating and decoding settings resolved against the head's stored settings.
-    on_reject, max_attempts, reask_template, reask_fallback, abstain_text :
-        What happens to an answer that is not verified.
     """
 
     def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
@@ -161,27 +203,22 @@ class VerifiedGenerator:
         return cls(config=config, **loaded)
 
     def _settle(self, config: GenerationConfig, head_settings: dict | None, model, tokenizer, heads, verifier):
-        """Resolve the head-dependent settings and build the prompts, the engine and the verifier."""
+        """Resolve the head-dependent settings (:attr:`settings`) and build the prompts, the engine and the
+        verifier."""
         t = config.templating(head_settings)
+        if t["max_tokens"] < 1 or t["max_length"] < 1:
+            raise InputError("max_tokens and max_length must be >= 1")
+        self.settings = dataclasses.replace(config, **t)
         self.prompts = PromptBuilder(tokenizer, system=t["system"], prompt_template=t["prompt_template"],
                                      use_chat_template=t["use_chat_template"], reask_template=config.reask_template,
                                      template_kwargs=config.template_kwargs())
-        self.system, self.prompt_template, self.use_chat_template = (t["system"], t["prompt_template"],
-                                                                     t["use_chat_template"])
-        self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]
-        if self.max_tokens < 1 or self.max_length < 1:
-            raise InputError("max_tokens and max_length must be >= 1")
-        self.on_reject, self.max_attempts = config.on_reject, int(config.max_attempts)
-        self.reask_fallback = config.reask_fallback
-        self.reask_template = self.prompts.reask_template
-        self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
         cache = PrefixCache(int(config.prompt_cache_bytes)) if config.prompt_cache_bytes else False
-        self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=self.delimiter,
-                                   max_batch=self.max_batch, max_length=self.max_length, prefix_cache=cache)
+        self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=t["delimiter"],
+                                   max_batch=self.max_batch, max_length=t["max_length"], prefix_cache=cache)
         self.decoding = self.engine.mode  # "plain" | "joint"
-        self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
-                                       max_length=self.max_length, n_exemplars=config.n_exemplars,
+        self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=t["delimiter"],
+                                       max_length=t["max_length"], n_exemplars=config.n_exemplars,
                                        require_json=config.require_json)
         self.runner = BatchRunner(self.engine, self.verifier)
 
@@ -209,12 +246,14 @@ class VerifiedGenerator:
         return self.verifier(ids, answer_ids, self.tokenizer.decode(list(answer_ids)) if text is None else text, id)
 
     def document_task(self, prompt: str, id=None, **options):
-        """The :meth:`attempts` task of one prompt (the user message / document of the template)."""
+        """The :meth:`attempts` task of one prompt (the user message / document of the template); ``options``:
+        the fields of :class:`AttemptPolicy` and :class:`Streams` as flat keywords."""
         if not isinstance(prompt, str) or not prompt:
             raise InputError("prompt must be a non-empty string")
         base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        policy, streams = split_options(options)
         return self.attempts(base_ids, self.prompts.reasker(messages=self.prompts.messages(prompt)), prompt=prompt,
-                             id=id, **options)
+                             id=id, policy=policy, streams=streams)
 
     def generate(self, prompt: str, id=None, *, on_text: Callable[[str], None] | None = None,
                  on_attempt_start: Callable[[int], None] | None = None,
@@ -223,7 +262,7 @@ class VerifiedGenerator:
 
         Callbacks: ``on_text(segment)`` streams the answer text of every attempt,
         ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict.
-        ``options``: per-call overrides of :meth:`attempts`.
+        ``options``: the fields of :class:`AttemptPolicy` and :class:`Streams` as flat keywords.
         """
         task = self.document_task(prompt, id, on_text=on_text, on_attempt_start=on_attempt_start,
                                   on_attempt=on_attempt, **options)
@@ -231,7 +270,8 @@ class VerifiedGenerator:
 
     def generate_ids(self, base_ids, reask, **options) -> VerificationResult:
         """:meth:`attempts` on an already templated prompt (token ids ``base_ids``), run to its result."""
-        return self.runner.run([self.attempts(base_ids, reask, **options)])[0]
+        policy, streams = split_options(options)
+        return self.runner.run([self.attempts(base_ids, reask, policy=policy, streams=streams)])[0]
 
     def generate_many(self, prompts: Sequence[str], ids: Sequence | None = None,
                       on_result: Callable[[int, VerificationResult], None] | None = None, **options) -> list:
@@ -244,23 +284,17 @@ class VerifiedGenerator:
         return self.runner.run(tasks, on_result)
 
     def attempts(self, base_ids, reask: Callable[[str, str | None, int], tuple[list, str]] | None, *,
-                 prompt: str = "", id=None, on_text: Callable[[str], None] | None = None,
-                 on_attempt_start: Callable[[int], None] | None = None,
-                 on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
-                 max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
-                 sampling: SamplingParams = GREEDY, cancel: Callable[[], bool] | None = None,
-                 on_tokens: Callable[[str, list], None] | None = None):
+                 prompt: str = "", id=None, policy: AttemptPolicy = AttemptPolicy(), streams: Streams = Streams()):
         """The generate-verify-branch loop of one prompt as a :class:`~.runner.BatchRunner` task.
 
         ``reask(previous, reason, attempt) -> (prompt ids, re-ask message)`` builds the prompt of a re-ask
         attempt (required with ``on_reject="reask"``); every attempt is verified against ``base_ids``.
-        ``on_reject``, ``max_attempts``, ``max_tokens`` override the generator's settings for this call;
-        ``stop`` (strings), ``sampling`` (:class:`~.sampling.SamplingParams`; attempt ``k`` draws with
-        seed + k − 1), ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) and the streams
-        ``on_text`` / ``on_tokens`` (:class:`~sdm_mlx.decoding.batching.DecodeRequest`) go to the decoding.
-        ``prompt`` is only recorded in the result.
+        ``policy`` (:class:`AttemptPolicy`) overrides the generator's settings for this call and carries the
+        decoding's ``stop`` and ``sampling``; ``streams`` (:class:`Streams`) are the callbacks and the cancel
+        poll (raises :class:`~.runner.Cancelled`).  ``prompt`` is only recorded in the result.
         """
-        on_reject, max_attempts, max_tokens = self._options(on_reject, max_attempts, max_tokens, reask, sampling)
+        on_reject, max_attempts, max_tokens = self._options(policy, reask)
+        sampling = policy.sampling
         base_ids = [int(t) for t in base_ids]
         t_start = time.perf_counter()
         gen_ids, reask_message, used = base_ids, None, {tuple(base_ids)}
@@ -268,12 +302,12 @@ class VerifiedGenerator:
         attempts: list[Attempt] = []
         stopped = "rejected"
         for k in range(1, limit + 1):
-            if on_attempt_start is not None:
-                on_attempt_start(k)
+            if streams.on_attempt_start is not None:
+                streams.on_attempt_start(k)
             seed = None if sampling.seed is None else sampling.seed + k - 1
-            req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed), tuple(stop or ()),
-                                features=gen_ids is base_ids, on_text=on_text, cancel=cancel,
-                                on_tokens=on_tokens)
+            req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed),
+                                tuple(policy.stop or ()), features=gen_ids is base_ids, on_text=streams.on_text,
+                                cancel=streams.cancel, on_tokens=streams.on_tokens)
             t0 = time.perf_counter()
             dec = yield req
             if dec.stop_reason == "cancelled":
@@ -284,8 +318,8 @@ class VerifiedGenerator:
                                        (dec.features, dec.feature_info) if dec.features is not None else None)
             att = _attempt_record(k, dec, verdict, reask_message, time.perf_counter() - t0)
             attempts.append(att)
-            if on_attempt is not None:
-                on_attempt(att)
+            if streams.on_attempt is not None:
+                streams.on_attempt(att)
             if att.verified:
                 stopped = "verified"
                 break
@@ -300,30 +334,32 @@ class VerifiedGenerator:
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
 
-    def _options(self, on_reject, max_attempts, max_tokens, reask, sampling: SamplingParams) -> tuple:
+    def _options(self, policy: AttemptPolicy, reask) -> tuple:
         """``(on_reject, max_attempts, max_tokens)`` of one call, the generator's settings filling ``None``."""
-        on_reject = self.on_reject if on_reject is None else on_reject
-        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
-        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
+        settings = self.settings
+        on_reject = settings.on_reject if policy.on_reject is None else policy.on_reject
+        max_attempts = int(settings.max_attempts) if policy.max_attempts is None else int(policy.max_attempts)
+        max_tokens = settings.max_tokens if policy.max_tokens is None else int(policy.max_tokens)
         if on_reject not in ON_REJECT:
             raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
         if max_attempts < 1 or max_tokens < 1:
             raise InputError("max_attempts and max_tokens must be >= 1")
         if on_reject == "reask" and reask is None:
             raise InputError("on_reject='reask' needs a reask prompt builder")
-        sampling.validate()
+        policy.sampling.validate()
         return on_reject, max_attempts, max_tokens
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
         last = attempts[-1]
-        policy = on_reject if on_reject != "reask" else self.reask_fallback
+        policy = on_reject if on_reject != "reask" else self.settings.reask_fallback
         if last.verified:
             status, shown = "verified", last.text
         elif policy == "return":
             status, shown = "unverified", last.text
         else:
-            status, shown = "abstained", fill(self.abstain_text, reason=last.reason)
+            abstain = ABSTAIN_TEXT if self.settings.abstain_text is None else self.settings.abstain_text
+            status, shown = "abstained", fill(abstain, reason=last.reason)
         return VerificationResult(
             id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
             status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,

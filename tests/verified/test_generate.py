@@ -87,7 +87,7 @@ def test_joint_decoding_with_reference_copy_equals_plain(tiny_phi3_path):
 def test_head_decodes_json_answers(setup):
     gen = _generator(setup, on_reject="return")
     assert gen.decoding == "joint"
-    assert (gen.system, gen.prompt_template, gen.max_tokens) == (SYSTEM, TEMPLATE, 24)  # head settings
+    assert (gen.settings.system, gen.settings.prompt_template, gen.settings.max_tokens) == (SYSTEM, TEMPLATE, 24)  # head settings
     segments = []
     r = gen.generate("The film is sharp and lovely.", on_text=segments.append)
     assert r.attempts[0].stop_reason == "delimiter"
