@@ -78,6 +78,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -232,11 +233,38 @@ def _check_calibration_logits(z_cal, y_cal, C: int):
     return z_cal, y_cal
 
 
-def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, *, z, y_hat) -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class _BaselineRun:
+    """What step 1 settled for the baselines: the ones that run (display order), their calibration logits and
+    labels (None: none), their constructor options, those skipped (name -> why) and the fitted parameters at
+    the estimator's α'."""
+
+    run: list
+    z_cal: np.ndarray | None
+    y_cal: np.ndarray | None
+    num_classes: int
+    options: dict
+    skipped: dict
+    params: dict
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """The α' sweep: the estimator's α', the swept values, the estimators in display order (baselines, then
+    SDM) and the SDM admissions ``sdm_at[α'][set name][estimator]`` (step 2)."""
+
+    alpha: float
+    alphas: list
+    order: list
+    sdm_at: dict
+
+
+def _baseline_admissions(baselines: _BaselineRun, a, *, z, y_hat) -> dict[str, np.ndarray]:
     """Baselines refitted at α' and applied to the set's logits z' (they never change argmax z')."""
     admitted = {}
-    fitted = _fit_baselines(run_baselines, z_cal, y_cal, a, C, {}, options=options)
-    for b in run_baselines:
+    fitted = _fit_baselines(baselines.run, baselines.z_cal, baselines.y_cal, a, baselines.num_classes, {},
+                            options=baselines.options)
+    for b in baselines.run:
         b_pred, b_adm, _ = fitted[b].predict(z)
         if not np.array_equal(b_pred, y_hat):  # a baseline never changes argmax z'
             raise AssertionError(f"baseline {b} changed the prediction")
@@ -244,23 +272,23 @@ def _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, *, z, y_hat
     return admitted
 
 
-def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, *, order, run_baselines, z_cal, y_cal, C, options,
-                callback: Callback) -> dict:
+def _set_report(name, ds, pred, sweep: _Sweep, baselines: _BaselineRun, callback: Callback) -> dict:
     """Step 3 for one evaluation set: reports at α', the α' sweep, hard bins, reasons, label errors."""
+    alpha, sweep_alphas, order, C = sweep.alpha, sweep.alphas, sweep.order, baselines.num_classes
     y = np.asarray(ds.y, dtype=np.int64)
     y_hat = np.asarray(pred.prediction, dtype=np.int64)
     if y.shape[0] != y_hat.shape[0]:
         raise InputError(f"evaluation set {name!r}: {y.shape[0]} labels but {y_hat.shape[0]} predictions")
     z = np.asarray(pred.logits, dtype=np.float64)
     callback.message(f"evaluating {name} ({len(ds)} rows) over {len(sweep_alphas)} alpha values ...")
-    sweep: dict[str, list] = {e: [] for e in order}
+    curve: dict[str, list] = {e: [] for e in order}
     reports: dict[str, dict] = {}
     for a in sweep_alphas:
-        admitted = _baseline_admissions(run_baselines, z_cal, y_cal, a, C, options, z=z, y_hat=y_hat)
-        admitted.update(sdm_at[a][name])
+        admitted = _baseline_admissions(baselines, a, z=z, y_hat=y_hat)
+        admitted.update(sweep.sdm_at[a][name])
         for e in order:
             rep = index_conditional_report(y, y_hat, admitted[e], C, a)
-            sweep[e].append(sweep_point(rep))
+            curve[e].append(sweep_point(rep))
             if a == alpha:
                 reports[e] = rep
     adm = np.asarray(pred.admitted, dtype=bool)
@@ -276,7 +304,7 @@ def _set_report(name, ds, pred, sdm_at, alpha, sweep_alphas, *, order, run_basel
         "calibrated": [e for e in order if reports[e]["index_conditional_calibrated"]],
         "violated": [e for e in order if not reports[e]["index_conditional_calibrated"]],
         "all_rejected": [e for e in order if reports[e]["all_rejected"]],
-        "sweep": sweep,
+        "sweep": curve,
         "hard_bins": {
             "bins": list(range(top)),
             "admitted": _counts(bins[adm], top),
@@ -304,24 +332,24 @@ def _model_summary(estimator) -> dict:
     }
 
 
-def _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, *, options, run_baselines, params, out_sets,
-              notes) -> dict:
+def _assemble(estimator, sweep: _Sweep, baselines: _BaselineRun, out_sets: dict, notes: list) -> dict:
     """The report dict (schema: module docstring) from the three steps' results."""
+    z_cal, options = baselines.z_cal, baselines.options
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
-        "alpha": alpha,
-        "alphas": sweep_alphas,
+        "alpha": sweep.alpha,
+        "alphas": sweep.alphas,
         "num_classes": int(estimator.num_classes_),
         "class_names": None if estimator.class_names is None else [str(c) for c in estimator.class_names],
         "primary_estimator": PRIMARY_ESTIMATOR,
-        "estimators": order,
+        "estimators": sweep.order,
         "model": _model_summary(estimator),
         "baselines": {
             "fitted_on": None if z_cal is None else "the best round's calibration split, over the adaptor logits z'",
             "n_calibration": None if z_cal is None else int(z_cal.shape[0]),
-            "skipped": skipped,
-            "options": {b: options.get(b, {}) for b in run_baselines},
-            "params": params,
+            "skipped": baselines.skipped,
+            "options": {b: options.get(b, {}) for b in baselines.run},
+            "params": baselines.params,
         },
         "datasets": out_sets,
         "grid": list(estimator.nested_.grid),
@@ -366,6 +394,10 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate the SDM estimators and the baselines on labelled evaluation sets (schema: module docstring).
 
+    Nine parameters: this is the public entry point of ``sdm-mlx evaluate`` and of notebooks; its inputs
+    (sets, calibration logits, α' sweep, baselines, precomputed predictions, progress, baseline options) are
+    independent of each other, and the keyword API is kept as users call it.
+
     Three steps: fit the baselines (:func:`_fit_baselines`) → the α' sweep of the SDM estimators
     (:func:`sdm_sweep`) → the per-set report (:func:`_set_report`).  The estimator is only read (public
     methods ``estimate`` and ``calibration_at``); it is never modified.
@@ -400,17 +432,15 @@ def evaluate(
     skipped: dict[str, str] = {}
     params = {n: b.get_params()
               for n, b in _fit_baselines(baselines, z_cal, y_cal, alpha, C, skipped, options=options).items()}
-    run_baselines = [b for b in baselines if b not in skipped]
-    order = run_baselines + list(SDM_ESTIMATORS)
+    run = _BaselineRun([b for b in baselines if b not in skipped], z_cal, y_cal, C, options, skipped, params)
     # step 2: SDM admissions at every α' (no change to the estimator)
-    sdm_at = sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes)
+    sweep = _Sweep(alpha, sweep_alphas, run.run + list(SDM_ESTIMATORS),
+                   sdm_sweep(estimator, {n: predictions[n] for n in datasets}, sweep_alphas, notes))
     # step 3: reports
-    out_sets = {name: _set_report(name, ds, predictions[name], sdm_at, alpha, sweep_alphas, order=order,
-                                  run_baselines=run_baselines, z_cal=z_cal, y_cal=y_cal, C=C, options=options,
-                                  callback=callback) for name, ds in datasets.items()}
+    out_sets = {name: _set_report(name, ds, predictions[name], sweep, run, callback)
+                for name, ds in datasets.items()}
     nested = estimator.nested_
     for name, ds in datasets.items():
         out_sets[name]["ladder"] = admission_ladder(nested, predictions[name], np.asarray(ds.y, dtype=np.int64), C)
-    report = _assemble(estimator, alpha, sweep_alphas, order, z_cal, skipped, options=options,
-                       run_baselines=run_baselines, params=params, out_sets=out_sets, notes=notes)
+    report = _assemble(estimator, sweep, run, out_sets, notes)
     return strict(report)
