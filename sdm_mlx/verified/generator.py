@@ -40,6 +40,7 @@ from .outcome import ABSTAIN_TEXT, STATUSES, STOPPED, Attempt, VerificationResul
 from ..decoding.prompt_cache import PrefixCache
 from .prompts import REASK_TEMPLATE, PromptBuilder, fill
 from .runner import BatchRunner, Cancelled
+from .sources import ModelSources
 from ..decoding.sampling import GREEDY, SamplingParams
 from .verification import AnswerVerifier, Verdict, VerifyItem
 
@@ -89,37 +90,31 @@ def split_options(options: dict) -> tuple[AttemptPolicy, Streams]:
             Streams(**{k: v for k, v in options.items() if k in _STREAM_FIELDS}))
 
 
-def _load_model(config: GenerationConfig, head_config: dict | None, model, tokenizer):
-    """``(model, tokenizer)``: the ones given, else loaded from ``config.model`` or the head's base model."""
+def _load_model(sources: ModelSources, model, tokenizer):
+    """``(model, tokenizer)``: the ones given, else loaded from the sources' model reference."""
     if model is not None:
         if tokenizer is None:
             raise InputError("pass the tokenizer together with the model")
         return model, tokenizer
-    path = config.model if config.model is not None else (head_config or {}).get("base_model")
-    if path is None:
-        raise InputError("give model_path (or a head whose config names its base model)")
-    return _embed.load_model(path)
+    return _embed.load_model(sources.require_model())
 
 
-def _load_heads(config: GenerationConfig, head_config: dict, model, tokenizer):
+def _load_heads(sources: ModelSources, model, tokenizer):
     """The head directory's :class:`~sdm_mlx.network.heads.SDMHeads` on ``model`` (warns on another base model)."""
     from ..network.artifact import load_network
 
+    config = sources.config
     if config.model is not None and os.path.exists(os.path.expanduser(str(config.model))):
-        base = head_config["base_model"]
+        base = sources.head_config["base_model"]
         if os.path.abspath(os.path.expanduser(str(config.model))) != base:
             warnings.warn(f"the head {config.head} was trained on {base}; using the model {config.model}",
                           stacklevel=3)
     return load_network(config.head, model=model, tokenizer=tokenizer, load_verifier=False).heads
 
 
-def _load_verifier(config: GenerationConfig, head_config: dict | None):
-    """The saved ``SDMEstimator`` of ``config.verifier``, else of the head directory's ``verifier`` entry."""
-    path = config.verifier
-    if path is None and head_config is not None:
-        path = os.path.join(os.path.abspath(os.fspath(config.head)), head_config["verifier"])
-    if path is None:
-        raise InputError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
+def _load_verifier(sources: ModelSources):
+    """The saved ``SDMEstimator`` of the sources' verifier directory."""
+    path = sources.require_verifier()
     from ..estimator import SDMEstimator
 
     verifier = SDMEstimator.load(path)
@@ -160,8 +155,10 @@ class VerifiedGenerator:
 
     Attributes
     ----------
+    sources : ModelSources
+        The model reference, the head's parsed config and the verifier directory, resolved once.
     config : GenerationConfig
-        The settings as given.
+        The settings as given (``sources.config``).
     settings : GenerationConfig
         The settings in force: ``config`` with its head-dependent fields (``system``, ``prompt_template``,
         ``use_chat_template``, ``max_tokens``, ``delimiter``, ``max_length``) resolved against the head's stored
@@ -177,29 +174,32 @@ class VerifiedGenerator:
         Features of an answer -> the estimator's verdict.
     """
 
-    def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
-                 model=None, tokenizer=None, verifier=None, heads=None, max_batch: int = DEFAULT_MAX_BATCH,
-                 **settings):
+    def __init__(self, model_path=None, verifier_path=None, head_path=None, *,
+                 config: GenerationConfig | ModelSources | None = None, model=None, tokenizer=None, verifier=None,
+                 heads=None, max_batch: int = DEFAULT_MAX_BATCH, **settings):
+        """Nine parameters: three paths (the positional API of mlx-lm-style callers), the settings (``config``),
+        four already loaded objects that replace what the paths would load, and the batch size; grouping the
+        loaded objects would break the keyword API that tests and notebooks use."""
         paths = {k: v for k, v in (("model", model_path), ("verifier", verifier_path), ("head", head_path))
                  if v is not None}
-        self.config = config = dataclasses.replace(config or GenerationConfig(), **paths, **settings)
-        config.validate()
+        if isinstance(config, ModelSources) and not paths and not settings:
+            sources = config  # resolved once by the caller
+        else:
+            base = config.config if isinstance(config, ModelSources) else (config or GenerationConfig())
+            sources = ModelSources.resolve(dataclasses.replace(base, **paths, **settings))
+        self.sources, self.config = sources, sources.config
         self.max_batch = int(max_batch)
-        head_config = None
-        if config.head is not None:
-            from ..network.artifact import read_network_config
-
-            head_config = read_network_config(config.head)
-        model, tokenizer = _load_model(config, head_config, model, tokenizer)
-        if config.head is not None and heads is None:
-            heads = _load_heads(config, head_config, model, tokenizer)
+        model, tokenizer = _load_model(sources, model, tokenizer)
+        if sources.config.head is not None and heads is None:
+            heads = _load_heads(sources, model, tokenizer)
         if verifier is None:
-            verifier = _load_verifier(config, head_config)
-        self._settle(config, (head_config or {}).get("settings"), model, tokenizer, heads, verifier)
+            verifier = _load_verifier(sources)
+        self._settle(sources.config, sources.head_settings, model, tokenizer, heads, verifier)
 
     @classmethod
-    def from_config(cls, config: GenerationConfig, **loaded) -> "VerifiedGenerator":
-        """A generator built from ``config`` (``loaded``: already loaded model/tokenizer/verifier/heads)."""
+    def from_config(cls, config: GenerationConfig | ModelSources, **loaded) -> "VerifiedGenerator":
+        """A generator built from ``config`` (a :class:`~.sources.ModelSources`: resolved once by the caller;
+        ``loaded``: already loaded model/tokenizer/verifier/heads)."""
         return cls(config=config, **loaded)
 
     def _settle(self, config: GenerationConfig, head_settings: dict | None, model, tokenizer, heads, verifier):
@@ -320,13 +320,13 @@ class VerifiedGenerator:
             attempts.append(att)
             if streams.on_attempt is not None:
                 streams.on_attempt(att)
-            if att.verified:
+            if verdict.verified:
                 stopped = "verified"
                 break
             if k == limit:
                 stopped = "max_attempts" if on_reject == "reask" else "rejected"
                 break
-            gen_ids, reask_message = reask(att.text, att.reason, k + 1)
+            gen_ids, reask_message = reask(att.text, verdict.reason, k + 1)
             gen_ids = [int(t) for t in gen_ids]
             if sampling.greedy and tuple(gen_ids) in used:
                 stopped = "repeated_prompt"
@@ -351,18 +351,18 @@ class VerifiedGenerator:
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
-        last = attempts[-1]
+        last, v = attempts[-1], attempts[-1].verdict
         policy = on_reject if on_reject != "reask" else self.settings.reask_fallback
-        if last.verified:
+        if v.verified:
             status, shown = "verified", last.text
         elif policy == "return":
             status, shown = "unverified", last.text
         else:
             abstain = ABSTAIN_TEXT if self.settings.abstain_text is None else self.settings.abstain_text
-            status, shown = "abstained", fill(abstain, reason=last.reason)
+            status, shown = "abstained", fill(abstain, reason=v.reason)
         return VerificationResult(
-            id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
-            status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,
+            id=id, prompt=prompt, text=shown, answer=last.text, parsed=v.parsed, verified=v.verified,
+            status=status, p_lower=v.p_lower, reason=v.reason, exemplars=v.exemplars, attempts=attempts,
             on_reject=on_reject, stopped=stopped, decoding=self.decoding,
             tokens=sum(a.tokens for a in attempts), seconds=seconds,
         )
