@@ -28,10 +28,9 @@ from .errors import SDMError
 _META = "sdm_mlx"
 
 
-def option(default: Any, help: str, *, choices=None, short: str | None = None, aliases=(), none_means: str = "",
-           metavar: str | None = None, required: bool = False, cli: bool = True, flag: str | None = None,
-           booleans: tuple | None = None) -> Any:
-    """A dataclass field carrying its default, help text and CLI details.
+@dataclasses.dataclass(frozen=True)
+class OptionDetails:
+    """The CLI details of a settings field (the keywords of :func:`option`).
 
     ``none_means`` explains a ``None`` default in ``--help`` ("largest class count"); ``aliases``
     are older flag spellings kept working; ``required`` fields have no usable default (``None``
@@ -44,8 +43,24 @@ def option(default: Any, help: str, *, choices=None, short: str | None = None, a
     setting, and each keyword is an independent, optional detail of that declaration (a group of them would only
     add a second name to spell at every field).
     """
-    meta = {_META: dict(help=help, choices=choices, short=short, aliases=tuple(aliases), none_means=none_means,
-                        metavar=metavar, required=required, cli=cli, flag=flag, booleans=booleans)}
+
+    choices: Any = None
+    short: str | None = None
+    aliases: tuple = ()
+    none_means: str = ""
+    metavar: str | None = None
+    required: bool = False
+    cli: bool = True
+    flag: str | None = None
+    booleans: tuple | None = None
+
+
+def option(default: Any, help: str, **details) -> Any:
+    """A dataclass field carrying its default, help text and CLI details (``details``: the fields of
+    :class:`OptionDetails`; an unknown one is a ``TypeError``)."""
+    d = OptionDetails(**details)
+    meta = {_META: dict(help=help, **{f.name: getattr(d, f.name) for f in dataclasses.fields(OptionDetails)})}
+    meta[_META]["aliases"] = tuple(d.aliases)
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

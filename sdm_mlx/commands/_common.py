@@ -73,7 +73,9 @@ def build_generator(args, **options):
     cfg = generation_config(args)
     from ..verified import VerifiedGenerator
 
-    return VerifiedGenerator.from_config(cfg, **options)
+    from ..verified.sources import ModelSources
+
+    return VerifiedGenerator.from_config(ModelSources.read(cfg), **options)
 
 
 def add_stream_arguments(p) -> None:
@@ -85,10 +87,11 @@ def add_stream_arguments(p) -> None:
 
 def verdict_line(att) -> str:
     """A short human-readable verdict for one attempt."""
-    p = "n/a" if att.p_lower is None else f"{att.p_lower:.3f}"
-    if att.verified:
+    v = att.verdict
+    p = "n/a" if v.p_lower is None else f"{v.p_lower:.3f}"
+    if v.verified:
         return f"[verified: p_lower={p}, {att.tokens} tokens, {att.seconds:.2f}s]"
-    return f"[rejected: {att.reason}, p_lower={p}, {att.tokens} tokens, {att.seconds:.2f}s]"
+    return f"[rejected: {v.reason}, p_lower={p}, {att.tokens} tokens, {att.seconds:.2f}s]"
 
 
 def add_server_arguments(p) -> None:
@@ -99,26 +102,11 @@ def add_server_arguments(p) -> None:
                         "log); default: feedback lives in memory until the server stops")
 
 
-def model_names(cfg: GenerationConfig, served_model_name: str | None = None) -> tuple[str, list]:
-    """``(served model id, other accepted names)`` of the generator's model."""
-    path = cfg.model
-    if path is None and cfg.head:
-        from ..network.artifact import read_network_config
-
-        path = read_network_config(cfg.head)["base_model"]
-    name = served_model_name or os.path.basename(os.path.normpath(str(path))) or str(path)
-    return name, [str(path)] if path else []
-
-
-def verifier_directory(cfg: GenerationConfig) -> str:
-    """The verifier directory in use: ``--verifier``, else the head's ``verifier`` entry."""
-    if cfg.verifier:
-        return os.path.abspath(cfg.verifier)
-    if not cfg.head:
+def verifier_directory(sources) -> str:
+    """The verifier directory in use (:attr:`~sdm_mlx.verified.sources.ModelSources.verifier`, absolute)."""
+    if sources.verifier is None:
         raise CLIError("--persist-feedback needs --verifier or --head (the directory to write feedback into)")
-    from ..network.artifact import read_network_config
-
-    return os.path.join(os.path.abspath(cfg.head), read_network_config(cfg.head)["verifier"])
+    return os.path.abspath(sources.verifier)
 
 
 def load_engine(args):
@@ -137,9 +125,12 @@ def load_engine(args):
     limit_arenas()  # before the server's threads allocate (sdm_mlx.runtime.allocator)
     limit_buffer_cache()  # glibc, not MLX's cache, reuses a server's freed buffers (sdm_mlx.runtime.allocator)
 
-    name, aliases = model_names(cfg, getattr(args, "served_model_name", None))
-    persist = verifier_directory(cfg) if getattr(args, "persist_feedback", False) else None
-    engine = Engine(lambda: VerifiedGenerator.from_config(cfg), name, aliases=aliases,
+    from ..verified.sources import ModelSources
+
+    sources = ModelSources.read(cfg)  # the one read of the head's config on serve's walk
+    name, aliases = sources.names(getattr(args, "served_model_name", None))
+    persist = verifier_directory(sources) if getattr(args, "persist_feedback", False) else None
+    engine = Engine(lambda: VerifiedGenerator.from_config(sources), name, aliases=aliases,
                     max_verdicts=args.max_verdicts, persist_feedback=persist)
     freeze_loaded_objects()  # full collections walk only what requests create (sdm_mlx.runtime.allocator)
     return engine

@@ -44,8 +44,8 @@ def run(args) -> int:
 
     out_ctx = open_append(args.output) if args.output else nullcontext()
     say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    say(f"sdm-mlx chat: {gen.decoding} decoding, on reject: {gen.on_reject}"
-        + (f" (max {gen.max_attempts} attempts)" if gen.on_reject == "reask" else "")
+    say(f"sdm-mlx chat: {gen.decoding} decoding, on reject: {gen.settings.on_reject}"
+        + (f" (max {gen.settings.max_attempts} attempts)" if gen.settings.on_reject == "reask" else "")
         + ("; one prompt per line, Ctrl-D to quit" if interactive else ""))
     w = sys.stdout.write
 
@@ -54,7 +54,7 @@ def run(args) -> int:
         sys.stdout.flush()
 
     def on_start(k):
-        w("assistant: " if k == 1 else f"re-ask {k}/{gen.max_attempts}: ")
+        w("assistant: " if k == 1 else f"re-ask {k}/{gen.settings.max_attempts}: ")
 
     def on_attempt(att):
         w("\n  " + verdict_line(att) + "\n")

@@ -109,7 +109,7 @@ def run(args) -> int:
     sampling = sampling_params(args)  # bad sampling flags: exit 2 before the model loads
     from ..serve.app import create_app
     from ..serve.guard import AccessPolicy
-    from ..serve.limits import RequestLimits, context_length
+    from ..serve.limits import RequestLimits
     from ..serve.server import bind, serve
 
     policy = AccessPolicy.for_listen_address(args.host, args.allowed_host, api_key=api_key(args),
@@ -118,9 +118,9 @@ def run(args) -> int:
     engine = load_engine(args)
     try:
         engine.verdicts.max_bytes = args.max_verdict_bytes
-        if engine.gen.max_tokens > args.max_tokens_limit:
-            raise CLIError(f"--max-tokens {engine.gen.max_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}")
-        context = context_length(engine.gen.model)
+        if engine.settings.max_tokens > args.max_tokens_limit:
+            raise CLIError(f"--max-tokens {engine.settings.max_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}")
+        context = engine.context_length
         limits = RequestLimits(max_prompt_tokens=min(args.max_prompt_tokens or context, context),
                                max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
                                body_timeout=args.body_timeout)
@@ -130,7 +130,7 @@ def run(args) -> int:
             raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"sdm-mlx serve: {engine.model_id} ({engine.gen.decoding} decoding, on_reject={engine.gen.on_reject}) "
+        print(f"sdm-mlx serve: {engine.model_id} ({engine.decoding} decoding, on_reject={engine.settings.on_reject}) "
               f"listening on http://{shown}:{port}", file=sys.stderr, flush=True)
         serve(create_app(engine, limits=limits, policy=policy, sampling=sampling), sock, access_log=not args.quiet,
               log_level="warning" if args.quiet else "info", on_exit=engine.closing.set)

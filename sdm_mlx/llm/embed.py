@@ -104,6 +104,7 @@ from .tokens import (  # re-exported: callers find the text/token helpers in sdm
 
 __all__ = [
     "DEFAULT_FEATURE_PARTS",
+    "FeatureOptions",
     "FEATURE_PARTS",
     "check_feature_parts",
     "DEFAULT_MAX_LENGTH",
@@ -259,22 +260,37 @@ def _pooled_all(model, seqs: list, first: np.ndarray, batch_size: int, progress,
     return out
 
 
-def document_features(
-    model,
-    tokenizer,
-    documents: Sequence,
-    completion_spans: Sequence | None = None,
-    *,
-    position: str = "delimiter",
-    delimiter: str = DEFAULT_DELIMITER,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    batch_size: int = 8,
-    on_missing: str = "error",
-    pooling: str = "all",
-    shared_prefix: Sequence[int] | None = None,
-    progress: Callable[[int], None] | None = None,
-    parts: Sequence[str] | str = DEFAULT_FEATURE_PARTS,
-) -> Features:
+@dataclass(frozen=True)
+class FeatureOptions:
+    """How :func:`document_features` pools (its keywords).
+
+    ``position``: ``"delimiter"`` (the last ``delimiter`` in the completion) or ``"last"``.
+    ``max_length``: kept positions (DESIGN #21).
+    ``on_missing``: what to do when the completion holds no delimiter —
+    ``"error"`` (ValueError naming the document), ``"last"`` (use the last
+    token), ``"prompt"`` (pool the positions before the completion only).
+    ``pooling``: ``"all"`` (the paper's mean over every kept position) or
+    ``"non-shared"`` (the mean leaves out each document's common prefix with
+    ``shared_prefix``, token ids; default: the longest common token prefix of
+    these documents — pass it when documents come one at a time).
+    ``batch_size``: documents per batch; ``progress(k)`` is called after each batch of ``k``.
+    ``parts``: the pooled parts concatenated (:data:`FEATURE_PARTS`; default
+    ``("mean", "last")``, DESIGN #21; ``"max,mean,last"`` adds the element-wise max).
+    """
+
+    position: str = "delimiter"
+    delimiter: str = DEFAULT_DELIMITER
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int = 8
+    on_missing: str = "error"
+    pooling: str = "all"
+    shared_prefix: Sequence[int] | None = None
+    progress: Callable[[int], None] | None = None
+    parts: Sequence[str] | str = DEFAULT_FEATURE_PARTS
+
+
+def document_features(model, tokenizer, documents: Sequence, completion_spans: Sequence | None = None,
+                      **options) -> Features:
     """Features ``concat(mean, state)`` for each document (see the module docstring for the positions).
 
     ``documents``: strings (encoded with :func:`encode`) or token-id lists.
@@ -282,19 +298,14 @@ def document_features(
     ``(start, end)`` — character offsets for strings, token offsets for token
     lists, ``end=None`` meaning to the end — delimiting the completion in which
     the last ``delimiter`` is searched (``position="delimiter"``).
-    ``on_missing``: what to do when the completion holds no delimiter —
-    ``"error"`` (ValueError naming the document), ``"last"`` (use the last
-    token), ``"prompt"`` (pool the positions before the completion only).
-    ``pooling``: ``"all"`` (the paper's mean over every kept position) or
-    ``"non-shared"`` (the mean leaves out each document's common prefix with
-    ``shared_prefix``, token ids; default: the longest common token prefix of
-    these documents — pass it when documents come one at a time).  The tokens
+    ``options``: the fields of :class:`FeatureOptions` (an unknown one is a ``TypeError``).  The tokens
     every document shares run through the model once (their keys and values are broadcast
     over each batch); documents are sorted by kept length and processed
-    ``batch_size`` at a time with right padding; ``progress(k)`` is called after
-    each batch of ``k``.  ``parts``: the pooled parts concatenated (:data:`FEATURE_PARTS`; default
-    ``("mean", "last")``, DESIGN #21; ``"max,mean,last"`` adds the element-wise max).
+    ``batch_size`` at a time with right padding.
     """
+    o = FeatureOptions(**options)
+    position, delimiter, max_length, batch_size = o.position, o.delimiter, o.max_length, o.batch_size
+    on_missing, pooling, shared_prefix, progress, parts = o.on_missing, o.pooling, o.shared_prefix, o.progress, o.parts
     n_docs = len(documents)
     spans = _check_feature_options(n_docs, completion_spans, position, on_missing, batch_size)
     if pooling not in POOLINGS:

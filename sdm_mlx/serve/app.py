@@ -40,8 +40,7 @@ from ..estimator.feedback import PersistError
 from . import responses as R
 from .engine import Cancelled, Engine, UnknownVerdict
 from .guard import AccessGuard, AccessPolicy
-from .limits import (PromptCounter, PromptTooLong, RequestLimits, check_max_tokens, check_prompt_tokens,
-                     context_length)
+from .limits import PromptCounter, PromptTooLong, RequestLimits, check_max_tokens, check_prompt_tokens
 from .schema import APIError, GenerationRequest, parse_generation, parse_json, parse_verify, shown
 
 log = logging.getLogger("sdm_mlx.serve")
@@ -143,7 +142,7 @@ async def wait_disconnect(request: Request) -> None:
 
 def _live(engine: Engine, req: GenerationRequest) -> bool:
     """Stream tokens as generated only when a rejected answer is returned anyway (policy ``return``)."""
-    return (req.on_reject or engine.gen.on_reject) == "return"
+    return (req.on_reject or engine.settings.on_reject) == "return"
 
 
 async def stream_events(engine: Engine, req: GenerationRequest, cid: str):
@@ -210,7 +209,7 @@ def _verdict_page(engine: Engine, vid: str) -> HTMLResponse:
     record = engine.verdicts.get(vid)
     if record is None:
         _explained(engine, vid)  # the 404 naming the unknown (or evicted) id
-    page = verdict_page(record, vid, engine.gen.estimator)
+    page = verdict_page(record, vid, engine.estimator)
     return HTMLResponse(page, headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
                                        "X-Content-Type-Options": "nosniff"})
 
@@ -361,7 +360,7 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, 
     Hosts, no CORS, feedback refused without an API key) with the per-request caps ``limits`` (default: prompt
     tokens up to the model's context, body up to ``max_body_bytes``) and the server's ``sampling`` settings
     (``serve --temp`` ...; default greedy) for the fields a request leaves out."""
-    limits = limits or RequestLimits(max_prompt_tokens=context_length(engine.gen.model), max_body_bytes=max_body_bytes)
+    limits = limits or RequestLimits(max_prompt_tokens=engine.context_length, max_body_bytes=max_body_bytes)
     app = Starlette(routes=Routes(engine, limits, sampling).table(), exception_handlers={
         APIError: _api_error, HTTPException: _http_error, RecursionError: _too_deep, ClientDisconnect: _client_gone,
         Exception: _server_error})

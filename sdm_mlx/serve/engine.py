@@ -49,8 +49,9 @@ from typing import Callable
 
 from ..llm import embed as _embed
 from ..runtime.allocator import HeapTrimmer
+from ..verified.generator import AttemptPolicy, Streams
 from ..verified.runner import Cancelled
-from ..verified.verification import VerifyItem
+from ..verified.verification import Verdict, VerifyItem
 from ..errors import InputError
 from .schema import GenerationRequest, VerifyRequest
 from .verdicts import DEFAULT_MAX_BYTES, VerdictStore, verdict_record
@@ -188,10 +189,43 @@ class Engine:
         self.gen = self._thread.submit(load).result()
         self._thread.runner = self.gen.runner
 
+    # -- the server's seam: what serve/ and mcp read of the loaded generator ----------------------------------
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head: the token ids a request may name (``logit_bias``)."""
         return self.gen.engine.vocab
+
+    @property
+    def tokenizer(self):
+        """The served model's tokenizer (a request's prompt is encoded with it)."""
+        return self.gen.tokenizer
+
+    @property
+    def prompts(self):
+        """The :class:`~sdm_mlx.verified.prompts.PromptBuilder` of every request's prompt."""
+        return self.gen.prompts
+
+    @property
+    def estimator(self):
+        """The verification layer's ``SDMEstimator`` (replaced when feedback is persisted)."""
+        return self.gen.estimator
+
+    @property
+    def settings(self):
+        """The generation settings in force (:attr:`VerifiedGenerator.settings`): a request's defaults."""
+        return self.gen.settings
+
+    @property
+    def decoding(self) -> str:
+        """"plain" or "joint" (neg+pos SDM heads) decoding."""
+        return self.gen.decoding
+
+    @property
+    def context_length(self) -> int:
+        """The served model's context length (:func:`sdm_mlx.serve.limits.context_length`)."""
+        from .limits import context_length
+
+        return context_length(self.gen.model)
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         """Queue ``fn(*args, **kwargs)`` on the model thread."""
@@ -205,18 +239,18 @@ class Engine:
     # -- prompts (sdm_mlx.verified.prompts) ------------------------------------------------------------------
     def chat_messages(self, messages: list) -> list:
         """The request's messages with the server's system message and prompt template applied."""
-        return self.gen.prompts.chat_messages(messages)
+        return self.prompts.chat_messages(messages)
 
     def prompt_text(self, messages: list | None = None, prompt: str | None = None,
                     template_kwargs: dict | None = None) -> str:
         """The generation prompt of a chat (``messages``, with the request's ``chat_template_kwargs``) or raw
         text (``prompt``) request."""
-        return self.gen.prompts.prompt_text(messages, prompt, template_kwargs)
+        return self.prompts.prompt_text(messages, prompt, template_kwargs)
 
     def prompt_ids(self, messages: list | None = None, prompt: str | None = None,
                    template_kwargs: dict | None = None) -> list:
         """Token ids of :meth:`prompt_text`, encoded as mlx-lm encodes a string prompt."""
-        return _embed.encode(self.gen.tokenizer, self.prompt_text(messages, prompt, template_kwargs))
+        return _embed.encode(self.tokenizer, self.prompt_text(messages, prompt, template_kwargs))
 
     # -- model work (call through submit; the generators are BatchRunner tasks) ---------------------------
     def complete(self, req: GenerationRequest, on_stream: Callable[[str, list | None], None] | None = None,
@@ -237,15 +271,16 @@ class Engine:
                     else self.prompt_ids(req.messages, req.prompt, req.chat_template_kwargs))
         on_tokens = on_stream if (on_stream is not None and req.sampling.logprobs) else None
         on_text = (lambda seg: on_stream(seg, None)) if (on_stream is not None and on_tokens is None) else None
+        policy = AttemptPolicy(on_reject=req.on_reject, max_attempts=req.max_attempts, max_tokens=req.max_tokens,
+                               stop=req.stop, sampling=req.sampling)
         result = yield from self.gen.attempts(
-            base_ids, self.gen.prompts.reasker(messages=req.messages, prompt=req.prompt,
+            base_ids, self.prompts.reasker(messages=req.messages, prompt=req.prompt,
                                                template_kwargs=req.chat_template_kwargs),
-            prompt=req.prompt or req.messages[-1]["content"], on_text=on_text, on_reject=req.on_reject,
-            max_attempts=req.max_attempts, max_tokens=req.max_tokens, stop=req.stop,
-            sampling=req.sampling, cancel=gone, on_tokens=on_tokens,
+            prompt=req.prompt or req.messages[-1]["content"], policy=policy,
+            streams=Streams(on_text=on_text, on_tokens=on_tokens, cancel=gone),
         )
         last = result.attempts[-1]
-        vid = self._store(req.kind, base_ids, last.token_ids, last.text, last, last.row)
+        vid = self._store(req.kind, base_ids, last.token_ids, last.text, last.verdict)
         return result, completion_verification(result, vid), len(base_ids)
 
     def verify(self, req: VerifyRequest):
@@ -263,7 +298,7 @@ class Engine:
         the completion's tokens are those after the prompt's own encoding (its common prefix, should the
         two tokenisations differ at the boundary).  Verifications waiting together share one batched pass.
         """
-        tok = self.gen.tokenizer
+        tok = self.tokenizer
         prompt_ids, full = _embed.encode(tok, prompt), _embed.encode(tok, prompt + completion)
         k = 0
         while k < min(len(prompt_ids), len(full)) and prompt_ids[k] == full[k]:
@@ -272,15 +307,15 @@ class Engine:
         if not answer_ids:
             raise InputError("the completion encodes to no tokens")
         v = yield VerifyItem(prompt_ids, answer_ids, completion)
-        vid = self._store(source, prompt_ids, answer_ids, completion, v, v.row)
+        vid = self._store(source, prompt_ids, answer_ids, completion, v)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(answer_ids),
                  "total_tokens": len(prompt_ids) + len(answer_ids)}
         return verdict_verification(v, vid), usage
 
-    def _store(self, source: str, prompt_ids: list, answer_ids: list, text: str, v, row: dict) -> str:
-        """Keep one verdict (``v``: a Verdict or an Attempt) with the ids it was computed from (bounded store)."""
-        return self.verdicts.put(verdict_record(self.gen.tokenizer, source, prompt_ids, answer_ids, text=text,
-                                                  verdict=v, row=row))
+    def _store(self, source: str, prompt_ids: list, answer_ids: list, text: str, v: Verdict) -> str:
+        """Keep one verdict with the ids it was computed from (bounded store)."""
+        return self.verdicts.put(verdict_record(self.tokenizer, source, prompt_ids, answer_ids, text=text,
+                                                  verdict=v))
 
     def add_feedback(self, verdict_id: str, label, source: str) -> dict:
         """Add a verdict's feature row, labelled by the user, to the verifier's support set (model thread);
@@ -309,8 +344,8 @@ def _exemplars(exemplars: list) -> list:
     return [{k: e.get(k) for k in EXEMPLAR_FIELDS} for e in exemplars]
 
 
-def verdict_verification(v, verdict_id: str) -> dict:
-    """The ``verification`` object of one verdict (a Verdict or an Attempt)."""
+def verdict_verification(v: Verdict, verdict_id: str) -> dict:
+    """The ``verification`` object of one verdict."""
     return {
         "verdict_id": verdict_id, "verified": v.verified, "admitted": bool(v.verifier.get("admitted")),
         "p_lower": v.p_lower, "prediction": v.verifier.get("prediction"), "rejection_reason": v.reason,
@@ -320,13 +355,13 @@ def verdict_verification(v, verdict_id: str) -> dict:
 
 def completion_verification(result, verdict_id: str) -> dict:
     """The ``choices[0].verification`` object of a completion (the final attempt's verdict + the policy outcome)."""
-    out = verdict_verification(result.attempts[-1], verdict_id)
+    out = verdict_verification(result.attempts[-1].verdict, verdict_id)
     out.update(status=result.status, on_reject=result.on_reject, stopped=result.stopped,
                n_attempts=len(result.attempts))
-    out["attempts"] = [{"attempt": a.attempt, "text": a.text, "verified": a.verified,
-                        "admitted": bool(a.verifier.get("admitted")), "p_lower": a.p_lower,
-                        "rejection_reason": a.reason, "tokens": a.tokens, "stop_reason": a.stop_reason,
+    out["attempts"] = [{"attempt": a.attempt, "text": a.text, "verified": a.verdict.verified,
+                        "admitted": bool(a.verdict.verifier.get("admitted")), "p_lower": a.verdict.p_lower,
+                        "rejection_reason": a.verdict.reason, "tokens": a.tokens, "stop_reason": a.stop_reason,
                         "generation_seconds": round(a.generation_seconds, 6),
-                        "verification_seconds": round(a.verification_seconds, 6)}
+                        "verification_seconds": round(a.verdict.seconds, 6)}
                        for a in result.attempts]
     return out

@@ -230,11 +230,11 @@ class PromptCounter:
     def __init__(self, engine, limit: int | None = None):
         self.engine, self.limit = engine, limit
         try:
-            self.tokenizer = copy.deepcopy(engine.gen.tokenizer)
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
         except Exception:  # a tokenizer that cannot be copied: count on the model thread instead
             self.tokenizer = None
         # with a limit, a text whose length alone proves it longer is refused before it is tokenised
-        own = self.tokenizer if self.tokenizer is not None else engine.gen.tokenizer
+        own = self.tokenizer if self.tokenizer is not None else engine.tokenizer
         self.floor = TokenFloor.of(own) if limit is not None else None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdm-prompt-counter")
 
@@ -254,7 +254,7 @@ class PromptCounter:
         return self._ids(self.tokenizer, messages, prompt, template_kwargs, extra)
 
     def _ids(self, tokenizer, messages, prompt, template_kwargs, extra) -> list:
-        text = self.engine.gen.prompts.prompt_text(messages, prompt, template_kwargs, tokenizer) + extra
+        text = self.engine.prompts.prompt_text(messages, prompt, template_kwargs, tokenizer) + extra
         self.check_length(text)
         return _embed.encode(tokenizer, text)
 
@@ -271,7 +271,7 @@ class PromptCounter:
         tokenizer on the model thread."""
         ids = self.prompt_ids(messages, prompt, template_kwargs, extra)
         if ids is None:
-            ids = self.engine.submit(self._ids, self.engine.gen.tokenizer, messages, prompt, template_kwargs,
+            ids = self.engine.submit(self._ids, self.engine.tokenizer, messages, prompt, template_kwargs,
                                      extra).result()
         return len(ids)
 

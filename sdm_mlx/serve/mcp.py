@@ -109,7 +109,7 @@ def _page_of(engine: Engine, verdict_id: str, how: str, pages: VerdictPages) -> 
     files go to the server's :class:`VerdictPages` directory."""
     from ..evaluation.verdict_html import verdict_page, verdict_page_path
 
-    record, estimator = engine.verdicts.get(verdict_id), engine.gen.estimator
+    record, estimator = engine.verdicts.get(verdict_id), engine.estimator
     if how == "content":
         return {"html_content": verdict_page(record, verdict_id, estimator)}
     return {"html_path": verdict_page_path(record, verdict_id, estimator, pages.directory())}
@@ -121,9 +121,9 @@ def create_server(engine: Engine, max_prompt_tokens: int | None = None):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from .limits import PromptCounter, PromptTooLong, context_length
+    from .limits import PromptCounter, PromptTooLong
 
-    max_prompt_tokens = max_prompt_tokens or context_length(engine.gen.model)
+    max_prompt_tokens = max_prompt_tokens or engine.context_length
     counter, pages = PromptCounter(engine, limit=max_prompt_tokens), VerdictPages()
 
     server = MCPServer("sdm-mlx", instructions=(

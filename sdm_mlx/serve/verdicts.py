@@ -44,8 +44,9 @@ def prompt_excerpt(tokenizer, prompt_ids) -> str:
     return f"{tokenizer.decode(ids[:k])}…[{len(ids) - 2 * k} tokens not kept]…{tokenizer.decode(ids[-k:])}"
 
 
-def verdict_record(tokenizer, source: str, prompt_ids, answer_ids, *, text: str, verdict, row: dict) -> dict:
-    """The stored record of one ``verdict`` (a Verdict or an Attempt); run on the model thread."""
+def verdict_record(tokenizer, source: str, prompt_ids, answer_ids, *, text: str, verdict) -> dict:
+    """The stored record of one ``verdict`` (a Verdict, with its full per-row output ``row``); run on the model
+    thread."""
     v = verdict
     return {
         "source": source, "created": time.time(),
@@ -53,7 +54,7 @@ def verdict_record(tokenizer, source: str, prompt_ids, answer_ids, *, text: str,
         "answer_ids": np.asarray(list(answer_ids), dtype=np.int32),
         "prompt": prompt_excerpt(tokenizer, prompt_ids), "answer": clip_text(text),
         "verified": v.verified, "reason": v.reason, "p_lower": v.p_lower, "parsed": v.parsed,
-        "exemplars": v.exemplars, "verifier": v.verifier, "row": row,
+        "exemplars": v.exemplars, "verifier": v.verifier, "row": v.row,
     }
 
 

@@ -40,46 +40,81 @@ from .outcome import ABSTAIN_TEXT, STATUSES, STOPPED, Attempt, VerificationResul
 from ..decoding.prompt_cache import PrefixCache
 from .prompts import REASK_TEMPLATE, PromptBuilder, fill
 from .runner import BatchRunner, Cancelled
+from .sources import ModelSources
 from ..decoding.sampling import GREEDY, SamplingParams
 from .verification import AnswerVerifier, Verdict, VerifyItem
 
-__all__ = ["ABSTAIN_TEXT", "REASK_TEMPLATE", "STATUSES", "STOPPED", "Attempt", "VerificationResult",
-           "VerifiedGenerator"]
+__all__ = ["ABSTAIN_TEXT", "REASK_TEMPLATE", "STATUSES", "STOPPED", "Attempt", "AttemptPolicy", "Streams",
+           "VerificationResult", "VerifiedGenerator", "split_options"]
 #: Rows decoded at once by default (``max_batch`` of the engine).
 DEFAULT_MAX_BATCH = 16
 
 
-def _load_model(config: GenerationConfig, head_config: dict | None, model, tokenizer):
-    """``(model, tokenizer)``: the ones given, else loaded from ``config.model`` or the head's base model."""
+@dataclasses.dataclass(frozen=True)
+class AttemptPolicy:
+    """How one prompt's attempts run: ``on_reject``, ``max_attempts``, ``max_tokens`` (None: the generator's
+    settings), ``stop`` strings and ``sampling`` (:class:`~sdm_mlx.decoding.sampling.SamplingParams`; attempt
+    ``k`` draws with seed + k − 1)."""
+
+    on_reject: str | None = None
+    max_attempts: int | None = None
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    sampling: SamplingParams = GREEDY
+
+
+@dataclasses.dataclass(frozen=True)
+class Streams:
+    """What one prompt's attempts report as they run, and how they are stopped: ``on_text(segment)`` /
+    ``on_tokens(text, records)`` stream the answer (:class:`~sdm_mlx.decoding.batching.DecodeRequest`),
+    ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict,
+    ``cancel()`` is polled at every token (True: :class:`~.runner.Cancelled`)."""
+
+    on_text: Callable[[str], None] | None = None
+    on_tokens: Callable[[str, list], None] | None = None
+    on_attempt_start: Callable[[int], None] | None = None
+    on_attempt: Callable[["Attempt"], None] | None = None
+    cancel: Callable[[], bool] | None = None
+
+
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(AttemptPolicy))
+_STREAM_FIELDS = frozenset(f.name for f in dataclasses.fields(Streams))
+
+
+def split_options(options: dict) -> tuple[AttemptPolicy, Streams]:
+    """``(AttemptPolicy, Streams)`` of flat per-call keywords (``generate(prompt, on_reject=..., on_text=...)``)."""
+    unknown = set(options) - _POLICY_FIELDS - _STREAM_FIELDS
+    if unknown:
+        raise TypeError(f"unexpected options: {sorted(unknown)}")
+    return (AttemptPolicy(**{k: v for k, v in options.items() if k in _POLICY_FIELDS}),
+            Streams(**{k: v for k, v in options.items() if k in _STREAM_FIELDS}))
+
+
+def _load_model(sources: ModelSources, model, tokenizer):
+    """``(model, tokenizer)``: the ones given, else loaded from the sources' model reference."""
     if model is not None:
         if tokenizer is None:
             raise InputError("pass the tokenizer together with the model")
         return model, tokenizer
-    path = config.model if config.model is not None else (head_config or {}).get("base_model")
-    if path is None:
-        raise InputError("give model_path (or a head whose config names its base model)")
-    return _embed.load_model(path)
+    return _embed.load_model(sources.require_model())
 
 
-def _load_heads(config: GenerationConfig, head_config: dict, model, tokenizer):
+def _load_heads(sources: ModelSources, model, tokenizer):
     """The head directory's :class:`~sdm_mlx.network.heads.SDMHeads` on ``model`` (warns on another base model)."""
     from ..network.artifact import load_network
 
+    config = sources.config
     if config.model is not None and os.path.exists(os.path.expanduser(str(config.model))):
-        base = head_config["base_model"]
+        base = sources.head_config["base_model"]
         if os.path.abspath(os.path.expanduser(str(config.model))) != base:
             warnings.warn(f"the head {config.head} was trained on {base}; using the model {config.model}",
                           stacklevel=3)
     return load_network(config.head, model=model, tokenizer=tokenizer, load_verifier=False).heads
 
 
-def _load_verifier(config: GenerationConfig, head_config: dict | None):
-    """The saved ``SDMEstimator`` of ``config.verifier``, else of the head directory's ``verifier`` entry."""
-    path = config.verifier
-    if path is None and head_config is not None:
-        path = os.path.join(os.path.abspath(os.fspath(config.head)), head_config["verifier"])
-    if path is None:
-        raise InputError("give verifier_path (a saved SDMEstimator) or a head directory holding one")
+def _load_verifier(sources: ModelSources):
+    """The saved ``SDMEstimator`` of the sources' verifier directory."""
+    path = sources.require_verifier()
     from ..estimator import SDMEstimator
 
     verifier = SDMEstimator.load(path)
@@ -120,8 +155,16 @@ class VerifiedGenerator:
 
     Attributes
     ----------
+    sources : ModelSources
+        The model reference, the head's parsed config and the verifier directory, resolved once.
     config : GenerationConfig
-        The settings in force.
+        The settings as given (``sources.config``).
+    settings : GenerationConfig
+        The settings in force: ``config`` with its head-dependent fields (``system``, ``prompt_template``,
+        ``use_chat_template``, ``max_tokens``, ``delimiter``, ``max_length``) resolved against the head's stored
+        settings (:meth:`GenerationConfig.templating`).
+    prompts : PromptBuilder
+        The templating (system message, prompt and re-ask templates) of every prompt.
     model, tokenizer, heads, estimator :
         The loaded language model and tokenizer, the SDM heads (None: plain decoding) and the verification
         layer's ``SDMEstimator``.
@@ -129,59 +172,53 @@ class VerifiedGenerator:
         The batched decoding loop (continuous batching); ``decoding`` is its mode, "plain" or "joint".
     verifier : AnswerVerifier
         Features of an answer -> the estimator's verdict.
-    system, prompt_template, use_chat_template, max_tokens, delimiter, max_length :
-        The templating and decoding settings resolved against the head's stored settings.
-    on_reject, max_attempts, reask_template, reask_fallback, abstain_text :
-        What happens to an answer that is not verified.
     """
 
-    def __init__(self, model_path=None, verifier_path=None, head_path=None, *, config: GenerationConfig | None = None,
-                 model=None, tokenizer=None, verifier=None, heads=None, max_batch: int = DEFAULT_MAX_BATCH,
-                 **settings):
+    def __init__(self, model_path=None, verifier_path=None, head_path=None, *,
+                 config: GenerationConfig | ModelSources | None = None, model=None, tokenizer=None, verifier=None,
+                 heads=None, max_batch: int = DEFAULT_MAX_BATCH, **settings):
+        """Nine parameters: three paths (the positional API of mlx-lm-style callers), the settings (``config``),
+        four already loaded objects that replace what the paths would load, and the batch size; grouping the
+        loaded objects would break the keyword API that tests and notebooks use."""
         paths = {k: v for k, v in (("model", model_path), ("verifier", verifier_path), ("head", head_path))
                  if v is not None}
-        self.config = config = dataclasses.replace(config or GenerationConfig(), **paths, **settings)
-        config.validate()
+        if isinstance(config, ModelSources) and not paths and not settings:
+            sources = config  # resolved once by the caller
+        else:
+            base = config.config if isinstance(config, ModelSources) else (config or GenerationConfig())
+            sources = ModelSources.resolve(dataclasses.replace(base, **paths, **settings))
+        self.sources, self.config = sources, sources.config
         self.max_batch = int(max_batch)
-        head_config = None
-        if config.head is not None:
-            from ..network.artifact import read_network_config
-
-            head_config = read_network_config(config.head)
-        model, tokenizer = _load_model(config, head_config, model, tokenizer)
-        if config.head is not None and heads is None:
-            heads = _load_heads(config, head_config, model, tokenizer)
+        model, tokenizer = _load_model(sources, model, tokenizer)
+        if sources.config.head is not None and heads is None:
+            heads = _load_heads(sources, model, tokenizer)
         if verifier is None:
-            verifier = _load_verifier(config, head_config)
-        self._settle(config, (head_config or {}).get("settings"), model, tokenizer, heads, verifier)
+            verifier = _load_verifier(sources)
+        self._settle(sources.config, sources.head_settings, model, tokenizer, heads, verifier)
 
     @classmethod
-    def from_config(cls, config: GenerationConfig, **loaded) -> "VerifiedGenerator":
-        """A generator built from ``config`` (``loaded``: already loaded model/tokenizer/verifier/heads)."""
+    def from_config(cls, config: GenerationConfig | ModelSources, **loaded) -> "VerifiedGenerator":
+        """A generator built from ``config`` (a :class:`~.sources.ModelSources`: resolved once by the caller;
+        ``loaded``: already loaded model/tokenizer/verifier/heads)."""
         return cls(config=config, **loaded)
 
     def _settle(self, config: GenerationConfig, head_settings: dict | None, model, tokenizer, heads, verifier):
-        """Resolve the head-dependent settings and build the prompts, the engine and the verifier."""
+        """Resolve the head-dependent settings (:attr:`settings`) and build the prompts, the engine and the
+        verifier."""
         t = config.templating(head_settings)
+        if t["max_tokens"] < 1 or t["max_length"] < 1:
+            raise InputError("max_tokens and max_length must be >= 1")
+        self.settings = dataclasses.replace(config, **t)
         self.prompts = PromptBuilder(tokenizer, system=t["system"], prompt_template=t["prompt_template"],
                                      use_chat_template=t["use_chat_template"], reask_template=config.reask_template,
                                      template_kwargs=config.template_kwargs())
-        self.system, self.prompt_template, self.use_chat_template = (t["system"], t["prompt_template"],
-                                                                     t["use_chat_template"])
-        self.max_tokens, self.delimiter, self.max_length = t["max_tokens"], t["delimiter"], t["max_length"]
-        if self.max_tokens < 1 or self.max_length < 1:
-            raise InputError("max_tokens and max_length must be >= 1")
-        self.on_reject, self.max_attempts = config.on_reject, int(config.max_attempts)
-        self.reask_fallback = config.reask_fallback
-        self.reask_template = self.prompts.reask_template
-        self.abstain_text = ABSTAIN_TEXT if config.abstain_text is None else config.abstain_text
         self.model, self.tokenizer, self.heads, self.estimator = model, tokenizer, heads, verifier
         cache = PrefixCache(int(config.prompt_cache_bytes)) if config.prompt_cache_bytes else False
-        self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=self.delimiter,
-                                   max_batch=self.max_batch, max_length=self.max_length, prefix_cache=cache)
+        self.engine = DecodeEngine(model, tokenizer, heads=heads, delimiter=t["delimiter"],
+                                   max_batch=self.max_batch, max_length=t["max_length"], prefix_cache=cache)
         self.decoding = self.engine.mode  # "plain" | "joint"
-        self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=self.delimiter,
-                                       max_length=self.max_length, n_exemplars=config.n_exemplars,
+        self.verifier = AnswerVerifier(model, tokenizer, verifier, delimiter=t["delimiter"],
+                                       max_length=t["max_length"], n_exemplars=config.n_exemplars,
                                        require_json=config.require_json)
         self.runner = BatchRunner(self.engine, self.verifier)
 
@@ -209,12 +246,14 @@ class VerifiedGenerator:
         return self.verifier(ids, answer_ids, self.tokenizer.decode(list(answer_ids)) if text is None else text, id)
 
     def document_task(self, prompt: str, id=None, **options):
-        """The :meth:`attempts` task of one prompt (the user message / document of the template)."""
+        """The :meth:`attempts` task of one prompt (the user message / document of the template); ``options``:
+        the fields of :class:`AttemptPolicy` and :class:`Streams` as flat keywords."""
         if not isinstance(prompt, str) or not prompt:
             raise InputError("prompt must be a non-empty string")
         base_ids = _embed.encode(self.tokenizer, self.prompt_text(prompt))
+        policy, streams = split_options(options)
         return self.attempts(base_ids, self.prompts.reasker(messages=self.prompts.messages(prompt)), prompt=prompt,
-                             id=id, **options)
+                             id=id, policy=policy, streams=streams)
 
     def generate(self, prompt: str, id=None, *, on_text: Callable[[str], None] | None = None,
                  on_attempt_start: Callable[[int], None] | None = None,
@@ -223,7 +262,7 @@ class VerifiedGenerator:
 
         Callbacks: ``on_text(segment)`` streams the answer text of every attempt,
         ``on_attempt_start(k)`` before attempt ``k`` (1-based), ``on_attempt(attempt)`` after its verdict.
-        ``options``: per-call overrides of :meth:`attempts`.
+        ``options``: the fields of :class:`AttemptPolicy` and :class:`Streams` as flat keywords.
         """
         task = self.document_task(prompt, id, on_text=on_text, on_attempt_start=on_attempt_start,
                                   on_attempt=on_attempt, **options)
@@ -231,7 +270,8 @@ class VerifiedGenerator:
 
     def generate_ids(self, base_ids, reask, **options) -> VerificationResult:
         """:meth:`attempts` on an already templated prompt (token ids ``base_ids``), run to its result."""
-        return self.runner.run([self.attempts(base_ids, reask, **options)])[0]
+        policy, streams = split_options(options)
+        return self.runner.run([self.attempts(base_ids, reask, policy=policy, streams=streams)])[0]
 
     def generate_many(self, prompts: Sequence[str], ids: Sequence | None = None,
                       on_result: Callable[[int, VerificationResult], None] | None = None, **options) -> list:
@@ -244,23 +284,17 @@ class VerifiedGenerator:
         return self.runner.run(tasks, on_result)
 
     def attempts(self, base_ids, reask: Callable[[str, str | None, int], tuple[list, str]] | None, *,
-                 prompt: str = "", id=None, on_text: Callable[[str], None] | None = None,
-                 on_attempt_start: Callable[[int], None] | None = None,
-                 on_attempt: Callable[[Attempt], None] | None = None, on_reject: str | None = None,
-                 max_attempts: int | None = None, max_tokens: int | None = None, stop=(),
-                 sampling: SamplingParams = GREEDY, cancel: Callable[[], bool] | None = None,
-                 on_tokens: Callable[[str, list], None] | None = None):
+                 prompt: str = "", id=None, policy: AttemptPolicy = AttemptPolicy(), streams: Streams = Streams()):
         """The generate-verify-branch loop of one prompt as a :class:`~.runner.BatchRunner` task.
 
         ``reask(previous, reason, attempt) -> (prompt ids, re-ask message)`` builds the prompt of a re-ask
         attempt (required with ``on_reject="reask"``); every attempt is verified against ``base_ids``.
-        ``on_reject``, ``max_attempts``, ``max_tokens`` override the generator's settings for this call;
-        ``stop`` (strings), ``sampling`` (:class:`~.sampling.SamplingParams`; attempt ``k`` draws with
-        seed + k − 1), ``cancel`` (polled at every token; raises :class:`~.runner.Cancelled`) and the streams
-        ``on_text`` / ``on_tokens`` (:class:`~sdm_mlx.decoding.batching.DecodeRequest`) go to the decoding.
-        ``prompt`` is only recorded in the result.
+        ``policy`` (:class:`AttemptPolicy`) overrides the generator's settings for this call and carries the
+        decoding's ``stop`` and ``sampling``; ``streams`` (:class:`Streams`) are the callbacks and the cancel
+        poll (raises :class:`~.runner.Cancelled`).  ``prompt`` is only recorded in the result.
         """
-        on_reject, max_attempts, max_tokens = self._options(on_reject, max_attempts, max_tokens, reask, sampling)
+        on_reject, max_attempts, max_tokens = self._options(policy, reask)
+        sampling = policy.sampling
         base_ids = [int(t) for t in base_ids]
         t_start = time.perf_counter()
         gen_ids, reask_message, used = base_ids, None, {tuple(base_ids)}
@@ -268,12 +302,12 @@ class VerifiedGenerator:
         attempts: list[Attempt] = []
         stopped = "rejected"
         for k in range(1, limit + 1):
-            if on_attempt_start is not None:
-                on_attempt_start(k)
+            if streams.on_attempt_start is not None:
+                streams.on_attempt_start(k)
             seed = None if sampling.seed is None else sampling.seed + k - 1
-            req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed), tuple(stop or ()),
-                                features=gen_ids is base_ids, on_text=on_text, cancel=cancel,
-                                on_tokens=on_tokens)
+            req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed),
+                                tuple(policy.stop or ()), features=gen_ids is base_ids, on_text=streams.on_text,
+                                cancel=streams.cancel, on_tokens=streams.on_tokens)
             t0 = time.perf_counter()
             dec = yield req
             if dec.stop_reason == "cancelled":
@@ -284,15 +318,15 @@ class VerifiedGenerator:
                                        (dec.features, dec.feature_info) if dec.features is not None else None)
             att = _attempt_record(k, dec, verdict, reask_message, time.perf_counter() - t0)
             attempts.append(att)
-            if on_attempt is not None:
-                on_attempt(att)
-            if att.verified:
+            if streams.on_attempt is not None:
+                streams.on_attempt(att)
+            if verdict.verified:
                 stopped = "verified"
                 break
             if k == limit:
                 stopped = "max_attempts" if on_reject == "reask" else "rejected"
                 break
-            gen_ids, reask_message = reask(att.text, att.reason, k + 1)
+            gen_ids, reask_message = reask(att.text, verdict.reason, k + 1)
             gen_ids = [int(t) for t in gen_ids]
             if sampling.greedy and tuple(gen_ids) in used:
                 stopped = "repeated_prompt"
@@ -300,33 +334,35 @@ class VerifiedGenerator:
             used.add(tuple(gen_ids))
         return self._result(attempts, on_reject, stopped, prompt, id, time.perf_counter() - t_start)
 
-    def _options(self, on_reject, max_attempts, max_tokens, reask, sampling: SamplingParams) -> tuple:
+    def _options(self, policy: AttemptPolicy, reask) -> tuple:
         """``(on_reject, max_attempts, max_tokens)`` of one call, the generator's settings filling ``None``."""
-        on_reject = self.on_reject if on_reject is None else on_reject
-        max_attempts = self.max_attempts if max_attempts is None else int(max_attempts)
-        max_tokens = self.max_tokens if max_tokens is None else int(max_tokens)
+        settings = self.settings
+        on_reject = settings.on_reject if policy.on_reject is None else policy.on_reject
+        max_attempts = int(settings.max_attempts) if policy.max_attempts is None else int(policy.max_attempts)
+        max_tokens = settings.max_tokens if policy.max_tokens is None else int(policy.max_tokens)
         if on_reject not in ON_REJECT:
             raise InputError(f"on_reject must be one of {ON_REJECT}, got {on_reject!r}")
         if max_attempts < 1 or max_tokens < 1:
             raise InputError("max_attempts and max_tokens must be >= 1")
         if on_reject == "reask" and reask is None:
             raise InputError("on_reject='reask' needs a reask prompt builder")
-        sampling.validate()
+        policy.sampling.validate()
         return on_reject, max_attempts, max_tokens
 
     def _result(self, attempts: list, on_reject: str, stopped: str, prompt: str, id, seconds: float):
         """The :class:`VerificationResult` of a finished attempt loop (applies the policy to the last attempt)."""
-        last = attempts[-1]
-        policy = on_reject if on_reject != "reask" else self.reask_fallback
-        if last.verified:
+        last, v = attempts[-1], attempts[-1].verdict
+        policy = on_reject if on_reject != "reask" else self.settings.reask_fallback
+        if v.verified:
             status, shown = "verified", last.text
         elif policy == "return":
             status, shown = "unverified", last.text
         else:
-            status, shown = "abstained", fill(self.abstain_text, reason=last.reason)
+            abstain = ABSTAIN_TEXT if self.settings.abstain_text is None else self.settings.abstain_text
+            status, shown = "abstained", fill(abstain, reason=v.reason)
         return VerificationResult(
-            id=id, prompt=prompt, text=shown, answer=last.text, parsed=last.parsed, verified=last.verified,
-            status=status, p_lower=last.p_lower, reason=last.reason, exemplars=last.exemplars, attempts=attempts,
+            id=id, prompt=prompt, text=shown, answer=last.text, parsed=v.parsed, verified=v.verified,
+            status=status, p_lower=v.p_lower, reason=v.reason, exemplars=v.exemplars, attempts=attempts,
             on_reject=on_reject, stopped=stopped, decoding=self.decoding,
             tokens=sum(a.tokens for a in attempts), seconds=seconds,
         )

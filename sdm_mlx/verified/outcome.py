@@ -17,8 +17,8 @@ ABSTAIN_TEXT = "NOT VERIFIED: the answer was withheld because the verification l
 @dataclass
 class Attempt:
     """One generate-then-verify attempt: what decoding produced, and the attempt's :class:`Verdict` (held, not
-    copied: ``verified``, ``p_lower``, ``reason``, ``parsed``, ``exemplars``, ``verifier`` and ``row`` are the
-    verdict's)."""
+    copied: read ``attempt.verdict.verified``, ``.p_lower``, ``.reason``, ...; code that needs a verdict takes
+    the verdict)."""
 
     attempt: int
     text: str
@@ -34,25 +34,17 @@ class Attempt:
     cached_prompt_tokens: int = 0
     logprobs: list | None = None  # with sampling.logprobs: one record per generated token
 
-    verified = property(lambda self: self.verdict.verified)
-    p_lower = property(lambda self: self.verdict.p_lower)
-    reason = property(lambda self: self.verdict.reason)
-    parsed = property(lambda self: self.verdict.parsed)
-    exemplars = property(lambda self: self.verdict.exemplars)
-    verifier = property(lambda self: self.verdict.verifier)
-    row = property(lambda self: self.verdict.row)  # the verifier's full per-row output (not in to_dict)
-    verification_seconds = property(lambda self: self.verdict.seconds)
-
     def to_dict(self) -> dict:
+        v = self.verdict  # its ``row`` (the verifier's full per-row output) is not in the dict
         return {
-            "attempt": self.attempt, "text": self.text, "parsed": self.parsed, "verified": self.verified,
-            "p_lower": self.p_lower, "reason": self.reason, "exemplars": self.exemplars, "tokens": self.tokens,
+            "attempt": self.attempt, "text": self.text, "parsed": v.parsed, "verified": v.verified,
+            "p_lower": v.p_lower, "reason": v.reason, "exemplars": v.exemplars, "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens, "stop_reason": self.stop_reason,
             "seconds": round(self.seconds, 6), "generation_seconds": round(self.generation_seconds, 6),
-            "verification_seconds": round(self.verification_seconds, 6),
+            "verification_seconds": round(v.seconds, 6),
             "tokens_per_second": (round(self.tokens / self.generation_seconds, 3)
                                   if self.generation_seconds > 0 else None),
-            "verifier": self.verifier, "reask_message": self.reask_message, "token_ids": self.token_ids,
+            "verifier": v.verifier, "reask_message": self.reask_message, "token_ids": self.token_ids,
             "first_token_seconds": (None if self.first_token_seconds is None
                                     else round(self.first_token_seconds, 6)),
             "cached_prompt_tokens": self.cached_prompt_tokens,

@@ -223,14 +223,15 @@ def test_generator_api_takes_its_defaults_from_generation_config(tiny_phi3_path)
     gen = VerifiedGenerator(model=model, tokenizer=tok, verifier=verifier)
     cfg = GenerationConfig()
     assert gen.config == cfg
-    assert (gen.on_reject, gen.max_attempts, gen.reask_fallback, gen.reask_template) == \
+    s = gen.settings
+    assert (s.on_reject, s.max_attempts, s.reask_fallback, gen.prompts.reask_template) == \
         (cfg.on_reject, cfg.max_attempts, cfg.reask_fallback, REASK_TEMPLATE)
-    assert (gen.max_tokens, gen.delimiter, gen.max_length, gen.use_chat_template, gen.system) == \
+    assert (s.max_tokens, s.delimiter, s.max_length, s.use_chat_template, s.system) == \
         (BUILTIN["max_new_tokens"], BUILTIN["delimiter"], BUILTIN["max_length"], BUILTIN["use_chat_template"],
          BUILTIN["system"])
     assert gen.verifier.n_exemplars == cfg.n_exemplars and gen.verifier.require_json == cfg.require_json
     again = VerifiedGenerator.from_config(GenerationConfig(on_reject="reask", max_tokens=7), model=model,
                                           tokenizer=tok, verifier=verifier)
-    assert (again.on_reject, again.max_tokens) == ("reask", 7)
+    assert (again.settings.on_reject, again.settings.max_tokens) == ("reask", 7)
     with pytest.raises(TypeError):
         VerifiedGenerator(model=model, tokenizer=tok, verifier=verifier, max_token=7)  # a misspelt setting

@@ -110,12 +110,12 @@ class _Tok:
 
 
 def _verdict():
-    return types.SimpleNamespace(verified=True, reason=None, p_lower=0.9, parsed={}, exemplars=[], verifier={})
+    return types.SimpleNamespace(verified=True, reason=None, p_lower=0.9, parsed={}, exemplars=[], verifier={},
+                                 row={})
 
 
 def test_verdict_records_are_small_and_the_store_bounded_in_bytes():
-    big = verdict_record(_Tok(), "verify", list(range(100_000)), [1, 2], text="x" * 1_000_000, verdict=_verdict(),
-                         row={})
+    big = verdict_record(_Tok(), "verify", list(range(100_000)), [1, 2], text="x" * 1_000_000, verdict=_verdict())
     assert big["prompt_ids"].dtype == np.int32 and big["prompt_ids"].size == 100_000
     assert "tokens not kept" in big["prompt"] and len(big["prompt"]) < 10_000
     assert len(big["answer"]) < MAX_TEXT_CHARS + 100

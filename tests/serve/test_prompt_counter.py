@@ -11,7 +11,7 @@ from sdm_mlx.serve.limits import PromptCounter
 
 
 def _counter() -> PromptCounter:
-    return PromptCounter(types.SimpleNamespace(gen=types.SimpleNamespace(tokenizer=None)))
+    return PromptCounter(types.SimpleNamespace(tokenizer=None))
 
 
 def test_concurrent_calls_run_on_one_thread_off_the_event_loop():
@@ -72,7 +72,7 @@ def _counting_counter(path, limit):
 
     tok = _hf(path)
     prompts = PromptBuilder(tok, system=None, prompt_template=None, use_chat_template=True)
-    counter = PromptCounter(types.SimpleNamespace(gen=types.SimpleNamespace(tokenizer=tok, prompts=prompts)),
+    counter = PromptCounter(types.SimpleNamespace(tokenizer=tok, prompts=prompts),
                             limit=limit)
     counter.tokenizer = CountingTokenizer(counter.tokenizer)
     return counter

@@ -184,7 +184,7 @@ def test_prompt_ids_made_off_the_model_thread_equal_the_engine_s(setup):
 
     gen = VerifiedGenerator(setup.model_path, setup.verifier_dir, head_path=setup.head_dir,
                             chat_template_args='{"style": "terse"}')
-    counter = PromptCounter(types.SimpleNamespace(gen=gen))
+    counter = PromptCounter(types.SimpleNamespace(tokenizer=gen.tokenizer, prompts=gen.prompts))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": reviews(1, seed=68)[0][0]}]
     for messages, prompt, kwargs in ((chat, None, None), (chat, None, {"style": "long"}), (None, "raw text", None)):
         expected = E.encode(gen.tokenizer, gen.prompts.prompt_text(messages, prompt, kwargs))
@@ -211,7 +211,7 @@ def test_without_a_tokenizer_copy_the_model_thread_counts_the_prompt_and_extra_t
         done.set_result(fn(*args))
         return done
 
-    counter = PromptCounter(types.SimpleNamespace(gen=gen, submit=submit))
+    counter = PromptCounter(types.SimpleNamespace(tokenizer=gen.tokenizer, prompts=gen.prompts, submit=submit))
     counter.tokenizer = None  # as when copy.deepcopy of the tokenizer failed
     chat = [{"role": "user", "content": reviews(1, seed=69)[0][0]}]
     extra = ' {"sentiment": "positive", "reason": "the acting"}'

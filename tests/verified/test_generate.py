@@ -89,7 +89,7 @@ def test_joint_decoding_with_reference_copy_equals_plain(tiny_phi3_path):
 def test_head_decodes_json_answers(setup):
     gen = _generator(setup, on_reject="return")
     assert gen.decoding == "joint"
-    assert (gen.system, gen.prompt_template, gen.max_tokens) == (SYSTEM, TEMPLATE, 24)  # head settings
+    assert (gen.settings.system, gen.settings.prompt_template, gen.settings.max_tokens) == (SYSTEM, TEMPLATE, 24)  # head settings
     segments = []
     r = gen.generate("The film is sharp and lovely.", on_text=segments.append)
     assert r.attempts[0].stop_reason == "delimiter"
@@ -107,7 +107,7 @@ def test_verified_answer(setup):
     assert r.text == r.answer == setup.verified_answer
     assert r.parsed == json.loads(setup.verified_answer)
     assert 0.0 < r.p_lower <= 1.0
-    assert len(r.attempts) == 1 and r.attempts[0].verifier["admitted"] and r.attempts[0].verifier["prediction"] == 1
+    assert len(r.attempts) == 1 and r.attempts[0].verdict.verifier["admitted"] and r.attempts[0].verdict.verifier["prediction"] == 1
     assert r.exemplars and {"id", "label", "predicted_label", "squared_distance"} <= set(r.exemplars[0])
     d = json.loads(json.dumps(r.to_dict()))  # JSON-serialisable
     assert d["id"] == "v1" and d["n_attempts"] == 1 and d["attempts"][0]["tokens"] == r.tokens > 0
@@ -133,7 +133,7 @@ def test_ood_prompt_rejected_with_evidence(setup):
     gen = _generator(setup, on_reject="abstain", system="", prompt_template="{document}")
     r = gen.generate(OOD_PROMPT)
     assert not r.verified and r.status == "abstained"
-    assert not r.attempts[0].verifier["admitted"]  # the verification layer itself rejects it
+    assert not r.attempts[0].verdict.verifier["admitted"]  # the verification layer itself rejects it
     assert r.reason and r.reason in r.text and r.text.startswith("NOT VERIFIED")
     assert r.answer == r.attempts[0].text and r.exemplars  # the answer and the evidence are kept
     r2 = _generator(setup, on_reject="return", system="", prompt_template="{document}").generate(OOD_PROMPT)
@@ -151,7 +151,7 @@ def test_reask_loop_terminates(setup):
     for a in r.attempts[1:]:
         assert a.reask_message and a.prompt_tokens > r.attempts[0].prompt_tokens
     assert r.tokens == sum(a.tokens for a in r.attempts)
-    assert all(a.seconds > 0 and a.reason for a in r.attempts)
+    assert all(a.seconds > 0 and a.verdict.reason for a in r.attempts)
 
 
 def test_reask_stops_at_first_verified_and_uses_template(setup):
