@@ -59,3 +59,20 @@ def model_path() -> str:
         pytest.skip(f"real test LLM not found at {path}: run `python tools/fetch_test_llm.py` "
                     "(or set SDM_MLX_TEST_LLM to an mlx-lm model directory)")
     return str(path)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--no-file-lines", action="store_true", default=False,
+                     help="no line per finished test file (tests/helpers/file_lines.py)")
+
+
+def pytest_configure(config):
+    from file_lines import register  # tests/helpers/
+
+    register(config)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    from file_order import heaviest_first  # tests/helpers/
+
+    heaviest_first(items)

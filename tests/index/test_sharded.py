@@ -127,6 +127,7 @@ def test_sharded_index_equals_the_single_process_index(tmp_path):
             assert got[f"tiny_{key}"].dtype == want.dtype and np.array_equal(got[f"tiny_{key}"], want), (rank, key)
 
 
+@pytest.mark.slow  # the embedded data's fit under mlx.launch; the default tier: random data with ties, and the CLI
 @needs_launch
 def test_fit_and_estimate_on_factcheck_equal_the_single_process_run(tmp_path):
     """Alg. 1 (q, d refreshed per epoch on the sharded index), calibration and estimate under 2 ranks give the
