@@ -167,7 +167,7 @@ class HostAdaptorStep:
         kappa = math.sqrt(1.0 - self.b2) / (1.0 - self.b1)  # √v = κ √v_scaled
         return np.float32(c1 / (c2 * kappa)), np.float32(self.eps / (c2 * kappa))
 
-    def _adam(self, g, m, v, w, tmp, step, eps) -> None:
+    def _adam(self, g, m, v, w, tmp, *, step, eps) -> None:
         """MLX's Adam on one block, in place, from g = (1 − β₁)·gradient: m ← β₁ m + g, v_scaled ← β₂ v_scaled
         + g², w ← w − step · m / (√v_scaled + ε'), which is c₁ m / (c₂ √v + ε) with v = v_scaled (1 − β₂) /
         (1 − β₁)²."""
@@ -190,22 +190,23 @@ class HostAdaptorStep:
         grad_a = grad_a * keep  # (1 − β₁) Gᵀ x̄
         grad_sum = grad_sum * keep
         grad_a_t = np.ascontiguousarray(grad_a.T)  # [D, C]
-        args = (grad_a, grad_a_t, grad_sum, step, eps)
+        args = (grad_a, grad_a_t, grad_sum, step, eps)  # one record: _rows(worker, start, stop, args)
         if self._pool is None:
-            fold = self._rows(0, 0, self.w_g.shape[0], *args)
+            fold = self._rows(0, 0, self.w_g.shape[0], args)
         else:
-            parts = [self._pool.submit(self._rows, i, r0, r1, *args) for i, (r0, r1) in enumerate(self._halves)]
+            parts = [self._pool.submit(self._rows, i, r0, r1, args) for i, (r0, r1) in enumerate(self._halves)]
             fold = parts[0].result()
             for part in parts[1:]:
                 fold += part.result()  # in a fixed order: the same sums every run
         m_c, v_c = self._state[2]
-        self._adam(grad_sum, m_c, v_c, self.b_c, np.empty_like(self.b_c), step, eps)
+        self._adam(grad_sum, m_c, v_c, self.b_c, np.empty_like(self.b_c), step=step, eps=eps)
         self.fold_w = fold
         self._fold_bias()
 
-    def _rows(self, worker, start, stop, grad_a, grad_a_t, grad_sum, step, eps) -> np.ndarray:
+    def _rows(self, worker, start, stop, args) -> np.ndarray:
         """The block loop over rows [start, stop) of W_g and P with ``worker``'s scratch blocks; returns these
-        rows' share of the next A = W' W_g."""
+        rows' share of the next A = W' W_g.  ``args``: ``(grad_a, grad_a_t, grad_sum, step, eps)`` of :meth:`_update`."""
+        grad_a, grad_a_t, grad_sum, step, eps = args
         C = self.classes
         (m_w, v_w), (m_p, v_p) = self._state[0], self._state[1]
         w, p = self.w_g, self.p
@@ -220,7 +221,7 @@ class HostAdaptorStep:
             np.matmul(wb, grad_a_t, out=gp[:, :C])  # ∂L/∂W'ᵀ[r] = W_g[r] (Gᵀ x̄)ᵀ + b_g[r] (Gᵀ 1)ᵀ
             gp[:, :C] += pb[:, C:] * grad_sum
             np.matmul(pb[:, :C], grad_sum, out=gp[:, C])  # ∂L/∂b_g[r] = W'ᵀ[r] Gᵀ 1
-            self._adam(g, m_w[r0:r1], v_w[r0:r1], wb, tmp_all[:n], step, eps)
-            self._adam(gp, m_p[r0:r1], v_p[r0:r1], pb, tmp_p_all[:n], step, eps)
+            self._adam(g, m_w[r0:r1], v_w[r0:r1], wb, tmp_all[:n], step=step, eps=eps)
+            self._adam(gp, m_p[r0:r1], v_p[r0:r1], pb, tmp_p_all[:n], step=step, eps=eps)
             fold += pb[:, :C].T @ wb  # this block's share of the next A = W' W_g
         return fold
