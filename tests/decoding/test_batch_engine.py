@@ -178,7 +178,7 @@ def test_prefix_cache_is_bounded_in_bytes(setup):  # noqa: F811
 
 
 def _distances(attempt) -> list:
-    return [e["squared_distance"] for e in attempt.exemplars or []]
+    return [e["squared_distance"] for e in attempt.verdict.exemplars or []]
 
 
 def test_generate_many_verdicts_equal_one_at_a_time(setup):  # noqa: F811
@@ -201,10 +201,10 @@ def test_generate_many_verdicts_equal_one_at_a_time(setup):  # noqa: F811
             dx, dy = _distances(x), _distances(y)
             assert len(dx) == len(dy) and all(abs(u - v) <= 1e-5 * max(1.0, abs(u)) for u, v in zip(dx, dy))
             assert x.token_ids == y.token_ids
-            if (x.p_lower is None) != (y.p_lower is None) or (x.p_lower is not None and
-                                                              abs(x.p_lower - y.p_lower) > 1e-5):
+            px, py = x.verdict.p_lower, y.verdict.p_lower
+            if (px is None) != (py is None) or (px is not None and abs(px - py) > 1e-5):
                 break  # across a step of p̂_lower: see the docstring
-            assert x.verified == y.verified
+            assert x.verdict.verified == y.verdict.verified
         else:
             compared += 1
             assert (a.text, a.status, a.reason, a.stopped, len(a.attempts)) == \
