@@ -68,7 +68,10 @@ def test_a_second_train_on_a_busy_output_stops_at_the_start(box, tmp_path):
     log = open(tmp_path / "first.log", "w")  # a file, not a pipe: a line per epoch would fill an unread pipe and block
     first = subprocess.Popen([*CLI, "train", "--train", "train.jsonl", "--output", "busy", "--iterations", "3",
                               "--epochs", "100000", "--patience", "0", "--exemplar-dim", "8"],
-                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=log)
+                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=log,
+                             # Ctrl-C as a terminal delivers it: a runner started in the background (nohup, `&`)
+                             # hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120
         while not locks(tmp_path) and first.poll() is None and time.time() < deadline:
