@@ -150,15 +150,21 @@ def test_bad_inputs():
     assert default_k(np.array([0, 0, 1, 1, 1]), 2) == 3
 
 
-@pytest.mark.parametrize("exclude", [False, True])
-def test_similarity_with_many_duplicates_matches_reference(exclude):
-    # few distinct points, each repeated with mixed labels/predictions: exact good/bad ties everywhere
+def _duplicated_support():
+    """Few distinct points, each repeated 400 times over with mixed labels / predictions: exact ties everywhere.
+    Returns the generator too (the callers draw their queries from it, after these draws)."""
     rng = np.random.default_rng(7)
     distinct = rng.normal(size=(15, 6)).astype(np.float32)
     support = distinct[rng.integers(0, 15, 400)]
     labels = rng.integers(0, 3, 400)
     preds = np.where(rng.random(400) < 0.7, labels, rng.integers(0, 3, 400))
-    good = good_neighbours_by_class(labels, preds, 3)
+    return rng, distinct, support, labels, preds, good_neighbours_by_class(labels, preds, 3)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_similarity_with_many_duplicates_matches_reference(exclude):
+    # few distinct points, each repeated with mixed labels/predictions: exact good/bad ties everywhere
+    rng, distinct, support, labels, preds, good = _duplicated_support()
     index = ExactIndex(support, block_bytes=4 * 400 * 37)  # several query blocks
     if exclude:
         queries, y_hat, ex = support, preds, np.arange(400)
@@ -237,12 +243,7 @@ def test_dense_index_matches_the_reference_on_random_data(random_data, self_excl
 def test_dense_index_orders_exact_ties_by_support_index(exclude):
     """Duplicated support rows with mixed labels: exact float32 ties, ordered by support index as the exact
     index orders them (equal float32 distances of equal vectors)."""
-    rng = np.random.default_rng(7)
-    distinct = rng.normal(size=(15, 6)).astype(np.float32)
-    support = distinct[rng.integers(0, 15, 400)]
-    labels = rng.integers(0, 3, 400)
-    preds = np.where(rng.random(400) < 0.7, labels, rng.integers(0, 3, 400))
-    good = good_neighbours_by_class(labels, preds, 3)
+    rng, distinct, support, labels, preds, good = _duplicated_support()
     if exclude:
         queries, y_hat, ex = support, preds, np.arange(400)
     else:
