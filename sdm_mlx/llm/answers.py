@@ -39,19 +39,25 @@ def is_closed(text: str, delimiter: str = DEFAULT_DELIMITER) -> bool:
     return False
 
 
-def first_json_object(text: str):
-    """The first JSON object (dict) in ``text``, or None if there is none / it does not parse."""
+def _first_json_span(text: str):
+    """``(obj, start, end)`` of the first JSON object (dict) in ``text``, or None."""
     dec = json.JSONDecoder()
     start = text.find("{")
     while start >= 0:
         try:
-            obj, _ = dec.raw_decode(text, start)
+            obj, end = dec.raw_decode(text, start)
             if isinstance(obj, dict):
-                return obj
+                return obj, start, end
         except json.JSONDecodeError:
             pass
         start = text.find("{", start + 1)
     return None
+
+
+def first_json_object(text: str):
+    """The first JSON object (dict) in ``text``, or None if there is none / it does not parse."""
+    found = _first_json_span(text)
+    return None if found is None else found[0]
 
 
 def answer_in_layout(text: str, completions, label: int) -> str | None:
@@ -66,20 +72,11 @@ def answer_in_layout(text: str, completions, label: int) -> str | None:
     if any(o is None or len(o) != 1 for o in objs) or len({next(iter(o)) for o in objs}) != 1:
         return None
     key = next(iter(objs[0]))
-    start = text.find("{")
-    obj = first_json_object(text)
-    if obj is None or key not in obj or len(obj) != 1:
+    found = _first_json_span(text)
+    if found is None or key not in found[0] or len(found[0]) != 1:
         return None
+    _, span_start, end = found
     dec = json.JSONDecoder()
-    span_start = start
-    while span_start >= 0:  # the first object's span, as first_json_object found it
-        try:
-            found, end = dec.raw_decode(text, span_start)
-            if isinstance(found, dict):
-                break
-        except json.JSONDecodeError:
-            pass
-        span_start = text.find("{", span_start + 1)
     body = text[span_start:end]
     k = body.find(json.dumps(key))
     colon = body.find(":", k + len(json.dumps(key)))
