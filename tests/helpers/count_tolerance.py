@@ -1,7 +1,8 @@
 """Comparing the calibration counts and the selected epoch of two ``network-train`` runs that round differently.
 
 Two ranks decode their share of the prompts in batches of other sizes than one process does, and OpenBLAS rounds
-a row differently with another number of rows (~1e-6 in the features).  The calibration count thresholds p̂_lower
+a row differently with another number of rows (~1e-6 in the features); the host step and MLX's compute W_pos up to
+float rounding.  The calibration count thresholds p̂_lower
 and greedy decoding takes an argmax, so a count can move by the rows that sit on a boundary: measured up to 1
 (counts 23, 27 against 23, 26 on an AVX2-only EPYC; tests/network/test_data_parallel.py).  :data:`COUNT_TOLERANCE`
 allows 2.  A wrong gradient exchange or a lost head moves W_pos, the losses and the counts by far more.

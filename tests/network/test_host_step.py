@@ -114,12 +114,16 @@ def test_host_step_needs_begin(qwen2):
         step(h, t, q, d, 0.1)
 
 
+@pytest.mark.slow  # two CLI network-trains (~14 s CPU, 53 s at load 8); the default tier compares the two steps
+#                    themselves (test_host_step_follows_mlx_autodiff_step)
 def test_network_train_cli_host_and_mlx_steps_agree(tmp_path):
-    """``sdm-mlx network-train --train-step host`` and ``--train-step mlx`` on the same tiny task: the same
-    counts and kept epoch, per-epoch losses within 1e-4 relative (the default on a CPU is the host step)."""
+    """``sdm-mlx network-train --train-step host`` and ``--train-step mlx`` on the same tiny task: the same initial
+    count, epoch counts and kept epoch within tests/helpers/count_tolerance.py, per-epoch losses within 1e-4
+    relative (the default on a CPU is the host step)."""
     import subprocess
     import sys
 
+    from count_tolerance import assert_same_counts_and_selection  # tests/helpers/
     from tiny_tool import make_tiny_model_tool  # tests/helpers/
 
     built = make_tiny_model_tool().build(str(tmp_path / "tiny"), rows=300, quiet=True)
@@ -136,9 +140,9 @@ def test_network_train_cli_host_and_mlx_steps_agree(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         metrics[kind] = json.loads((out / "metrics.json").read_text())
     host, ref = metrics["host"], metrics["mlx"]
-    assert host["initial"]["count"] == ref["initial"]["count"]
-    assert [e["count"] for e in host["epochs"]] == [e["count"] for e in ref["epochs"]]
-    assert host["selected_epoch"] == ref["selected_epoch"]
+    assert host["initial"]["count"] == ref["initial"]["count"]  # the base head: no step yet, the same computation
+    # the two steps give W_pos up to float rounding, and a count can move by a row on a boundary
+    assert_same_counts_and_selection(host, ref)
     for a, b in zip(host["epochs"], ref["epochs"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["tokens"] == b["tokens"] > 0
