@@ -32,16 +32,37 @@ def _rss_gb(ru_maxrss: int) -> float:
     return round(ru_maxrss * scale / 1e9, 3)
 
 
-def run_measured(cmd: list) -> tuple[int, dict]:
+def run_measured(cmd: list, keep_fds: tuple = ()) -> tuple[int, dict]:
     """Run ``cmd`` (stdout and stderr shown) and return ``(exit status, usage)`` of it and its waited-for
-    children: wall and CPU seconds, peak RSS."""
+    children: wall and CPU seconds, peak RSS.
+
+    ``keep_fds``: descriptors the child inherits (the run directory's lock: a stage outliving a killed driver
+    still holds it, so a second driver cannot start a second writer of the same files).  SIGTERM to the driver
+    is passed on to the child; the driver then exits with 143 once the child has ended.
+    """
+    import signal
+    import threading
+
     t0 = time.time()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, pass_fds=tuple(keep_fds))
+    terminated = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def forward(signum, frame):
+            terminated.append(signum)
+            proc.send_signal(signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, forward)
     try:
         _, status, ru = os.wait4(proc.pid, 0)
     except KeyboardInterrupt:
         proc.wait()
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.time() - t0
     cpu = ru.ru_utime + ru.ru_stime
@@ -84,7 +105,8 @@ def check_same_model(recipe: Recipe, layout: Layout) -> None:
 
 
 class _Lock:
-    """An exclusive lock on the run directory (fcntl), released when the driver ends."""
+    """An exclusive lock on the run directory (fcntl), released when the driver and the stage it runs have both
+    ended (the stage inherits the descriptor: :func:`run_measured`'s ``keep_fds``)."""
 
     def __init__(self, path: str):
         self.path, self.f = path, None
@@ -139,7 +161,7 @@ def run_pipeline(recipe: Recipe, only: list[str] | None = None, wrap: str = "") 
         check_model(recipe)  # before hours of other stages, not when the first model stage starts
     make_dirs(layout.logs)
     prefix = shlex.split(wrap) if wrap else []
-    with _Lock(layout.lock):
+    with _Lock(layout.lock) as lock:
         check_same_model(recipe, layout)
         write_json(layout.recipe, recipe.to_dict())
         log(f"sdm-mlx pipeline: {recipe.path} -> {layout.out} (model {recipe.model}); stages {', '.join(stages)}")
@@ -154,7 +176,7 @@ def run_pipeline(recipe: Recipe, only: list[str] | None = None, wrap: str = "") 
             if os.path.exists(result):
                 os.remove(result)
             started = time.strftime("%Y-%m-%dT%H:%M:%S")
-            rc, usage = run_measured(full)
+            rc, usage = run_measured(full, keep_fds=(lock.f.fileno(),))
             try:
                 with open(result, encoding="utf-8") as f:
                     counts = json.load(f)
