@@ -1,6 +1,6 @@
 """The model's own greedy answers with their verifier features, and force-decoded verification rows: resumable.
 
-Moved here from ``tools/real_answers.py`` (now a thin command-line shim over this module); the ``answers`` and
+Moved here from ``tools/real_llm/real_answers.py`` (now a thin command-line shim over this module); the ``answers`` and
 ``forced`` stages of ``sdm-mlx pipeline`` call it.
 
 **Own answers** (:func:`decode_answers`).  One output row per task row ``{id, label, document[, split]}``: the
@@ -116,7 +116,7 @@ def shared_prefix_stats(model, tokenizer, prompts) -> dict:
 
     The model is causal, so the states of those P positions are the same in every row: the mean over the
     non-shared positions (document + completion) of a row pooled over n positions is
-    ``(n * mean_all - state_sum) / (n - P)`` (``tools/real_probe.py`` reads it).
+    ``(n * mean_all - state_sum) / (n - P)`` (``tools/real_llm/real_probe.py`` reads it).
     """
     from ..llm import embed as _embed
 
