@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InputError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 
 #: the parts every recorded feature holds, in :data:`sdm_mlx.llm.pooling.FEATURE_PARTS` order
 RECORDED_PARTS = ("max", "mean", "last")
@@ -149,7 +150,7 @@ def _log_default(message: str) -> None:
 
 def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, system: str | None, template: str,
                    completions: Sequence[str], max_tokens: int = 32, batch_size: int = 16,
-                   feature_parts: Sequence[str] = ("mean", "last"), engine=None, prefix_stats: bool = True,
+                   feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, engine=None, prefix_stats: bool = True,
                    log: Callable[[str], None] = _log_default, label: str = "") -> dict:
     """Append the own-answer row of every row of ``rows`` not yet in ``output``; returns
     ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
@@ -193,7 +194,7 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, syste
 
 
 def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_size: int = 16,
-                 feature_parts: Sequence[str] = ("mean", "last"), log: Callable[[str], None] = _log_default,
+                 feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, log: Callable[[str], None] = _log_default,
                  label: str = "") -> dict:
     """Append the force-decoded features of every verification row (``id, prompt, completion, ...``) not yet in
     ``output`` (the row with ``embedding_source``, ``feature_parts`` and ``embedding`` added); returns
