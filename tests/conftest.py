@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: tiny random mlx-lm models built locally (see tools/tiny_models.py)."""
+"""Shared pytest fixtures: tiny random mlx-lm models built locally (see tools/builders/tiny_models.py)."""
 
 import sdm_mlx  # noqa: F401  (first: loads OpenBLAS for MLX on Linux, see sdm_mlx/runtime/blas.py)
 import os

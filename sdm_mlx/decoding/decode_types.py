@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import InputError
-from ..llm.pooling import FEATURE_PARTS, check_feature_parts
+from ..llm.pooling import DEFAULT_FEATURE_PARTS, FEATURE_PARTS, check_feature_parts
 from .sampling import GREEDY, SamplingParams
 
 STOP_REASONS = ("delimiter", "eos", "max_tokens", "stop", "cancelled")
@@ -28,7 +28,7 @@ class DecodeRequest:
     stop: Sequence[str] = ()
     stop_at_delimiter: bool = True
     features: bool = False
-    feature_parts: tuple = ("mean", "last")
+    feature_parts: tuple = DEFAULT_FEATURE_PARTS
     on_text: Callable[[str], None] | None = None
     cancel: Callable[[], bool] | None = None
     on_tokens: Callable[[str, list], None] | None = None

@@ -4,7 +4,7 @@
 default and help text; the estimator's keyword defaults, ``sdm-mlx train`` / ``demo`` options and
 YAML keys are all generated from it.  :data:`PAPER_SETTINGS` are the paper's exact Alg. 1 settings,
 one flag away (``--paper``).  Why the defaults differ from the paper — the sweep, its table and the
-reasoning — is in ``docs/defaults.md`` (``tools/sweep_defaults.py`` reproduces it).
+reasoning — is in ``docs/defaults.md`` (``tools/studies/sweep_defaults.py`` reproduces it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The model's own greedy answers with their verifier features, and force-decoded verification rows: resumable.
 
-Moved here from ``tools/real_answers.py`` (now a thin command-line shim over this module); the ``answers`` and
+Moved here from ``tools/real_llm/real_answers.py`` (now a thin command-line shim over this module); the ``answers`` and
 ``forced`` stages of ``sdm-mlx pipeline`` call it.
 
 **Own answers** (:func:`decode_answers`).  One output row per task row ``{id, label, document[, split]}``: the
@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InputError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 
 #: the parts every recorded feature holds, in :data:`sdm_mlx.llm.pooling.FEATURE_PARTS` order
 RECORDED_PARTS = ("max", "mean", "last")
@@ -116,7 +117,7 @@ def shared_prefix_stats(model, tokenizer, prompts) -> dict:
 
     The model is causal, so the states of those P positions are the same in every row: the mean over the
     non-shared positions (document + completion) of a row pooled over n positions is
-    ``(n * mean_all - state_sum) / (n - P)`` (``tools/real_probe.py`` reads it).
+    ``(n * mean_all - state_sum) / (n - P)`` (``tools/real_llm/real_probe.py`` reads it).
     """
     from ..llm import embed as _embed
 
@@ -149,7 +150,7 @@ def _log_default(message: str) -> None:
 
 def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, system: str | None, template: str,
                    completions: Sequence[str], max_tokens: int = 32, batch_size: int = 16,
-                   feature_parts: Sequence[str] = ("mean", "last"), engine=None, prefix_stats: bool = True,
+                   feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, engine=None, prefix_stats: bool = True,
                    log: Callable[[str], None] = _log_default, label: str = "") -> dict:
     """Append the own-answer row of every row of ``rows`` not yet in ``output``; returns
     ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
@@ -193,7 +194,7 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, syste
 
 
 def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_size: int = 16,
-                 feature_parts: Sequence[str] = ("mean", "last"), log: Callable[[str], None] = _log_default,
+                 feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, log: Callable[[str], None] = _log_default,
                  label: str = "") -> dict:
     """Append the force-decoded features of every verification row (``id, prompt, completion, ...``) not yet in
     ``output`` (the row with ``embedding_source``, ``feature_parts`` and ``embedding`` added); returns

@@ -1,5 +1,5 @@
-"""The task rows of Factcheck and Arithmetic (moved here from ``tools/factcheck_sample.py`` and
-``tools/arithmetic_sample.py``, which remain as thin command-line shims).
+"""The task rows of Factcheck and Arithmetic (moved here from ``tools/builders/factcheck_sample.py`` and
+``tools/builders/arithmetic_sample.py``, which remain as thin command-line shims).
 
 Every sampler returns task rows ``{id, label, document, split}``.  The pipeline's own split names are
 ``pool`` (training and calibration of the verifier), ``heldout`` (the in-distribution test) and ``shift`` (the
@@ -50,7 +50,7 @@ def balanced_pick(y: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
 
 def factcheck_sample(n_pool: int, n_heldout: int, n_generated: int, seed: int = 0) -> list[dict]:
     """The sampled ``{id, label, document, split}`` rows (splits ``pool | heldout_topics | generated``) in one
-    seeded random order (``tools/factcheck_sample.py``'s file)."""
+    seeded random order (``tools/builders/factcheck_sample.py``'s file)."""
     from ..storage.datasets import factcheck_splits
 
     rng = np.random.default_rng(seed)
@@ -101,7 +101,7 @@ def draw(n: int, split: str, rng: np.random.Generator, seen: set, shifted: bool)
 
 def arithmetic_sample(n_pool: int, n_heldout: int, n_generated: int, seed: int = 0) -> list[dict]:
     """The ``{id, label, document, split}`` rows of the three splits (``pool | heldout_topics | generated``) in one
-    seeded random order (``tools/arithmetic_sample.py``'s file)."""
+    seeded random order (``tools/builders/arithmetic_sample.py``'s file)."""
     rng = np.random.default_rng(seed)
     seen: set = set()
     rows = draw(n_pool, "pool", rng, seen, False) + draw(n_heldout, "heldout_topics", rng, seen, False) \

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 from .layout import Layout
 from .recipe import TEST_SPLITS, Recipe, verifier_name
 
@@ -121,8 +122,8 @@ class RowStore:
                 if r["id"] in by_id or r["id"] not in wanted:
                     continue
                 emb = np.asarray(r.pop("embedding"), dtype=np.float32)
-                parts = parts or tuple(r.get("feature_parts") or ("mean", "last"))
-                if tuple(r.get("feature_parts") or ("mean", "last")) != parts:
+                parts = parts or tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS)
+                if tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS) != parts:
                     raise InputError(f"{path}: rows with different feature_parts ({parts} and {r['feature_parts']})")
                 by_id[r["id"]] = (r, emb)
         missing = [i for i in order if i not in by_id]
@@ -131,7 +132,7 @@ class RowStore:
                              f"{fix}")
         meta = [by_id[i][0] for i in order]
         X = np.stack([by_id[i][1] for i in order]) if order else np.zeros((0, 0), np.float32)
-        self._cache[path] = (meta, X, parts or ("mean", "last"))
+        self._cache[path] = (meta, X, parts or DEFAULT_FEATURE_PARTS)
         return self._cache[path]
 
     def data(self, task: str, split: str) -> list[dict]:

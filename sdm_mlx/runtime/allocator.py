@@ -23,7 +23,7 @@ A server's memory (:func:`freeze_loaded_objects`, :func:`limit_arenas`, :class:`
 -------------------------------------------------------------------------------------------------------------------------
 A server keeps glibc's defaults, and ``load_engine`` (``sdm_mlx.commands._common``, for ``serve`` and ``mcp``)
 does four things once its model is loaded, measured under 16 clients on the tiny model for 10 minutes
-(``tools/bench_serve_soak.py``, table in ``docs/serving.md``):
+(``tools/bench/bench_serve_soak.py``, table in ``docs/serving.md``):
 
 * :func:`freeze_loaded_objects`.  Every closed HTTP connection left asyncio's transport in a reference cycle
   that only a full collection frees, and with the loaded objects in the collector's reach a full collection
@@ -216,7 +216,7 @@ def limit_buffer_cache(n: int | None = None) -> int | None:
     buffer sizes change with every prompt length and batch size, so the cache fills with the sizes freed first,
     pins them across the heap, and most frees and allocations pass it by anyway.  Without it glibc's bins reuse
     freed memory for any size and join freed neighbours.  Measured under 16 clients on the tiny and small
-    models (``tools/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's
+    models (``tools/bench/bench_serve_soak.py``, table in ``docs/serving.md``).  Only where glibc serves MLX's
     buffers (Linux, computing on the CPU); opt out with ``SDM_MLX_TRIM_HEAP=0``.
     """
     if _mallopt is None or _server_tuning_off():

@@ -27,7 +27,7 @@ is decoding, the waiting answers are verified at once.  The verdicts are those
 of verifying each answer alone (the estimate is per row).
 
 The defaults (16 answers, 16 calls' cost) were chosen over HTTP on the tiny
-model (``tools/bench_serve.py`` clients; six alternating runs each): at 16
+model (``tools/bench/bench_serve.py`` clients; six alternating runs each): at 16
 clients 102.9 req/s against 73.5 with 8 answers and 4 calls' cost (mlx_lm.server
 75.4), p50 151 against 217 ms; at 4 clients 57.7 against 56.9 req/s.  Answers
 released together come back together: their prompts are prefilled in one pass

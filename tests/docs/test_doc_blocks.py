@@ -16,7 +16,7 @@ Conventions:
   run in seconds.
 - LLM pages name their model once, in a ``MODEL=...`` line (bash) or ``MODEL = "..."`` (python), and
   use ``$MODEL`` / ``MODEL`` after it.  Here the value is replaced by a tiny random mlx-lm model built
-  locally (tools/make_tiny_model.py), and such a page's sandbox also holds ``runs/sentiment/``: an
+  locally (tools/builders/make_tiny_model.py), and such a page's sandbox also holds ``runs/sentiment/``: an
   SDM network trained on that model (``runs/sentiment/network``, ``runs/sentiment/verifier``), as
   ``sdm-mlx network-train --output runs/sentiment`` writes it.
 - The sandbox links ``tools/`` and ``recipes/`` of the checkout (pages run from a checkout).

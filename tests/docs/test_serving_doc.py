@@ -9,7 +9,7 @@ import pathlib
 import re
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
-BUILD = "python tools/make_tiny_model.py runs/tiny && sdm-mlx network-train -c recipes/tiny_sentiment.yaml"
+BUILD = "python tools/builders/make_tiny_model.py runs/tiny && sdm-mlx network-train -c recipes/tiny_sentiment.yaml"
 
 
 def _blocks(text: str) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 from sdm_mlx.estimator.config import ESTIMATOR_DEFAULTS, PAPER_SETTINGS
 from sdm_mlx.calibration.diagnosis import admission_diagnosis, diagnosis_message
 from sdm_mlx.estimator import SDMEstimator
-from gaussians import gaussian_classes  # tools/gaussians.py (tools/ is on pytest's pythonpath)
+from gaussians import gaussian_classes  # tools/builders/gaussians.py (on pytest's pythonpath)
 
 #: A tiny, fast problem: 3 classes, 8 well separated features, few epochs.
 TINY = dict(iterations=3, epochs=3, rescaler_max_epochs=200, patience=None, verbose=False)

@@ -6,7 +6,7 @@ rows runs in bounded memory, and the scale / latency / reexpress benchmark tools
 * chunked ``estimate`` / ``iter_estimate`` == one call, bit for bit; the working memory of
   streamed prediction does not grow with the number of rows (tracemalloc and MLX peaks);
 * ``sdm-mlx predict`` streams rows with a progress bar, same rows as the API;
-* ``tools/bench_latency.py``, ``bench_scale.py``, ``bench_reexpress.py``: ``--help`` and ``--smoke``.
+* ``tools/bench/bench_latency.py``, ``bench_scale.py``, ``bench_reexpress.py``: ``--help`` and ``--smoke``.
 """
 
 import json
@@ -176,7 +176,7 @@ def test_cli_predict_streams_with_progress(small_model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("tool", ["bench_latency.py", "bench_scale.py", "bench_reexpress.py"])
 def test_bench_tools_help_and_smoke(tool, tmp_path):
-    path = ROOT / "tools" / tool
+    path = ROOT / "tools" / "bench" / tool
     help_run = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
     assert help_run.returncode == 0 and "--smoke" in help_run.stdout
     out = tmp_path / "report.json"

@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "builders"))  # tiny_models.py
 from tiny_models import make_tiny_model  # noqa: E402
 
 from sdm_mlx.llm.embed import load_model  # noqa: E402

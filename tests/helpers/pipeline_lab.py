@@ -1,6 +1,6 @@
 """A two-task lab for ``sdm-mlx pipeline`` on a tiny model, built locally (nothing is downloaded).
 
-* the model: a tiny random Phi-3 (tools/tiny_models.py) whose untied ``lm_head`` is fitted, with plain
+* the model: a tiny random Phi-3 (tools/builders/tiny_models.py) whose untied ``lm_head`` is fitted, with plain
   cross-entropy, to answer the sentiment and the factcheck instruction in their JSON formats, right about half of
   the time (half of its tuning answers are constructed negatives), so its own answers hold both verification
   labels;

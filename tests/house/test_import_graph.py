@@ -1,4 +1,4 @@
-"""The package's import graph (tools/import_graph.py): no cycle and no import up a layer, counting imports made
+"""The package's import graph (tools/house/import_graph.py): no cycle and no import up a layer, counting imports made
 inside functions as well as at load time; the verbs never import the dispatcher (sdm_mlx/cli.py) or each other --
 shared CLI pieces live in commands/_common.py; and the subpackages stay lazy."""
 
@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-import import_graph  # tools/ is on pytest's pythonpath
+import import_graph  # tools/house/ is on pytest's pythonpath
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -17,10 +17,10 @@ def test_graph_has_no_cycle_and_no_upward_import_counting_deferred_imports():
     assert import_graph.cycles(graph) == []
     assert import_graph.find_cycle(graph) is None
     assert import_graph.upward_imports(graph) == []
-    assert import_graph.undeclared(graph) == [], "add the module's package to LAYERS in tools/import_graph.py"
+    assert import_graph.undeclared(graph) == [], "add the module's package to LAYERS in tools/house/import_graph.py"
     assert "calibration.rounds" in graph and "runtime.callbacks" in graph["estimator.training"]
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "import_graph.py"), "--check"], capture_output=True,
-                         text=True)
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "house" / "import_graph.py"), "--check"],
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-2000:]
     assert res.stdout.strip().endswith("acyclic and layered") and "cli -> " in res.stdout
 

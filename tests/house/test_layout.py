@@ -17,7 +17,7 @@ CROSS_CUTTING = {
     "foundation": "the top-level modules sdm_mlx/*.py (results, settings, errors, validation)",
     "cli": "sdm_mlx/cli.py and sdm_mlx/commands/, through the CLI",
     "docs": "README.md and docs/*.md",
-    "house": "the house rules: layers, layout, the restructure codemod",
+    "house": "the house rules: layers and lazy __init__s, this layout",
     "tools": "the scripts in tools/",
 }
 

@@ -1,6 +1,6 @@
 """``sdm-mlx network-train`` continues after its last finished epoch (sdm_mlx/network/resume.py), through the CLI.
 
-The tiny instruction-tuned Phi-3 (tools/make_tiny_model.py, 400 task rows) with the tiny recipe at a learning
+The tiny instruction-tuned Phi-3 (tools/builders/make_tiny_model.py, 400 task rows) with the tiny recipe at a learning
 rate where epochs 1 and 2 raise the calibration count and epoch 3 does not: the kept network (epoch 2) and the
 current W_pos (epoch 3) differ, so both the selection and the training state must carry over.  A run that is
 killed (``kill -9`` in the middle of an epoch) or interrupted (Ctrl-C) and then started again with the same

@@ -1,5 +1,5 @@
-"""The factcheck and arithmetic samplers (sdm_mlx.pipeline.samplers; tools/arithmetic_sample.py is its command-line
-shim): exact labels, balanced splits, held-out triples never in the pool, a seeded file, the pipeline's split names."""
+"""The factcheck and arithmetic samplers (sdm_mlx.pipeline.samplers; tools/builders/arithmetic_sample.py is its
+command-line shim): exact labels, balanced splits, held-out triples never in the pool, a seeded file, the pipeline's split names."""
 
 import json
 import re
@@ -10,6 +10,7 @@ from pathlib import Path
 from sdm_mlx.pipeline import samplers as A
 
 ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "tools" / "builders" / "arithmetic_sample.py"
 STATEMENT = re.compile(r"^(-?\d+) (plus|minus|times) (-?\d+) equals (-?\d+)\.$")
 
 
@@ -38,7 +39,7 @@ def test_labels_are_the_truth_and_splits_are_balanced_and_disjoint():
 
 def test_the_cli_writes_the_same_file_for_the_same_seed(tmp_path):
     def run(path):
-        subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--pool", "8", "--heldout", "4",
+        subprocess.run([sys.executable, str(SAMPLE), "--pool", "8", "--heldout", "4",
                         "--generated", "4", "--seed", "1", "-o", str(path)], check=True, capture_output=True)
         return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -51,10 +52,10 @@ def test_extend_adds_unseen_pool_statements_and_keeps_the_sample(tmp_path):
     """--extend: the sample's rows unchanged and first, then --pool new balanced pool rows whose operand triples
     are in none of its splits (the held-out stays unseen), with new ids."""
     base = tmp_path / "task.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--pool", "40", "--heldout", "20",
+    subprocess.run([sys.executable, str(SAMPLE), "--pool", "40", "--heldout", "20",
                     "--generated", "10", "-o", str(base)], check=True, capture_output=True)
     out = tmp_path / "more" / "task.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "arithmetic_sample.py"), "--extend", str(base), "--pool",
+    subprocess.run([sys.executable, str(SAMPLE), "--extend", str(base), "--pool",
                     "30", "-o", str(out)], check=True, capture_output=True)
     old = [json.loads(x) for x in base.read_text().splitlines()]
     new = [json.loads(x) for x in out.read_text().splitlines()]

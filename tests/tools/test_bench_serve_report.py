@@ -1,6 +1,6 @@
-"""tools/bench_serve.py's report: ratios paired within each repeat, and the printed table."""
+"""tools/bench/bench_serve.py's report: ratios paired within each repeat, and the printed table."""
 
-import bench_serve as B  # tools/ is on pytest's pythonpath (pyproject.toml)
+import bench_serve as B  # tools/bench/ is on pytest's pythonpath (pyproject.toml)
 
 
 def _run(clients, rps, p50, p95):

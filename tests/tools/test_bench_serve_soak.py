@@ -1,10 +1,11 @@
-"""tools/bench_serve_soak.py end to end, briefly: both servers under varied prompt lengths, no errors, a report."""
+"""tools/bench/bench_serve_soak.py end to end, briefly: both servers under varied prompt lengths, no errors, a
+report."""
 
 import json
 
 import pytest
 
-import bench_serve_soak as S  # tools/ is on pytest's pythonpath (pyproject.toml)
+import bench_serve_soak as S  # tools/bench/ is on pytest's pythonpath (pyproject.toml)
 
 
 @pytest.mark.slow

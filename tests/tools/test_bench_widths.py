@@ -1,9 +1,9 @@
-"""tools/bench_widths.py (the side-by-side benchmark against reexpress-sdm): its data and its table, without the
+"""tools/bench/bench_widths.py (the side-by-side benchmark against reexpress-sdm): its data and its table, without the
 peer (CI never installs it)."""
 
 import numpy as np
 
-import bench_widths as B  # tools/ is on pytest's pythonpath (pyproject.toml)
+import bench_widths as B  # tools/bench/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_synthetic_data_has_the_check_s_keys_shapes_and_every_class(tmp_path):

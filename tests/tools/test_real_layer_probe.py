@@ -1,9 +1,9 @@
-"""tools/real_layer_probe.py: its final-norm features are the package's own (non-shared pooling), an intermediate
-block's are that block's output, and the probe's figures are right on a separable toy."""
+"""tools/real_llm/real_layer_probe.py: its final-norm features are the package's own (non-shared pooling), an
+intermediate block's are that block's output, and the probe's figures are right on a separable toy."""
 
 import numpy as np
 
-import real_layer_probe as L  # tools/ is on pytest's pythonpath (pyproject.toml)
+import real_layer_probe as L  # tools/real_llm/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_features_equal_the_packages_and_the_blocks_outputs(tiny_qwen2_path):
