@@ -58,6 +58,10 @@ def add_arguments(p) -> None:
     p.add_argument("--pooling", choices=["all", "non-shared"], default="all",
                    help="mean half of the feature: over all kept positions (the paper's), or without the token "
                         "prefix every input row shares (document + completion positions; DESIGN #21)")
+    p.add_argument("--feature-parts", default="mean,last",
+                   help="pooled parts of the states to concatenate, in the order max, mean, last: 'mean,last' "
+                        "(DESIGN #21), 'last', 'max,mean,last' (the author's current encoding); recorded in each row "
+                        "and in the model sdm-mlx train makes of them")
     p.add_argument("--max-length", type=int, default=500, help="keep at most this many leading token positions")
     p.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -119,6 +123,12 @@ def _position(args) -> str:
         raise CLIError("--position delimiter needs --completion-field (the delimiter is searched in the completion)")
     if args.prompt_template is not None and "{document}" not in args.prompt_template:
         raise CLIError("--prompt-template must contain a {document} slot")
+    from ..llm.pooling import check_feature_parts
+
+    try:
+        args.feature_parts = ",".join(check_feature_parts(args.feature_parts))
+    except InputError as e:
+        raise CLIError(f"--feature-parts: {e}") from None
     return position
 
 
@@ -136,12 +146,14 @@ def _embed_rows(args, todo: list, model, tokenizer, spec: dict, bar, *, out) -> 
                 model, tokenizer, docs, spans, position=spec["position"], delimiter=args.delimiter,
                 max_length=args.max_length, batch_size=args.batch_size, on_missing=args.on_missing_delimiter,
                 pooling=args.pooling, shared_prefix=spec["shared_prefix_ids"], progress=bar.update,
+                parts=spec["feature_parts"],
             )
         except DocumentError as e:
             lineno, row = part[e.index]
             raise InputError(f"{args.input}: line {lineno} (id {row['id']!r}): {e.reason}") from None
         stats["width"] = feats.embeddings.shape[1]
-        out.write("".join(format_row({**r, "embedding_source": LLM_FEATURES}, e)
+        recorded = {"embedding_source": LLM_FEATURES, "feature_parts": spec["feature_parts"]}
+        out.write("".join(format_row({**r, **recorded}, e)
                           for (_, r), e in zip(part, feats.embeddings)))
         out.flush()
         stats["truncated"] += int(feats.truncated.sum())
@@ -183,7 +195,7 @@ def _feature_spec(args, rows: list, tokenizer, position: str) -> dict:
     import json
     import os
 
-    from ..llm.embed import common_prefix_length, encode
+    from ..llm.embed import check_feature_parts, common_prefix_length, encode
     from ..storage.files import write_json
 
     shared = None
@@ -193,12 +205,14 @@ def _feature_spec(args, rows: list, tokenizer, position: str) -> dict:
         shared = seqs[0][: common_prefix_length(seqs)]
     spec = {"model": args.model, "position": position, "delimiter": args.delimiter, "max_length": args.max_length,
             "on_missing_delimiter": args.on_missing_delimiter, "pooling": args.pooling, "shared_prefix_ids": shared,
-            "shared_prefix_text": None if shared is None else tokenizer.decode(shared)}
+            "shared_prefix_text": None if shared is None else tokenizer.decode(shared),
+            "feature_parts": list(check_feature_parts(args.feature_parts))}
     path = spec_path(args.output)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
-        keys = ("position", "delimiter", "max_length", "pooling", "shared_prefix_ids")
+        keys = ("position", "delimiter", "max_length", "pooling", "shared_prefix_ids", "feature_parts")
+        old.setdefault("feature_parts", ["mean", "last"])  # written before the option: the default then
         changed = [k for k in keys if old.get(k) != spec[k]]
         if changed:
             raise InputError(f"{args.output} holds features made with other settings ({', '.join(changed)} differ "

@@ -191,6 +191,7 @@ def _run(args) -> int:
             train.X, train.y, None if cal is None else cal.X, None if cal is None else cal.y,
             ids_train=train.ids, ids_cal=None if cal is None else cal.ids,
             num_classes=jsonl_num_classes(args, train, cal), checkpoint=checkpoint, feature_field=train.features,
+            feature_parts=train.feature_parts,
         )
     except KeyboardInterrupt:
         done = checkpoint_rounds(checkpoint) if checkpoint else 0

@@ -114,6 +114,7 @@ def _artifact_meta(state: FittedState, params: dict, round_meta: list) -> dict:
         "support_ids": state.support_ids,
         "calibration_ids": state.calibration_ids,
         "feature_field": state.feature_field,
+        "feature_parts": None if state.feature_parts is None else list(state.feature_parts),
         "classes": state.classes.tolist(),
     }
 
@@ -173,8 +174,17 @@ def _restore(groups: dict, meta: dict) -> tuple[FittedState, int, int]:
         calibration_distance_ecdfs=unpack_ragged("calibration", groups["distance_ecdfs"], C),
         training_distance_ecdfs=unpack_ragged("training", groups["distance_ecdfs"], C),
         feature_field=meta.get("feature_field"),  # absent before it was stored: "auto"
+        feature_parts=_stored_parts(meta.get("feature_parts")),  # absent before it was stored: None
     )
     return state, m, d
+
+
+def _stored_parts(parts) -> tuple | None:
+    if parts is None:
+        return None
+    from ..llm.pooling import check_feature_parts
+
+    return check_feature_parts(parts)
 
 
 def _check_normalization(normalize, adaptor: dict, d: int) -> None:

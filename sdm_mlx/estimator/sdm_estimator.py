@@ -127,7 +127,7 @@ class SDMEstimator:
     ``best_round_``, ``rounds_``, ``round_summaries_``, ``history_``, ``exemplar_basis_``, ``support_vectors_``,
     ``support_labels_``, ``support_predictions_``, ``support_ids_``, ``calibration_ids_``,
     ``calibration_logits_``, ``calibration_labels_``, ``calibration_distance_ecdfs_``,
-    ``training_distance_ecdfs_``, ``feature_field_``; and, derived at the current α':
+    ``training_distance_ecdfs_``, ``feature_field_``, ``feature_parts_``; and, derived at the current α':
     nested_ : NestedCalibration
         The one store of what α' derives: every level of the grid (Alg. 3 + Cauchy over the stored rounds, each
         level computed once) and the decision policy; set by ``fit``, ``recalibrate`` and ``load``.
@@ -285,7 +285,7 @@ class SDMEstimator:
         return alpha
 
     def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, *, num_classes=None, checkpoint=None,
-            callback=None, feature_field=None):
+            callback=None, feature_field=None, feature_parts=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
 
         The training and calibration rows are pooled and re-split in half per class for each of
@@ -298,12 +298,19 @@ class SDMEstimator:
         the model is saved.  ``callback``: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress
         (default: silent, or tqdm progress on stderr with ``verbose=True``).  ``feature_field``: the JSONL field
         the features were read from, kept as the fitted ``feature_field_`` (saved with the model; None: the
-        default lookup).
+        default lookup).  ``feature_parts``: when the features are an LLM's pooled states, the parts they
+        concatenate (``"mean,last"``, ``"last"``, ``"max,mean,last"``: :data:`sdm_mlx.llm.pooling.FEATURE_PARTS`),
+        kept as ``feature_parts_`` so that verified generation pools its decodings the same way (None: not
+        recorded; generation then assumes concat(mean, last), DESIGN #21).
 
-        Ten parameters, on purpose: scikit-learn's ``fit(X, y)`` with this estimator's calibration split and row
-        ids beside them (``X_cal``, ``y_cal``, ``ids_train``, ``ids_cal``) and four optional keywords.
+        Eleven parameters, on purpose: scikit-learn's ``fit(X, y)`` with this estimator's calibration split and row
+        ids beside them (``X_cal``, ``y_cal``, ``ids_train``, ``ids_cal``) and five optional keywords.
         """
         callback = as_callback(callback, self.verbose)
+        if feature_parts is not None:
+            from ..llm.pooling import check_feature_parts
+
+            feature_parts = check_feature_parts(feature_parts)
         X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal,
                                                num_classes=num_classes)
         C = len(classes)
@@ -322,6 +329,7 @@ class SDMEstimator:
             calibration_logits=np.asarray(best.calibration.z, dtype=np.float32),  # z' of the calibration rows
             calibration_labels=y[best.cal_idx], calibration_distance_ecdfs=best.calibration_distance_ecdfs,
             training_distance_ecdfs=best.train_distance_ecdfs, feature_field=feature_field,
+            feature_parts=feature_parts,
         ))
         self._apply_alpha(alpha)
         callback.message(f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "

@@ -40,6 +40,9 @@ class FittedState:
         Per-class eCDFs of the distance d (``equation:d``).
     feature_field : str or None
         The JSONL field the features were read from (None: the default, "auto" lookup).
+    feature_parts : tuple of str or None
+        The pooled parts of an LLM's states the features concatenate (:data:`sdm_mlx.llm.pooling.FEATURE_PARTS`
+        order); None: not recorded (artifacts written before it, or features that are not LLM states).
     support_documents : dict
         ``{id key: document text}`` of support rows whose document was kept (shown with the exemplars).
     n_training_support : int or None
@@ -68,6 +71,7 @@ class FittedState:
     calibration_distance_ecdfs: list
     training_distance_ecdfs: list
     feature_field: str | None = None
+    feature_parts: tuple | None = None
     support_documents: dict = field(default_factory=dict)
     n_training_support: int | None = None
     feedback_log: list = field(default_factory=list)

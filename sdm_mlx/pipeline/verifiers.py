@@ -250,7 +250,7 @@ def train_verifier(plan: VerifierPlan, recipe: Recipe, store: RowStore, path: st
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "admits nothing": recorded in the entry instead
-        est.fit(X, y, ids_train=ids, num_classes=2, checkpoint=checkpoint)
+        est.fit(X, y, ids_train=ids, num_classes=2, checkpoint=checkpoint, feature_parts=plan.parts)
     entry["seconds"] = round(time.perf_counter() - t0, 2)
     est.save(path, overwrite=True)
     remove_checkpoint(checkpoint)

@@ -42,6 +42,9 @@ class Dataset:
     documents: list = field(default_factory=list)
     source: str = ""
     features: str | None = None  #: the row field(s) the features came from ("embedding", "attributes", both)
+    #: the pooled parts of an LLM's states the embeddings concatenate, as the rows' ``feature_parts`` record them
+    #: (``sdm-mlx embed`` and the pipeline write it; None: not recorded)
+    feature_parts: tuple | None = None
 
     def __post_init__(self):
         if not self.documents:
@@ -71,6 +74,8 @@ class Dataset:
             row[field] = x
             if doc is not None:
                 row["document"] = doc
+            if self.feature_parts is not None and field == "embedding":
+                row["feature_parts"] = list(self.feature_parts)
             rows.append(row)
         return rows
 
@@ -93,6 +98,7 @@ class Dataset:
             documents=[self.documents[i] for i in index],
             source=self.source,
             features=self.features,
+            feature_parts=self.feature_parts,
         )
 
     @staticmethod
@@ -104,6 +110,7 @@ class Dataset:
             documents=[d for p in parts for d in p.documents],
             source="+".join(p.source for p in parts),
             features=parts[0].features if len({p.features for p in parts}) == 1 else None,
+            feature_parts=parts[0].feature_parts if len({p.feature_parts for p in parts}) == 1 else None,
         )
 
 
@@ -166,7 +173,7 @@ def parse_rows(rows, source: str, features: str = "auto", require_labels: bool =
     if features not in FEATURE_CHOICES:
         raise InputError(f"features must be one of {FEATURE_CHOICES}, got {features!r}")
     ids, feats, labels, docs, seen = [], [], [], [], {}
-    width, used = None, None
+    width, used, parts = None, None, False
     for line_no, row in rows:
         where = f"{source}:{line_no}"
         if not isinstance(row, dict):
@@ -185,6 +192,12 @@ def parse_rows(rows, source: str, features: str = "auto", require_labels: bool =
             raise InputError(f"{where}: this row's features come from {field_!r}, earlier rows' from {used!r}; "
                              "give every row the same fields or pass --features")
         vec = _row_features(row, field_, where)
+        row_parts = _recorded_parts(row, where)
+        if parts is False:
+            parts = row_parts
+        elif row_parts != parts:
+            raise InputError(f"{where}: this row records feature_parts {row_parts}, earlier rows {parts}: rows pooled "
+                             "differently cannot share one model; embed them again with the same parts")
         if width is None:
             width = len(vec)
         elif len(vec) != width:
@@ -213,7 +226,20 @@ def parse_rows(rows, source: str, features: str = "auto", require_labels: bool =
         documents=docs,
         source=source,
         features=used,
+        feature_parts=parts if used == "embedding" else None,
     )
+
+
+def _recorded_parts(row: dict, where: str) -> tuple | None:
+    """The row's ``feature_parts`` (a list of part names, e.g. ``["mean", "last"]``) as a tuple; None if absent.
+    The names are checked where a model takes them (``SDMEstimator.fit``)."""
+    parts = row.get("feature_parts")
+    if parts is None:
+        return None
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts):
+        raise InputError(f"{where}: feature_parts must be a list of part names such as [\"mean\", \"last\"], "
+                         f"got {parts!r}")
+    return tuple(parts)
 
 
 def read_objects(path, unique_ids: bool = False) -> list[tuple[int, dict]]:

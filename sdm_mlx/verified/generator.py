@@ -306,7 +306,8 @@ class VerifiedGenerator:
                 streams.on_attempt_start(k)
             seed = None if sampling.seed is None else sampling.seed + k - 1
             req = DecodeRequest(gen_ids, max_tokens, dataclasses.replace(sampling, seed=seed),
-                                tuple(policy.stop or ()), features=gen_ids is base_ids, on_text=streams.on_text,
+                                tuple(policy.stop or ()), features=gen_ids is base_ids,
+                                feature_parts=self.verifier.feature_parts, on_text=streams.on_text,
                                 cancel=streams.cancel, on_tokens=streams.on_tokens)
             t0 = time.perf_counter()
             dec = yield req

@@ -85,12 +85,18 @@ class AnswerVerifier:
         if not estimator.is_fitted:
             raise InputError("the verification layer is not fitted")
         from ..llm.model import model_dims
+        from ..llm.pooling import DEFAULT_FEATURE_PARTS
 
         _, hidden = model_dims(model)
-        if estimator.input_dim_ != 2 * hidden:
+        #: the pooled parts the verification layer was trained on (its rows recorded them; DESIGN #21's
+        #: concat(mean, last) for a layer that did not record them)
+        self.feature_parts = tuple(getattr(estimator, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
+        width = len(self.feature_parts) * hidden
+        if estimator.input_dim_ != width:
             raise InputError(
                 f"the verification layer expects {estimator.input_dim_}-dim features but this model gives "
-                f"2 x {hidden} = {2 * hidden} (mean ⊕ state): it was trained on another model's features"
+                f"{len(self.feature_parts)} x {hidden} = {width} ({' ⊕ '.join(self.feature_parts)}): it was trained on "
+                "another model's features"
             )
         if not 0 <= verified_label < estimator.num_classes_:
             raise InputError(f"verified_label {verified_label} is not a class of the verification layer")
@@ -99,7 +105,8 @@ class AnswerVerifier:
         self.n_exemplars, self.require_json, self.verified_label = int(n_exemplars), require_json, verified_label
 
     def features(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]):
-        """``(embedding [1, 2D] float32, Features)`` of prompt + answer tokens (embed.py's construction)."""
+        """``(embedding [1, len(feature_parts)·D] float32, Features)`` of prompt + answer tokens (embed.py's
+        construction)."""
         feats = self.features_batch([(prompt_ids, answer_ids)])
         return feats.embeddings, feats
 
@@ -109,6 +116,7 @@ class AnswerVerifier:
         return _embed.document_features(
             self.model, self.tokenizer, docs, [(len(p), None) for p, _ in pairs], position="delimiter",
             delimiter=self.delimiter, max_length=self.max_length, batch_size=8, on_missing="prompt",
+            parts=self.feature_parts,
         )
 
     def __call__(self, prompt_ids, answer_ids, text: str, id=None, features=None) -> Verdict:
