@@ -7,6 +7,7 @@ estimator's (:class:`sdm_mlx.estimator.config.EstimatorConfig`).  No MLX import 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..llm import embed as _embed
@@ -168,6 +169,14 @@ class NetworkConfig:
         if self.preset:
             return PRESETS[self.preset]["prompt_template"]
         return None
+
+    def input_paths(self) -> list:
+        """(flag, path) of every input a run reads, for the output-directory guard."""
+        pairs = [("--data", self.data), ("--verification-data", self.verification_data)]
+        pairs += [(f"--tasks[{i}].data", t.get("data")) for i, t in enumerate(self.tasks or []) if isinstance(t, dict)]
+        if self.model and os.path.exists(os.path.expanduser(str(self.model))):
+            pairs.append(("--model", os.path.expanduser(str(self.model))))
+        return pairs
 
     def estimator_params(self) -> dict:
         params = dict(

@@ -468,8 +468,10 @@ def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
         return [Decoded(prompt_ids=[1], token_ids=[1], text=by_prompt[p], stop_reason="delimiter", seconds=0.0,
                         features=np.zeros((1, 4), np.float32)) for p in prompts]
 
-    monkeypatch.setattr(tr, "greedy_generate", fake_generate)
-    res = tr.count_verified(None, tok, FakeVerifier(), rows, comps)
+    from sdm_mlx.network import selection
+
+    monkeypatch.setattr(selection, "greedy_generate", fake_generate)
+    res = selection.count_verified(None, tok, FakeVerifier(), rows, comps)
     assert res["documents"] == 10 and res["admitted_pred1"] == 10
     assert res["count"] == 7 and res["task_correct"] == 7 and res["parse_failures"] == 1
 
