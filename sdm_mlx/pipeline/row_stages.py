@@ -102,7 +102,7 @@ def answers_done(recipe: Recipe, layout: Layout) -> bool:
 def run_answers(recipe: Recipe, layout: Layout) -> dict:
     from ..llm import embed as _embed
     from ..storage.files import make_dirs
-    from .answers import decode_answers, read_rows
+    from .answers import AnswerSettings, decode_answers, read_rows
 
     say = stage_log("answers")
     check_model(recipe)
@@ -116,10 +116,9 @@ def run_answers(recipe: Recipe, layout: Layout) -> dict:
         if model is None:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model)
-        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), system=recipe.system,
-                            template=t.template(), completions=t.answer_completions(), max_tokens=recipe.max_tokens,
-                            batch_size=recipe.generation_batch_size, feature_parts=recipe.record_features, log=say,
-                            label=f"{t.name}/{s}")
+        settings = AnswerSettings(recipe.system, t.template(), t.answer_completions(), max_tokens=recipe.max_tokens,
+                                  batch_size=recipe.generation_batch_size, feature_parts=recipe.record_features)
+        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), settings, log=say, label=f"{t.name}/{s}")
         for k in total:
             total[k] += st[k]
     return total
