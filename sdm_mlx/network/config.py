@@ -170,6 +170,15 @@ class NetworkConfig:
             return PRESETS[self.preset]["prompt_template"]
         return None
 
+    def network_settings(self) -> dict:
+        """The settings saved with the network (``network_config.json``: how it decodes and prompts)."""
+        return {
+            "delimiter": self.delimiter, "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+            "system": self.system, "prompt_template": self.resolved_template(),
+            "use_chat_template": self.use_chat_template, "tasks": self.tasks, "reference_head": self.reference_head,
+            "completions": self.resolved_completions(), "alpha": self.alpha,
+        }
+
     def input_paths(self) -> list:
         """(flag, path) of every input a run reads, for the output-directory guard."""
         pairs = [("--data", self.data), ("--verification-data", self.verification_data)]

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..llm import embed as _embed
 from ..runtime.callbacks import progress_bar as Progress
-from .generation import decode_batch_size, generation_features, greedy_generate, prompt_lengths
+from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .training_data import TokenCache, build_token_cache, completion_token_positions
 
 
@@ -42,11 +42,14 @@ class RankWork:
     def generate(self, rows: Sequence[dict], desc: str):
         c = self.config
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
-            return greedy_generate(
-                self.heads, self.tokenizer, [r["prompt"] for r in rows], max_new_tokens=c.max_new_tokens,
-                delimiter=c.delimiter, batch_size=c.generation_batch_size, features=True,
-                max_length=c.max_length, progress=bar.update,
-            )
+            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], self.decode_settings(),
+                                   features=True, progress=bar.update)
+
+    def decode_settings(self) -> DecodeSettings:
+        """How the run decodes (its generations and its calibration counts): the config's settings."""
+        c = self.config
+        return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
+                              batch_size=c.generation_batch_size)
 
     def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
         """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""

@@ -9,10 +9,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SDMError
-from ..llm import embed as _embed
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import DataParallel
-from .generation import generation_features, greedy_generate, parse_task_prediction
+from .generation import DecodeSettings, generation_features, greedy_generate, parse_task_prediction
 from .heads import SDMHeads
 
 
@@ -33,18 +32,17 @@ class VerifierAdmitsNothing(SDMError):
 
 
 def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
-                   *, max_new_tokens: int = 32, delimiter: str = _embed.DEFAULT_DELIMITER,
-                   max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8, verbose: bool = False) -> dict:
+                   settings: DecodeSettings | None = None, *, verbose: bool = False) -> dict:
     """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
     ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
     with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
     answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
-    ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``.
+    ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``;
+    ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults).
     """
     t0 = time.perf_counter()
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
-        gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
-                               delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
+        gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], settings=settings, features=True,
                                progress=bar.update)
     pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)

@@ -64,7 +64,7 @@ from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .rank_work import RankWork
 from .resume import Resumption, discard_state
 from .selection import VerifierAdmitsNothing, count_verified, head_label, select_improved, sum_counts
-from .step import make_optimizer, make_step, make_train_step, train_epoch
+from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
                             corrected_rows, model_answer_rows)
 from .generation import generation_features
@@ -155,15 +155,6 @@ class SDMNetworkTrainer(RankWork):
         c = self.config
         return bool(c.overwrite or c.restart or self.resumption.state is not None)
 
-    def settings(self) -> dict:
-        c = self.config
-        return {
-            "delimiter": c.delimiter, "max_new_tokens": c.max_new_tokens, "max_length": c.max_length,
-            "system": c.system, "prompt_template": c.resolved_template(), "use_chat_template": c.use_chat_template,
-            "tasks": c.tasks, "reference_head": c.reference_head,
-            "completions": self.completions, "alpha": c.alpha,
-        }
-
     def write_metrics(self, metrics: dict) -> None:
         if self.dp.writer:
             write_json(self.metrics_path, metrics)
@@ -221,8 +212,7 @@ class SDMNetworkTrainer(RankWork):
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
-                                max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                                batch_size=c.generation_batch_size, verbose=c.verbose) if part else None
+                                settings=self.decode_settings(), verbose=c.verbose) if part else None
         if not self.dp.active:
             return counts
         return sum_counts(self.dp, counts)
@@ -232,7 +222,8 @@ class SDMNetworkTrainer(RankWork):
         """Write the network holding the head of ``epoch`` (0 = the base head), marked as not finished."""
         if not self.dp.writer:
             return
-        save_network(self.network_path, self.heads, self.config.model, est_path, settings=self.settings(),
+        save_network(self.network_path, self.heads, self.config.model, est_path,
+                     settings=self.config.network_settings(),
                      training={"epoch": epoch, "calibration_count": count, "head": head_label(epoch),
                                "finished": False, "epochs_completed": epochs_completed,
                                "epochs_planned": self.config.epochs,
@@ -251,17 +242,17 @@ class SDMNetworkTrainer(RankWork):
             "finished=false in its network_config.json; run the same command again to resume after epoch "
             f"{epoch - 1} (--restart starts over)", True)
 
-    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, *, targets, step, optimizer, metrics, best,
-                  selected) -> tuple[int, int]:
+    def run_epoch(self, epoch: int, run: EpochInputs, *, metrics: dict, best: int, selected: int) -> tuple[int, int]:
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
-        c = self.config
+        c, (est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer) = self.config, run
         t0 = time.perf_counter()
         q_doc, d_doc, _ = self.document_qd(est, pos_rows)
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
-            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok=d_tok, batch_size=c.batch_size,
-                            beta_min=c.beta_min, beta_max=c.beta_max, rng=self.rng, progress=bar.update, dp=self.dp)
+            m = train_epoch(step, self.heads, optimizer, EpochTokens(hidden, targets, q_tok, d_tok),
+                            MiniBatches(c.batch_size, c.beta_min, c.beta_max), rng=self.rng, progress=bar.update,
+                            dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         cal = self.calibration_count(est, cal_rows)
         improved = select_improved(cal["count"], best)
@@ -311,12 +302,10 @@ class SDMNetworkTrainer(RankWork):
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
         else:
             step = make_step(self.heads, optimizer, kind=c.train_step, compile=c.compile_step)
-        epoch = done
+        epoch, run = done, EpochInputs(est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer)
         try:
             for epoch in range(done + 1, c.epochs + 1):
-                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
-                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
-                                                selected=selected)
+                best, selected = self.run_epoch(epoch, run, metrics=metrics, best=best, selected=selected)
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise
