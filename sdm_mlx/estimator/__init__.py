@@ -1,6 +1,8 @@
 """The SDM estimator (layer 4): :class:`SDMEstimator` (:mod:`.sdm_estimator`) fits the adaptor, the support
-index and the J calibration rounds, and predicts with p̂_lower; its parameters and their one set of defaults
-(:mod:`.config`), one Alg. 1 training round (:mod:`.training`), the J rounds with their calibration
+index and the J calibration rounds, and predicts with p̂_lower, over its bases :mod:`.params` (the scikit-learn
+parameter protocol), :mod:`.alpha_levels` (the calibration at α' and the grid's levels) and :mod:`.support` (the
+support index and its feedback edits); what ``fit`` runs (:mod:`.fitting`); its parameters and their one set of
+defaults (:mod:`.config`), one Alg. 1 training round (:mod:`.training`), the J rounds with their calibration
 (:mod:`.rounds`), per-round checkpoints (:mod:`.checkpoint`), prediction in bounded chunks (:mod:`.chunking`),
 the artifact on disk (:mod:`.persistence`), the feedback log and support edits (:mod:`.feedback`) and the
 load-edit-save helpers the CLI and the server use (:mod:`.updates`).

@@ -131,8 +131,8 @@ def train_rounds(
     for j in range(progress.next_round, config.iterations):
         train_idx, cal_idx = split_pool(y, num_classes, rng, config.stratified)
         result = training.train_round(  # looked up at call time (tests replace it to interrupt a fit)
-            X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], num_classes, config,
-            seed=config.seed * 1000 + j, train_idx=train_idx, cal_idx=cal_idx, callback=callback, round_index=j,
+            training.RoundSplit.of(X, y, train_idx, cal_idx), num_classes, config, seed=config.seed * 1000 + j,
+            callback=callback, round_index=j,
         )
         if calibrate is not None:
             calibrate(j, result)

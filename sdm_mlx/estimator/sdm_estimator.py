@@ -18,16 +18,16 @@ all J rounds.  ``estimate`` gives, per row, the index-conditional estimate
 p̂_lower or ⊥ (``admitted = False``) with the reason, plus every quantity the
 paper reports and the nearest training exemplars.
 
-Why this module is over 400 lines: it is the one class users hold -- parameters, fit, estimate, recalibration,
-feedback and save/load -- and each of those delegates the work to its own module (:mod:`.training`,
-:mod:`.chunking`, :mod:`.feedback`, :mod:`.persistence`, :mod:`sdm_mlx.calibration`); splitting the class
-itself over files would hide its API.
+It is the one class users hold -- parameters, fit, estimate, recalibration, feedback and save/load -- and each of
+those delegates the work to its own module (:mod:`.training`, :mod:`.chunking`, :mod:`.persistence`,
+:mod:`sdm_mlx.calibration`).  Its public methods are all on the class; three groups come from bases in sibling
+modules, as scikit-learn's ``BaseEstimator`` gives its parameters: :mod:`.params` (the parameter protocol),
+:mod:`.alpha_levels` (the calibration at α' and the grid's levels, ``recalibrate``) and :mod:`.support` (feedback
+edits of the support set, kept documents).  :mod:`.fitting` checks ``fit``'s rows and classes and runs its rounds.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 import warnings
 
@@ -35,35 +35,33 @@ import numpy as np
 
 from ..core.adaptor import InvariantForward
 from .. import validation
-from ..calibration import (Calibration, NestedCalibration, RescalerSettings, calibrate_round, estimate_nested,
-                           exact_one_minus)
-from ..calibration.nested import alpha_grid, decision_policy
+from ..calibration import NestedCalibration, estimate_nested
 from .chunking import PREDICT_CHUNK_ROWS, concat_predictions, iter_estimates
 from .config import EstimatorConfig
 from .config import PAPER_SETTINGS
 from ..calibration.diagnosis import admission_diagnosis, diagnosis_message
-from ..errors import ArtifactError, InputError, NotFittedError, not_fitted_error
+from ..errors import ArtifactError, InputError, NotFittedError, not_fitted_error  # noqa: F401 (re-exported)
 from .persistence import load_state, save_state
 from .state import FittedState
-from ..storage.datasets import id_key
-from .feedback import FeedbackState, label_indices_for, log_entries, new_ids
+from .alpha_levels import RESET, AlphaLevels  # noqa: F401 (RESET: re-exported)
+from .feedback import FeedbackState
+from .fitting import check_classes, pooled_data, train_and_calibrate
+from .params import ParamsMixin
+from .support import SupportEdits
 from ..core.distance import distance_quantile
-from ..index import good_neighbours_by_class, make_index
+from ..index import make_index
 from ..runtime.callbacks import as_callback
 from ..results import Predictions
-from .rounds import RoundCalibrator, train_rounds
 from .training import TrainConfig
 from ..core.activation import sdm_numpy
 
 _D = EstimatorConfig()  #: the defaults (one place: sdm_mlx/estimator/config.py)
-#: ``recalibrate``'s value that returns a grid or policy setting to its default (None keeps the model's)
-RESET = "default"
 
 
 # ---------------------------------------------------------------------------------------------
 # the estimator
 # ---------------------------------------------------------------------------------------------
-class SDMEstimator:
+class SDMEstimator(ParamsMixin, AlphaLevels, SupportEdits):
     """The SDM estimator of the paper (adaptor → q, d → SDM → W'' → DKW → Alg. 3 → Cauchy → p̂_lower / ⊥).
 
     A scikit-learn classifier: ``fit(X, y)``, ``predict`` (labels), ``predict_proba`` (SDM output),
@@ -186,39 +184,6 @@ class SDMEstimator:
         """An estimator with the paper's exact Alg. 1 settings (:data:`sdm_mlx.estimator.config.PAPER_SETTINGS`)."""
         return cls(**{**PAPER_SETTINGS, **overrides})
 
-    # -- parameters (scikit-learn protocol) ------------------------------------------------------
-    @classmethod
-    def _get_param_names(cls) -> list[str]:
-        """The ``__init__`` parameters, in signature order (what get_params / clone / save use)."""
-        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-
-    def get_params(self, deep: bool = True) -> dict:
-        """``{parameter: value}`` as given to ``__init__`` / ``set_params`` (no nested estimators: ``deep`` is moot)."""
-        return {name: getattr(self, name) for name in self._get_param_names()}
-
-    def set_params(self, **params) -> "SDMEstimator":
-        """Set parameters by name (validated at the next ``fit``); returns self."""
-        valid = self._get_param_names()
-        for name, value in params.items():
-            if name not in valid:
-                raise InputError(f"invalid parameter {name!r} for SDMEstimator; valid parameters: {valid}")
-            setattr(self, name, value)
-        return self
-
-    def __repr__(self) -> str:
-        defaults = type(self)().get_params()
-        changed = [f"{k}={v!r}" for k, v in self.get_params().items() if not _same(v, defaults[k])]
-        return f"SDMEstimator({', '.join(changed)})"
-
-    def __sklearn_tags__(self):
-        """scikit-learn ≥ 1.6 tags: a classifier (only called by scikit-learn, which is then installed)."""
-        from sklearn.utils import ClassifierTags, Tags, TargetTags
-
-        return Tags(estimator_type="classifier", target_tags=TargetTags(required=True),
-                    classifier_tags=ClassifierTags(poor_score=True))
-
-    _estimator_type = "classifier"
-
     def _train_config(self) -> TrainConfig:
         return TrainConfig.of(self.get_params())
 
@@ -231,59 +196,6 @@ class SDMEstimator:
             raise not_fitted_error("this SDMEstimator is not fitted yet: call fit() or SDMEstimator.load()")
 
     # -- fit ---------------------------------------------------------------------------------
-    def _pooled_data(self, X, y, X_cal, y_cal, *, ids_train, ids_cal, num_classes):
-        """(X, classes_, y as indices, ids) of train (+ calibration) rows, validated once."""
-        X = validation.features(X, "training features")
-        if y is None:
-            raise InputError("SDMEstimator requires y to be passed, but the target y is None")
-        ys = [np.asarray(y)]
-        if ys[0].shape[:1] != (X.shape[0],):
-            raise InputError(f"training labels: shape {ys[0].shape} for {X.shape[0]} rows (one label per row)")
-        ids = list(ids_train) if ids_train is not None else [f"train-{i}" for i in range(X.shape[0])]
-        if X_cal is not None:
-            if y_cal is None:
-                raise InputError("calibration features given without calibration labels (y_cal)")
-            Xc = validation.features(X_cal, "calibration features", dim=X.shape[1])
-            yc = np.asarray(y_cal)
-            if yc.shape[:1] != (Xc.shape[0],):
-                raise InputError(f"calibration labels: shape {yc.shape} for {Xc.shape[0]} rows (one label per row)")
-            X = np.concatenate([X, Xc])
-            ys.append(yc)
-            ids += list(ids_cal) if ids_cal is not None else [f"cal-{i}" for i in range(Xc.shape[0])]
-        if len(ids) != X.shape[0]:
-            raise InputError(f"got {len(ids)} ids for {X.shape[0]} rows")
-        ys = [validation.one_d(a, name) for a, name in zip(ys, ("training labels", "calibration labels"))]
-        labels = np.concatenate(ys) if len(ys) > 1 else ys[0]
-        classes, y_idx = validation.encode_labels(labels, "labels", num_classes)
-        return X, classes, y_idx, ids
-
-    def _check_classes(self, y: np.ndarray, C: int) -> float:
-        """Per-class row counts, class names and α' for C classes; returns the validated α'."""
-        if C < 2:
-            raise InputError("need at least two classes (a single-class problem cannot be calibrated); "
-                             f"the labels hold {C} class")
-        counts = np.bincount(y, minlength=C)
-        thin = np.flatnonzero(counts < 4).tolist()
-        if thin:
-            raise InputError(
-                f"class(es) {thin} have fewer than 4 rows in the pooled data (counts {counts.tolist()}); every "
-                "class needs rows in both the training and the calibration half"
-            )
-        alpha = validation.alpha(self.alpha, C)
-        levels = alpha_grid(self.alpha_grid, alpha, C)  # checked before training (DESIGN #25)
-        decision_policy(levels, alpha, self.alpha_allow, self.alpha_review)
-        min_cal = math.ceil(1 / exact_one_minus(alpha))  # smallest n with a quantile index ≥ 1 (exact)
-        if (counts // 2 < min_cal).any():
-            warnings.warn(
-                f"calibration halves will hold fewer than 1/(1-α) = {min_cal} rows of some class "
-                f"(class counts {counts.tolist()}): Alg. 3 then uses the class minimum as the α quantile and "
-                "most predictions will be rejected",
-                stacklevel=3,
-            )
-        if self.class_names is not None and len(self.class_names) != C:
-            raise InputError(f"class_names has {len(self.class_names)} names for {C} classes")
-        return alpha
-
     def fit(self, X, y, X_cal=None, y_cal=None, ids_train=None, ids_cal=None, *, num_classes=None, checkpoint=None,
             callback=None, feature_field=None, feature_parts=None):
         """Train and calibrate (Alg. 1, Alg. 2, Alg. 3, Cauchy) on train (+ calibration) rows; returns self.
@@ -311,15 +223,15 @@ class SDMEstimator:
             from ..llm.pooling import check_feature_parts
 
             feature_parts = check_feature_parts(feature_parts)
-        X, classes, y, ids = self._pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal,
-                                               num_classes=num_classes)
+        rows = pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal, num_classes=num_classes)
+        X, classes, y, ids = rows
         C = len(classes)
-        alpha = self._check_classes(y, C)
+        alpha = check_classes(self, y, C)
         config = self._train_config()
         config.validate()
 
-        best, best_j, summaries, rounds = self._train_and_calibrate(X, y, ids, C, alpha, config,
-                                                                    checkpoint=checkpoint, callback=callback)
+        best, best_j, summaries, rounds = train_and_calibrate(self, rows, alpha, config, checkpoint=checkpoint,
+                                                              callback=callback)
         self._set_fitted(FittedState(
             model=best.model, classes=classes, num_classes=C, input_dim=X.shape[1], k=best.k, best_round=best_j,
             rounds=rounds, round_summaries=summaries, history=best.history,
@@ -335,30 +247,6 @@ class SDMEstimator:
         callback.message(f"fitted: best round {best_j + 1}/{len(rounds)} (epoch {best.best_epoch}), min valid q~ "
                          f"{self.calibration_.min_valid:.3f}, robust min valid q~ {self.robust_min_valid_:.3f}")
         return self
-
-    def _train_and_calibrate(self, X, y, ids, C, alpha, config, *, checkpoint, callback):
-        """Alg. 1 rounds with per-round calibration; resumes from and writes ``checkpoint`` if given."""
-        rescaler = RescalerSettings(max_epochs=self.rescaler_max_epochs, patience=self.rescaler_patience,
-                                    learning_rate=self.rescaler_learning_rate, engine=self.rescaler_engine)
-        calibrator = RoundCalibrator(calibrate_round, y, alpha, self.seed, rescaler, callback=callback)
-        progress, saver = None, None
-        if checkpoint is not None:
-            from .checkpoint import Checkpointer, check_checkpoint_path, fingerprint
-
-            check_checkpoint_path(checkpoint)
-            # the grid and the decision policy do not change training (DESIGN #25): not part of the fingerprint
-            params = {k: v for k, v in self.get_params().items()
-                      if k not in ("alpha_grid", "alpha_allow", "alpha_review")}
-            fp = fingerprint({**params, "alpha": alpha}, X, y, ids, C)
-            saver = Checkpointer(checkpoint, fp, calibrator.rounds, callback)
-            progress = saver.resume(config.iterations)
-        self.resumed_rounds_ = 0 if progress is None else progress.next_round
-        best, best_j, summaries = train_rounds(X, y, C, config, callback, progress, calibrate=calibrator,
-                                               save=None if saver is None else saver.save)
-        rounds = calibrator.rounds
-        for summary, cal in zip(summaries, rounds):
-            summary["min_valid_qbin"] = float(cal.min_valid) if math.isfinite(cal.min_valid) else None
-        return best, best_j, summaries, rounds
 
     def _set_fitted(self, state: FittedState) -> None:
         """Take ``state`` as this estimator's fitted state (from ``fit`` or ``load``) and build the index."""
@@ -385,48 +273,6 @@ class SDMEstimator:
         self._forward_map = InvariantForward(self.model_, self.exemplar_basis_)
         self._keep_good()
 
-    def calibration_at(self, alpha: float) -> Calibration:
-        """The test-time calibration re-thresholded at α' (Alg. 3 + Cauchy over the stored rounds); est unchanged."""
-        self._check_fitted()
-        alpha = validation.alpha(alpha, self.num_classes_)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cal = Calibration.from_rounds(self.rounds_, self.best_round_, alpha)
-        for w in caught:
-            warnings.warn(w.message, stacklevel=3)
-        return cal
-
-    def nested_at(self, alpha: float) -> NestedCalibration:
-        """Every level of ``alpha_grid`` (plus α') calibrated from the stored rounds, with the decision policy
-        (DESIGN #25); est unchanged.  The levels' Cauchy warnings are not repeated (the admission report has them)."""
-        self._check_fitted()
-        alpha = validation.alpha(alpha, self.num_classes_)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return self._levels(alpha)
-
-    def _levels(self, alpha: float) -> NestedCalibration:
-        """Every level of the grid at the validated α' (Alg. 3 and the Cauchy aggregation once per level)."""
-        return NestedCalibration.from_rounds(self.rounds_, self.best_round_, alpha, self.alpha_grid,
-                                             allow=self.alpha_allow, review=self.alpha_review)
-
-    # -- the calibration at α': one store (nested_), read-only views of its level at α' ------------------
-    @property
-    def calibration_(self) -> Calibration:
-        """The test-time calibration at the model's α' (Alg. 3 + Cauchy over the stored rounds): the level of
-        ``nested_`` at α'."""
-        return self.nested_.calibration
-
-    @property
-    def robust_min_valid_(self) -> float:
-        """The Cauchy robust min valid q~ at the model's α' (of :attr:`calibration_`)."""
-        return self.calibration_.robust_min_valid
-
-    @property
-    def offsets_(self) -> np.ndarray | None:
-        """The Cauchy per-(ŷ, bin) offsets at the model's α' (of :attr:`calibration_`)."""
-        return self.calibration_.offsets
-
     def _apply_alpha(self, alpha: float) -> None:
         """Store the calibration at the validated α' (every level of the grid, each computed once) and the
         admission diagnosis (a warning when nothing can be admitted)."""
@@ -448,52 +294,7 @@ class SDMEstimator:
         if not self.admission_["can_admit"]:
             warnings.warn(diagnosis_message(self.admission_), RuntimeWarning, stacklevel=3)
 
-    def recalibrate(self, alpha: float | None = None, alpha_grid=None, alpha_allow=None, alpha_review=None):
-        """Store a new α' and / or α grid and decision policy in this model (Alg. 3 + Cauchy over the stored
-        rounds, no retraining; DESIGN #25); returns self.  None keeps the model's setting; ``"default"``
-        returns ``alpha_grid``, ``alpha_allow`` or ``alpha_review`` to its default (the default grid, α',
-        the grid's lowest level).
-
-        To estimate at another α' without changing the model, use ``estimate(X, alpha=...)``."""
-        self._check_fitted()
-        old = (self.alpha_grid, self.alpha_allow, self.alpha_review)
-        for name, value in (("alpha_grid", alpha_grid), ("alpha_allow", alpha_allow), ("alpha_review", alpha_review)):
-            if isinstance(value, str) and value == RESET:
-                setattr(self, name, None)
-            elif value is not None:
-                setattr(self, name, list(value) if name == "alpha_grid" else value)
-        try:
-            self._apply_alpha(validation.alpha(self.alpha if alpha is None else alpha, self.num_classes_))
-        except Exception:
-            self.alpha_grid, self.alpha_allow, self.alpha_review = old
-            raise
-        return self
-
     # -- predict -----------------------------------------------------------------------------
-    @property
-    def index_(self):
-        """The support index (exact or HNSW) over the support set's exemplar coordinates."""
-        self._check_fitted()
-        return self._index
-
-    def _good(self) -> np.ndarray:
-        """[C, N_support] bool: support j counts towards q of class c iff label_j == pred_j == c.  The mask kept
-        by :meth:`_keep_good` while the support arrays are the same objects (fit, load and feedback replace
-        them, never change them in place); else computed (prediction does not change the estimator)."""
-        labels, predictions, C = self.support_labels_, self.support_predictions_, self.num_classes_
-        kept = self.__dict__.get("_good_mask")
-        if kept is not None and kept[0] is labels and kept[1] is predictions and kept[2] == C:
-            return kept[3]
-        return good_neighbours_by_class(labels, predictions, C)
-
-    def _keep_good(self) -> None:
-        """Keep :meth:`_good`'s mask (read-only) for the current support arrays: rebuilt per call it cost a
-        single-row prediction ~15 µs; called where the support set is set (fit, load, feedback)."""
-        labels, predictions, C = self.support_labels_, self.support_predictions_, self.num_classes_
-        good = good_neighbours_by_class(labels, predictions, C)
-        good.flags.writeable = False
-        self._good_mask = (labels, predictions, C, good)
-
     def _features(self, X) -> np.ndarray:
         """User features validated against the model: finite float32 [N, input_dim_] (the one check of X on
         the way in; everything after it takes the checked array)."""
@@ -613,120 +414,6 @@ class SDMEstimator:
             class_names=self.class_names,
         )
 
-    def keep_documents(self, ids, documents) -> int:
-        """Keep the texts of the support rows among ``ids`` (None: no text), to show exemplars with their
-        document (``sdm-mlx predict --html``); saved with the model.  Returns how many were kept."""
-        if len(ids) != len(documents):
-            raise InputError(f"got {len(documents)} documents for {len(ids)} ids")
-        self._check_fitted()
-        support = {id_key(i) for i in self.support_ids_}
-        kept = {id_key(i): str(d) for i, d in zip(ids, documents) if d is not None and id_key(i) in support}
-        self.support_documents_ = {**getattr(self, "support_documents_", {}), **kept}
-        return len(kept)
-
-    def exemplar_document(self, support_id):
-        """The kept document text of a support row (None: not kept)."""
-        return getattr(self, "support_documents_", {}).get(id_key(support_id))
-
-    # -- feedback: support-set updates (sdm_mlx.estimator.feedback) -------------------------------------
-    @property
-    def feedback_state_(self) -> FeedbackState:
-        """Training-support size and update log of the current support set (reset by a new fit)."""
-        self._check_fitted()
-        state = self.__dict__.get("_feedback")
-        if state is None or state.support_ids is not self.support_ids_:
-            state = self._feedback = FeedbackState(self.support_ids_, len(self.support_ids_))
-        return state
-
-    def _taken_ids(self) -> set:
-        taken = self.__dict__.get("_taken")
-        if taken is None or taken[0] is not self.support_ids_:
-            keys = {id_key(i) for i in self.support_ids_} | {id_key(i) for i in self.calibration_ids_}
-            taken = self._taken = (self.support_ids_, keys)
-        return taken[1]
-
-    def add_support(self, X, y, ids=None, source: str = "api") -> list[dict]:
-        """Append labelled rows to the support set without retraining; returns their update-log entries.
-
-        Each row's exemplar coordinates h' and prediction ŷ come from the batch-invariant forward
-        that computed the training support's; (h', label, ŷ, id) is appended to the support set and
-        its index (exact: rows appended; hnsw: ``add_items``, no rebuild).  A row counts towards q of
-        class c iff label = ŷ = c, as every training support row does.
-
-        Changes for later queries: q (``equation:q``, counted over the enlarged support; the cap k is
-        kept), d0 and therefore d (d0's quantile against the FIXED calibration eCDFs), and the
-        returned nearest exemplars.  Unchanged: the adaptor and z', the calibration eCDFs of d0,
-        the rescaler W'', Alg. 3's ψ and min valid q~, the Cauchy robust threshold and offsets —
-        q and d are defined over the training support, the calibration statistics over the
-        calibration split, which feedback does not change (see :mod:`sdm_mlx.estimator.feedback`).
-
-        ``ids`` (default: fresh ``feedback-<hex>`` ids) must be unique and must not be support or
-        calibration ids of this model; ``source`` names who sent the rows (api, cli, server, mcp...).
-        """
-        state = self.feedback_state_
-        X = validation.features(X, "added support rows", dim=self.input_dim_, model=type(self).__name__)
-        y = label_indices_for(y, X.shape[0], self.classes_, "added support labels")
-        if not isinstance(source, str) or not source.strip():
-            raise InputError("source must be a non-empty string")
-        taken = self._taken_ids()
-        ids = new_ids(ids, X.shape[0], taken, "added support ids")
-        z, h = self._forward_map(X)
-        pred = z.argmax(axis=1).astype(np.int64)
-        if self._index is not None:
-            self._index.append(h)
-        self.support_vectors_ = np.concatenate([self.support_vectors_, h.astype(self.support_vectors_.dtype)])
-        self.support_labels_ = np.concatenate([self.support_labels_, y])
-        self.support_predictions_ = np.concatenate([self.support_predictions_, pred])
-        self.support_ids_ = self.support_ids_ + ids
-        self._keep_good()
-        state.support_ids = self.support_ids_
-        taken.update(id_key(i) for i in ids)
-        self._taken = (self.support_ids_, taken)
-        entries = log_entries("add", ids, y, pred, source)
-        state.log.extend(entries)
-        return entries
-
-    def remove_support(self, ids, source: str = "api") -> list[dict]:
-        """Undo :meth:`add_support` for rows by id; returns the update-log entries.
-
-        Only rows added by feedback can be removed: the training support is the set the calibration
-        split was measured against.  Removing every added row restores the training support, and
-        with it every prediction, bit for bit (exact index)."""
-        state = self.feedback_state_
-        n_train = state.n_training
-        added = {id_key(i): p for p, i in enumerate(self.support_ids_[n_train:], n_train)}
-        positions, seen = [], set()
-        for rid in list(ids):
-            key = id_key(rid)
-            if key in seen:
-                raise InputError(f"id {rid!r} is given twice")
-            seen.add(key)
-            if key in added:
-                positions.append(added[key])
-            elif key in self._taken_ids():
-                raise InputError(f"id {rid!r} is a training support or calibration row; only rows added by "
-                                 "feedback (add_support) can be removed")
-            else:
-                raise InputError(f"id {rid!r} is not a support row of this model")
-        if not positions:
-            raise InputError("no ids to remove")
-        positions = np.asarray(positions, dtype=np.int64)
-        removed = [(self.support_ids_[p], self.support_labels_[p], self.support_predictions_[p]) for p in positions]
-        if self._index is not None:
-            self._index.remove(positions)
-        keep = np.ones(len(self.support_ids_), dtype=bool)
-        keep[positions] = False
-        self.support_vectors_ = self.support_vectors_[keep]
-        self.support_labels_ = self.support_labels_[keep]
-        self.support_predictions_ = self.support_predictions_[keep]
-        self.support_ids_ = [i for i, k in zip(self.support_ids_, keep) if k]
-        self._keep_good()
-        state.support_ids = self.support_ids_
-        self.__dict__.pop("_taken", None)
-        entries = log_entries("remove", *map(list, zip(*removed)), source)
-        state.log.extend(entries)
-        return entries
-
     # -- persistence (sdm_mlx/estimator/persistence.py) ----------------------------------------
     def save(self, path, overwrite: bool = False) -> None:
         """Write a versioned safetensors + JSON artifact directory atomically.
@@ -763,10 +450,3 @@ class SDMEstimator:
         est._artifact_origin = (os.path.realpath(os.fspath(path)), digest)
         return est
 
-
-def _same(a, b) -> bool:
-    """Equal parameter values for ``__repr__`` (arrays and lists compared by value)."""
-    try:
-        return bool(np.all(a == b)) and type(a) is type(b)
-    except Exception:
-        return False

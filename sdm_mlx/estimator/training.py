@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -207,20 +207,6 @@ def _make_step(model: ExemplarAdaptor, optimizer: optim.Optimizer) -> Callable:
     return step
 
 
-def _run_epoch(step, model, optimizer, X_tr_mx, y_tr_mx, q_tr, *, d_tr, order, batch_size) -> float:
-    """One pass of Adam over the training split in ``order`` (the compiled MLX step); returns the mean batch
-    loss."""
-    q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
-    total, batches = 0.0, 0
-    for start in range(0, order.size, batch_size):
-        b = mx.array(order[start : start + batch_size])
-        loss = step(X_tr_mx[b], y_tr_mx[b], q_mx[b], d_mx[b])
-        mx.eval(loss, model.parameters(), optimizer.state)
-        total += loss.item()
-        batches += 1
-    return total / max(batches, 1)
-
-
 class _MlxTrainer:
     """Alg. 1's epochs with the compiled MLX step (:func:`_make_step`): off the CPU (Metal), or when asked."""
 
@@ -233,8 +219,17 @@ class _MlxTrainer:
         self.x_norm = None
 
     def run_epoch(self, q_tr, d_tr, order, batch_size) -> float:
-        return _run_epoch(self.step, self.model, self.optimizer, self.X, self.y, q_tr, d_tr=d_tr, order=order,
-                          batch_size=batch_size)
+        """One pass of Adam over the training split in ``order`` (the compiled MLX step); returns the mean batch
+        loss."""
+        q_mx, d_mx = mx.array(q_tr), mx.array(d_tr)
+        total, batches = 0.0, 0
+        for start in range(0, order.size, batch_size):
+            b = mx.array(order[start : start + batch_size])
+            loss = self.step(self.X[b], self.y[b], q_mx[b], d_mx[b])
+            mx.eval(loss, self.model.parameters(), self.optimizer.state)
+            total += loss.item()
+            batches += 1
+        return total / max(batches, 1)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(W_g, b_g, W', b') as float32 NumPy arrays."""
@@ -371,25 +366,32 @@ def _epoch_record(epoch: int, loss: float, metric: float, cal_accuracy: float, m
             "projection_movement": moved["projection"], "classifier_movement": moved["classifier"]}
 
 
-def train_round(
-    X_tr: np.ndarray,
-    y_tr: np.ndarray,
-    X_ca: np.ndarray,
-    y_ca: np.ndarray,
-    num_classes: int,
-    config: TrainConfig,
-    *, seed: int,
-    train_idx: np.ndarray | None = None,
-    cal_idx: np.ndarray | None = None,
-    callback: Callback = SILENT,
-    round_index: int = 0,
-) -> RoundResult:
+class RoundSplit(NamedTuple):
+    """One round's split (DESIGN #9): the training half (``X_tr``, ``y_tr``: the adaptor's rows and the support set)
+    and the calibration half (``X_ca``, ``y_ca``), and where their rows sit in the pooled data (None: 0..n-1)."""
+
+    X_tr: np.ndarray
+    y_tr: np.ndarray
+    X_ca: np.ndarray
+    y_ca: np.ndarray
+    train_idx: np.ndarray | None = None
+    cal_idx: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, X: np.ndarray, y: np.ndarray, train_idx: np.ndarray, cal_idx: np.ndarray) -> "RoundSplit":
+        """The split of the pooled rows ``X``, ``y`` at ``train_idx`` / ``cal_idx``."""
+        return cls(X[train_idx], y[train_idx], X[cal_idx], y[cal_idx], train_idx, cal_idx)
+
+
+def train_round(split: RoundSplit, num_classes: int, config: TrainConfig, *, seed: int, callback: Callback = SILENT,
+                round_index: int = 0) -> RoundResult:
     """One round of Alg. 1 (``alg:sdm-estimator-training``) on a fixed split; returns its best epoch.
 
     With ``config.patience`` set, the round stops after that many epochs without a strictly
     better balanced median calibration q (convergence-aware stopping; the paper runs all epochs).
     ``callback.on_epoch_end(round_index, epoch, metrics)`` follows every epoch.
     """
+    X_tr, y_tr, X_ca, y_ca, train_idx, cal_idx = split
     n_tr = X_tr.shape[0]
     model = _new_adaptor(X_tr, num_classes, config, seed)
     initial = _weights(model)

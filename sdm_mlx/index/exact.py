@@ -184,8 +184,10 @@ class ExactIndex:
             out_d[r, : order.shape[1]] = d64[at, order]
             out_i[r, : order.shape[1]] = idx[at, order]
 
-    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out_d, out_i) -> None:
-        """Exact top-n (n = ``out_d.shape[1]``) of a distance block whose column j is support ``perm[j]``."""
+    def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out: tuple) -> None:
+        """Exact top-n (n = ``out[0].shape[1]``) of a distance block whose column j is support ``perm[j]``, written
+        into ``out`` = (distances, indices), the caller's [N, n] buffers."""
+        out_d, out_i = out
         n = out_d.shape[1]
         if n + (8 if n > 1 else 0) >= self.size:
             every = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
@@ -232,7 +234,7 @@ class ExactIndex:
             if ex is not None:
                 dist = _excluded_inf(dist, ex[rows], cols)
             _evaluate(dist, q_sq)
-            self._top_into(queries, rows, dist, q_sq, support[1], identity, ex=ex, out_d=top_d, out_i=top_i)
+            self._top_into(queries, rows, dist, q_sq, support[1], identity, ex=ex, out=(top_d, top_i))
         top_i[~np.isfinite(top_d)] = -1
         return top_d.astype(np.float32), top_i
 
@@ -302,7 +304,7 @@ class ExactIndex:
                     dist = _excluded_inf(dist, ex_cols, cols)
                 _evaluate(dist, q_sq)  # once: the q count and the top-n screening both read it
                 q_out[rows] = self._block_similarity(queries, rows, dist, q_sq, grouping, c)
-                self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex=ex, out_d=top_d, out_i=top_i)
+                self._top_into(queries, rows, dist, q_sq, support[1], grouping.perm, ex=ex, out=(top_d, top_i))
         np.minimum(q_out, k_eff, out=q_out)
         top_i[~np.isfinite(top_d)] = -1
         d0 = top_d[:, 0].astype(np.float32)

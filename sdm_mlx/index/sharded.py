@@ -127,7 +127,7 @@ class ShardedExactIndex:
         for rows in self._blocks(np.arange(queries.shape[0])):
             dist_b, q_sq = self._distances(qc, rows, self.local._support, self.local._support_sq, ex_l)
             self.local._top_into(queries, rows, dist_b, q_sq, self.local._support_sq, identity,
-                                 ex=ex_l, out_d=top_d, out_i=top_i)
+                                 ex=ex_l, out=(top_d, top_i))
         top_d, top_i = self._merge(top_d, self._to_global(top_i), "merging the top-n neighbours")
         top_i[~np.isfinite(top_d)] = -1
         return top_d.astype(np.float32), top_i
@@ -167,7 +167,7 @@ class ShardedExactIndex:
                 dist_b, q_sq = self._distances(qc, rows, grouping.support, grouping.support_sq, ex_cols)
                 bad_d, bad_i = self._first_bad(queries, rows, dist_b, q_sq, grouping, c, ex_l=ex_l)
                 self.local._top_into(queries, rows, dist_b, q_sq, grouping.support_sq, grouping.perm, ex=ex_l,
-                                     out_d=top_d, out_i=top_i)
+                                     out=(top_d, top_i))
                 both_d = np.concatenate([bad_d[:, None], top_d[rows]], axis=1)
                 both_i = np.concatenate([bad_i[:, None], self._to_global(top_i[rows])], axis=1)
                 packed_d, packed_i = self._merge_block(both_d, both_i)
@@ -210,7 +210,7 @@ class ShardedExactIndex:
         if finite.any():
             keep = mx.array(np.flatnonzero(finite))
             self.local._top_into(queries, rows[finite], bad[keep], q_sq[keep], grouping.support_sq[cols_mx],
-                                 grouping.perm[cols], ex=ex_l, out_d=out_d, out_i=out_i)
+                                 grouping.perm[cols], ex=ex_l, out=(out_d, out_i))
         return out_d[rows, 0], self._to_global(out_i[rows, 0])
 
     def _count_before(self, queries, rows, dist_b, q_sq, grouping, c, *, bound_d, bound_i) -> np.ndarray:

@@ -19,7 +19,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "NetworkArtifactError": "artifact", "SDMNetwork": "artifact", "load_network": "artifact",
-    "save_network": "artifact", "greedy_generate": "generation",
+    "save_network": "artifact", "greedy_generate": "generation", "DecodeSettings": "generation",
     "parse_task_prediction": "generation", "HeadShapeError": "heads", "SDMHeads": "heads", "joint_argmax": "heads",
     "beta_schedule": "loss", "network_loss": "loss", "regularization_mask": "loss", "NetworkConfig": "config",
     "NetworkTrainResult": "trainer", "SDMNetworkTrainer": "trainer", "train_network": "trainer",

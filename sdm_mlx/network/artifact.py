@@ -198,14 +198,17 @@ class SDMNetwork:
         return self.config.get("settings", {})
 
     def generate(self, prompts, **kwargs):
-        """Greedy joint decoding (:func:`sdm_mlx.network.generation.greedy_generate`) with the stored settings as defaults."""
-        from .generation import greedy_generate
+        """Greedy joint decoding (:func:`sdm_mlx.network.generation.greedy_generate`) with the stored settings as
+        defaults; ``kwargs``: the fields of :class:`~sdm_mlx.network.generation.DecodeSettings` and
+        ``greedy_generate``'s keywords."""
+        from dataclasses import fields
+
+        from .generation import DecodeSettings, greedy_generate
 
         s = self.settings
-        for key in ("delimiter", "max_new_tokens", "max_length"):
-            if key in s and key not in kwargs:
-                kwargs[key] = s[key]
-        return greedy_generate(self.heads, self.tokenizer, prompts, **kwargs)
+        knobs = {key: s[key] for key in ("delimiter", "max_new_tokens", "max_length") if key in s}
+        knobs.update({f.name: kwargs.pop(f.name) for f in fields(DecodeSettings) if f.name in kwargs})
+        return greedy_generate(self.heads, self.tokenizer, prompts, DecodeSettings(**knobs), **kwargs)
 
 
 def load_network(path, model=None, tokenizer=None, load_verifier: bool = True) -> SDMNetwork:

@@ -7,6 +7,7 @@ estimator's (:class:`sdm_mlx.estimator.config.EstimatorConfig`).  No MLX import 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..llm import embed as _embed
@@ -168,6 +169,23 @@ class NetworkConfig:
         if self.preset:
             return PRESETS[self.preset]["prompt_template"]
         return None
+
+    def network_settings(self) -> dict:
+        """The settings saved with the network (``network_config.json``: how it decodes and prompts)."""
+        return {
+            "delimiter": self.delimiter, "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+            "system": self.system, "prompt_template": self.resolved_template(),
+            "use_chat_template": self.use_chat_template, "tasks": self.tasks, "reference_head": self.reference_head,
+            "completions": self.resolved_completions(), "alpha": self.alpha,
+        }
+
+    def input_paths(self) -> list:
+        """(flag, path) of every input a run reads, for the output-directory guard."""
+        pairs = [("--data", self.data), ("--verification-data", self.verification_data)]
+        pairs += [(f"--tasks[{i}].data", t.get("data")) for i, t in enumerate(self.tasks or []) if isinstance(t, dict)]
+        if self.model and os.path.exists(os.path.expanduser(str(self.model))):
+            pairs.append(("--model", os.path.expanduser(str(self.model))))
+        return pairs
 
     def estimator_params(self) -> dict:
         params = dict(

@@ -28,6 +28,7 @@ comparing its first JSON object with the JSON of each label's completion.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -84,23 +85,26 @@ def decode_batch_size(heads, batch_size: int) -> int:
     return batch_size if decodes_in_batches(heads.model) else 1
 
 
-def greedy_generate(
-    heads: SDMHeads,
-    tokenizer,
-    prompts: Sequence,
-    *,
-    max_new_tokens: int = 32,
-    delimiter: str = _embed.DEFAULT_DELIMITER,
-    stop_at_delimiter: bool = True,
-    batch_size: int = 8,
-    features: bool = True,
-    max_length: int = _embed.DEFAULT_MAX_LENGTH,
-    progress: Callable[[int], None] | None = None,
-    prefix_cache=None,
-) -> list:
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How :func:`greedy_generate` decodes: at most ``max_new_tokens`` tokens per prompt, stopping when the answer
+    closes (``delimiter``; never with ``stop_at_delimiter=False``), the verifier's features over at most
+    ``max_length`` positions, ``batch_size`` rows decoded together.  Alg. 4's per-epoch decoding and its calibration
+    count (:func:`sdm_mlx.network.selection.count_verified`) pass one."""
+
+    max_new_tokens: int = 32
+    delimiter: str = _embed.DEFAULT_DELIMITER
+    stop_at_delimiter: bool = True
+    max_length: int = _embed.DEFAULT_MAX_LENGTH
+    batch_size: int = 8
+
+
+def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: DecodeSettings | None = None, *,
+                    features: bool = True, progress: Callable[[int], None] | None = None, prefix_cache=None) -> list:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
-    Decoded by :class:`sdm_mlx.decoding.batching.DecodeEngine` (continuous batching of ``batch_size``
+    ``settings``: a :class:`DecodeSettings` (None: its defaults).  Decoded by
+    :class:`sdm_mlx.decoding.batching.DecodeEngine` (continuous batching of ``settings.batch_size``
     rows, the shared prompt prefix prefilled once: ``prefix_cache`` a
     :class:`~sdm_mlx.decoding.prompt_cache.PrefixCache`, default a fresh one, ``False`` off).  Returns the
     engine's :class:`~sdm_mlx.decoding.decode_types.Decoded` per prompt, in input order (``stop_reason``:
@@ -110,14 +114,16 @@ def greedy_generate(
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
-    if max_new_tokens < 1:
+    s = DecodeSettings() if settings is None else settings
+    if s.max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")
-    if batch_size < 1:
+    if s.batch_size < 1:
         raise InputError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
-    engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=delimiter, max_batch=batch_size,
-                          max_length=max_length, prefix_cache=prefix_cache)
-    reqs = [DecodeRequest(p, max_new_tokens, stop_at_delimiter=stop_at_delimiter, features=features) for p in ids]
+    engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=s.delimiter, max_batch=s.batch_size,
+                          max_length=s.max_length, prefix_cache=prefix_cache)
+    reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features)
+            for p in ids]
     return engine.run(reqs, progress=progress)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,39 @@ from .data_parallel import DataParallel
 from .heads import SDMHeads
 from ..errors import InputError
 from .loss import beta_schedule, network_loss
+
+
+class EpochTokens(NamedTuple):
+    """The tokens of one epoch of W_pos: the token cache's hidden states [N, D] and targets [N] (``token + |V|``,
+    on the device), and each token's q and d (its document's, step (c), before the epoch)."""
+
+    hidden: mx.array
+    targets: mx.array
+    q: Any
+    d: Any
+
+
+class MiniBatches(NamedTuple):
+    """An epoch's mini-batches: ``batch_size`` tokens each, β rising linearly from ``beta_min`` to ``beta_max`` over
+    them (reset every epoch; :func:`~sdm_mlx.network.loss.beta_schedule`)."""
+
+    batch_size: int
+    beta_min: float
+    beta_max: float
+
+
+class EpochInputs(NamedTuple):
+    """What every epoch of an Alg. 4 run uses, fixed for the run: the verification layer ``est``, the y = 1 training
+    rows and the calibration rows, the token cache with its device arrays, the W_pos step and its optimizer."""
+
+    est: Any
+    pos_rows: list
+    cal_rows: list
+    cache: Any
+    hidden: mx.array
+    targets: mx.array
+    step: Callable
+    optimizer: Any
 
 
 def make_train_step(heads: SDMHeads, optimizer: optim.Optimizer, compile: bool = True) -> Callable:
@@ -69,14 +102,15 @@ def make_optimizer(learning_rate: float) -> optim.Optimizer:
     return optim.Adam(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8, bias_correction=True)
 
 
-def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, targets: mx.array,
-                q_tok: np.ndarray, *, d_tok: np.ndarray, batch_size: int, beta_min: float, beta_max: float,
+def train_epoch(step: Callable, heads: SDMHeads, optimizer, tokens: EpochTokens, batches: MiniBatches, *,
                 rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
     """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
 
     With an active ``dp`` (:mod:`.data_parallel`) the global mini-batches are the same; this rank
     runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``.
     """
+    hidden, targets, q_tok, d_tok = tokens
+    batch_size, beta_min, beta_max = batches
     n = int(targets.shape[0])
     if n == 0:
         return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
@@ -91,8 +125,8 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
         h_np, t_np = np.asarray(hidden), np.asarray(targets)
         q_np, d_np = np.asarray(q_tok, dtype=np.float32), np.asarray(d_tok, dtype=np.float32)
     else:
-        q_all = mx.array(np.asarray(q_tok, dtype=np.float32))
-        d_all = mx.array(np.asarray(d_tok, dtype=np.float32))
+        on_device = EpochTokens(hidden, targets, mx.array(np.asarray(q_tok, dtype=np.float32)),
+                                mx.array(np.asarray(d_tok, dtype=np.float32)))
     sums = np.zeros(4)
     t0 = time.perf_counter()
     split = dp is not None and dp.active
@@ -103,8 +137,7 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
             if host:
                 vals = list(step(h_np[sel], t_np[sel], q_np[sel], d_np[sel], float(betas[b])))
             else:
-                vals = _mlx_step(step, heads, optimizer, sel, hidden=hidden, targets=targets, q_all=q_all,
-                                 d_all=d_all, beta_b=betas[b], dp=dp if split else None)
+                vals = _mlx_step(step, heads, optimizer, sel, on_device, beta_b=betas[b], dp=dp if split else None)
             if not all(math.isfinite(v) for v in vals):
                 raise FloatingPointError(f"non-finite SDM-network loss at mini-batch {b + 1}/{nb}: {vals}")
             sums += np.array(vals) * n_b
@@ -122,8 +155,10 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, hidden: mx.array, ta
     }
 
 
-def _mlx_step(step, heads, optimizer, sel, *, hidden, targets, q_all, d_all, beta_b, dp) -> list:
-    """One MLX step on the mini-batch ``sel`` (this rank's slice of it under ``dp``), evaluated; its floats."""
+def _mlx_step(step, heads, optimizer, sel, tokens: EpochTokens, *, beta_b, dp) -> list:
+    """One MLX step on the mini-batch ``sel`` of ``tokens`` (q and d on the device too; this rank's slice of it under
+    ``dp``), evaluated; its floats."""
+    hidden, targets, q_all, d_all = tokens
     n_b = len(sel)
     beta = mx.array(beta_b, dtype=mx.float32)
     if dp is not None:

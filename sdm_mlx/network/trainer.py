@@ -37,10 +37,8 @@ Outputs under ``output_dir``: ``verifier/`` (the verification layer),
 their split) and ``resume/`` (what continuing after the last finished epoch
 needs, :mod:`.resume`).  Progress goes to stderr.
 
-Why this module is over 400 lines: it is Alg. 4's one loop, and steps (a)-(e) are methods of the one
-trainer that owns the run's state (heads, split, verifier, metrics, the resumable state); each step's
-work lives elsewhere (:mod:`.step` and :mod:`.loss` the W_pos step, :mod:`.generation` the decoding,
-:mod:`.resume` the saved state, :mod:`.data_parallel` the ranks), so what is left here is the sequence.
+What is left here is Alg. 4's sequence; each step's work lives elsewhere: :mod:`.step` and :mod:`.loss` the W_pos
+step, :mod:`.rank_work` the embedding and decoding over the ranks, :mod:`.selection` the count of (e).
 """
 
 from __future__ import annotations
@@ -63,72 +61,17 @@ from ..runtime.callbacks import log, progress_bar as Progress
 from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, read_network_config, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
+from .rank_work import RankWork
 from .resume import Resumption, discard_state
-from .step import make_optimizer, make_step, make_train_step, train_epoch
-from .training_data import (TokenCache, build_token_cache, build_verification_rows, completion_token_positions,
+from .selection import VerifierAdmitsNothing, count_verified, head_label, select_improved, sum_counts
+from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
+from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
                             corrected_rows, model_answer_rows)
-from .generation import decode_batch_size, generation_features, greedy_generate, parse_task_prediction, prompt_lengths
+from .generation import generation_features
 from .heads import SDMHeads
-from ..errors import InputError, SDMError
+from ..errors import InputError
 
 
-class VerifierAdmitsNothing(SDMError):
-    """The verification layer admits no calibration row: Alg. 4's selection count cannot leave 0."""
-
-
-def _input_paths(config: NetworkConfig) -> list:
-    """(flag, path) of every input a run reads, for the output-directory guard."""
-    pairs = [("--data", config.data), ("--verification-data", config.verification_data)]
-    pairs += [(f"--tasks[{i}].data", t.get("data")) for i, t in enumerate(config.tasks or []) if isinstance(t, dict)]
-    if config.model and os.path.exists(os.path.expanduser(str(config.model))):
-        pairs.append(("--model", os.path.expanduser(str(config.model))))
-    return pairs
-
-
-def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
-                   *, max_new_tokens: int = 32, delimiter: str = _embed.DEFAULT_DELIMITER,
-                   max_length: int = _embed.DEFAULT_MAX_LENGTH, batch_size: int = 8, verbose: bool = False) -> dict:
-    """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
-    ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
-    with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
-    answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
-    ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``.
-    """
-    t0 = time.perf_counter()
-    with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
-        gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], max_new_tokens=max_new_tokens,
-                               delimiter=delimiter, batch_size=batch_size, features=True, max_length=max_length,
-                               progress=bar.update)
-    pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
-    admitted = np.asarray(pred.admitted, dtype=bool)
-    verified = admitted & (np.asarray(pred.prediction) == 1)
-    per_row = [(completions.get(r.get("task")) if isinstance(completions, dict) else completions) for r in rows]
-    task_pred = np.array([parse_task_prediction(g.text, c) if c else -1 for g, c in zip(gens, per_row)],
-                         dtype=np.int64)
-    # the task restriction applies where a task label exists and answers can be parsed (completions known)
-    has_task = np.array([r.get("task_label") is not None and bool(c) for r, c in zip(rows, per_row)], dtype=bool)
-    task_true = np.array([int(r["task_label"]) if r.get("task_label") is not None else -2 for r in rows])
-    correct = np.where(has_task, task_pred == task_true, True)
-    return {
-        "count": int((verified & correct).sum()),
-        "admitted_pred1": int(verified.sum()),
-        "admitted": int(admitted.sum()),
-        "task_correct": int((correct & has_task).sum()),
-        "parse_failures": int((task_pred[has_task] < 0).sum()),
-        "documents": len(rows),
-        "seconds": time.perf_counter() - t0,
-        "example": gens[0].text if gens else None,
-    }
-
-
-def select_improved(count: int, best: int) -> bool:
-    """DESIGN #20: a new epoch replaces the kept network only if its count is strictly greater."""
-    return int(count) > int(best)
-
-
-# ---------------------------------------------------------------------------------------------
-# the trainer
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class NetworkTrainResult:
     """What :func:`train_network` produced."""
@@ -142,7 +85,7 @@ class NetworkTrainResult:
     history: list
 
 
-class SDMNetworkTrainer:
+class SDMNetworkTrainer(RankWork):
     """Alg. 4 with a frozen trunk; see the module docstring.  ``run()`` does everything.
 
     Under ``mlx.launch`` the work is split over the ranks of ``dp`` and rank 0 alone reports and writes the
@@ -184,7 +127,7 @@ class SDMNetworkTrainer:
         self.dp.check_same(self.resumption.stage, "the network-train state in --output (rank 0 writes it, every rank "
                            "reads it: one shared file system)")
         if self.dp.writer:
-            prepare_run_directory(config.output_dir, "network-train", self._may_replace(), _input_paths(config),
+            prepare_run_directory(config.output_dir, "network-train", self._may_replace(), config.input_paths(),
                                   "--output", check_only=True)
         if model is None:
             model, tokenizer = _embed.load_model(config.model)
@@ -212,48 +155,9 @@ class SDMNetworkTrainer:
         c = self.config
         return bool(c.overwrite or c.restart or self.resumption.state is not None)
 
-    def settings(self) -> dict:
-        c = self.config
-        return {
-            "delimiter": c.delimiter, "max_new_tokens": c.max_new_tokens, "max_length": c.max_length,
-            "system": c.system, "prompt_template": c.resolved_template(), "use_chat_template": c.use_chat_template,
-            "tasks": c.tasks, "reference_head": c.reference_head,
-            "completions": self.completions, "alpha": c.alpha,
-        }
-
     def write_metrics(self, metrics: dict) -> None:
         if self.dp.writer:
             write_json(self.metrics_path, metrics)
-
-    def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
-        """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
-        c = self.config
-        prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
-        parts, shared = [np.arange(len(rows))], None
-        if self.dp.active:
-            keys = _embed.prompt_completion_kept_lengths(self.tokenizer, prompts, completions,
-                                                         delimiter=c.delimiter, max_length=c.max_length)
-            parts = self.dp.aligned_parts(keys, c.embed_batch_size)
-            # the whole set's shared prefix: every rank runs the prefix a single process would (same rows)
-            seqs = [_embed.encode(self.tokenizer, p + q) for p, q in zip(prompts, completions)]
-            shared = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None
-        mine = parts[self.dp.rank]
-        with Progress(len(mine), desc, unit="doc", enabled=c.verbose) as bar:
-            feats = _embed.prompt_completion_features(
-                self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
-                delimiter=c.delimiter, max_length=c.max_length,
-                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update, shared_prefix=shared,
-            ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
-        return self.dp.gather_parts(feats, parts)
-
-    def generate(self, rows: Sequence[dict], desc: str):
-        c = self.config
-        with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
-            return greedy_generate(
-                self.heads, self.tokenizer, [r["prompt"] for r in rows], max_new_tokens=c.max_new_tokens,
-                delimiter=c.delimiter, batch_size=c.generation_batch_size, features=True,
-                max_length=c.max_length, progress=bar.update,
-            )
 
     # -- (a) -------------------------------------------------------------------------------------
     def model_answers(self, rows: Sequence[dict]) -> tuple[list, np.ndarray]:
@@ -302,68 +206,25 @@ class SDMNetworkTrainer:
                              "(was it trained on other data?)") from None
         return est, train_rows, cal_rows
 
-    # -- (b) --------------------------------------------------------------------------------------
-    def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
-        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""
-        c = self.config
-        if not self.dp.active:
-            return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                     c.embed_batch_size, verbose=c.verbose)
-        planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
-                                              c.max_length) for r in pos_rows]
-        need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
-        mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
-        seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
-        prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
-        cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix)
-        hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
-        hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
-        doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token
-        order = np.argsort(doc, kind="stable")  # the single-process order: documents in row order
-        return TokenCache(hidden=hidden[order], targets=targets[order], doc=doc[order], skipped=cache.skipped)
-
-    # -- (c) --------------------------------------------------------------------------------------
-    def document_qd(self, est, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, list]:
-        """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs).
-
-        Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part).
-        """
-        parts = self.generation_parts(rows)
-        part = [rows[i] for i in parts[self.dp.rank]]
-        gens = self.generate(part, "generate (train q, d)")
-        q = d = np.zeros(0, dtype=np.float32)
-        if part:
-            q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")
-        q, d = (self.dp.gather_parts(np.asarray(a, dtype=np.float32), parts) for a in (q, d))
-        return q, d, gens
-
-    def generation_parts(self, rows: Sequence[dict]) -> list:
-        """Every rank's rows of a greedy generation over ``rows``, in whole single-process batches."""
-        if not self.dp.active:
-            return [np.arange(len(rows))]
-        keys = prompt_lengths(self.tokenizer, [r["prompt"] for r in rows])
-        return self.dp.aligned_parts(keys, decode_batch_size(self.heads, self.config.generation_batch_size))
-
     # -- (e) --------------------------------------------------------------------------------------
     def calibration_count(self, est, cal_rows: Sequence[dict]) -> dict:
         """Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer."""
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
-                                max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                                batch_size=c.generation_batch_size, verbose=c.verbose) if part else None
+                                settings=self.decode_settings(), verbose=c.verbose) if part else None
         if not self.dp.active:
             return counts
-        return _sum_counts(self.dp, counts)
+        return sum_counts(self.dp, counts)
 
     # -- everything ------------------------------------------------------------------------------
     def save(self, est_path: str, epoch: int, count: int, epochs_completed: int) -> None:
         """Write the network holding the head of ``epoch`` (0 = the base head), marked as not finished."""
         if not self.dp.writer:
             return
-        save_network(self.network_path, self.heads, self.config.model, est_path, settings=self.settings(),
-                     training={"epoch": epoch, "calibration_count": count, "head": _head_label(epoch),
+        save_network(self.network_path, self.heads, self.config.model, est_path,
+                     settings=self.config.network_settings(),
+                     training={"epoch": epoch, "calibration_count": count, "head": head_label(epoch),
                                "finished": False, "epochs_completed": epochs_completed,
                                "epochs_planned": self.config.epochs,
                                "learning_rate": self.config.learning_rate, "beta_min": self.config.beta_min,
@@ -377,21 +238,21 @@ class SDMNetworkTrainer:
             return
         write_json(self.metrics_path, metrics)
         log(f"interrupted during epoch {epoch}/{self.config.epochs}: the network at {self.network_path} holds "
-            f"{_head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
+            f"{head_label(selected)} (calibration count {best}; best of the {epoch - 1} finished epoch(s)), marked "
             "finished=false in its network_config.json; run the same command again to resume after epoch "
             f"{epoch - 1} (--restart starts over)", True)
 
-    def run_epoch(self, epoch, est, pos_rows, cal_rows, cache, hidden, *, targets, step, optimizer, metrics, best,
-                  selected) -> tuple[int, int]:
+    def run_epoch(self, epoch: int, run: EpochInputs, *, metrics: dict, best: int, selected: int) -> tuple[int, int]:
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
-        c = self.config
+        c, (est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer) = self.config, run
         t0 = time.perf_counter()
         q_doc, d_doc, _ = self.document_qd(est, pos_rows)
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
-            m = train_epoch(step, self.heads, optimizer, hidden, targets, q_tok, d_tok=d_tok, batch_size=c.batch_size,
-                            beta_min=c.beta_min, beta_max=c.beta_max, rng=self.rng, progress=bar.update, dp=self.dp)
+            m = train_epoch(step, self.heads, optimizer, EpochTokens(hidden, targets, q_tok, d_tok),
+                            MiniBatches(c.batch_size, c.beta_min, c.beta_max), rng=self.rng, progress=bar.update,
+                            dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         cal = self.calibration_count(est, cal_rows)
         improved = select_improved(cal["count"], best)
@@ -422,7 +283,7 @@ class SDMNetworkTrainer:
         if state is not None and state.epochs_completed == c.epochs:
             return self._already_finished(state)
         if self.dp.writer:
-            prepare_run_directory(self.out, "network-train", self._may_replace(), _input_paths(c), "--output")
+            prepare_run_directory(self.out, "network-train", self._may_replace(), c.input_paths(), "--output")
             if state is None:
                 discard_state(self.resumption.path)  # --restart, or --overwrite of a run with other settings
         t_start = time.perf_counter()
@@ -435,18 +296,16 @@ class SDMNetworkTrainer:
             self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=0, best=best, metrics=metrics)
         else:
             metrics, best, selected, done = self.resumption.restore(self.heads, self.rng, optimizer, self.network_path)
-            log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {_head_label(selected)}, "
+            log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {head_label(selected)}, "
                 f"count {best}); the verification layer and the finished epochs are not run again", self.dp.writer)
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
         else:
             step = make_step(self.heads, optimizer, kind=c.train_step, compile=c.compile_step)
-        epoch = done
+        epoch, run = done, EpochInputs(est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer)
         try:
             for epoch in range(done + 1, c.epochs + 1):
-                best, selected = self.run_epoch(epoch, est, pos_rows, cal_rows, cache, hidden, targets=targets,
-                                                step=step, optimizer=optimizer, metrics=metrics, best=best,
-                                                selected=selected)
+                best, selected = self.run_epoch(epoch, run, metrics=metrics, best=best, selected=selected)
         except KeyboardInterrupt:
             self.interrupted(metrics, epoch, selected, best)
             raise
@@ -490,7 +349,7 @@ class SDMNetworkTrainer:
                 mark_network_finished(self.network_path, c.epochs)
                 self.write_metrics(dict(metrics, finished=True, epochs_completed=c.epochs))
             log(f"network-train: --output {c.output_dir} holds a finished run ({c.epochs} of {c.epochs} epochs; "
-                f"kept: {_head_label(state.selected)}, count {state.best}): nothing to do (raise --epochs to train "
+                f"kept: {head_label(state.selected)}, count {state.best}): nothing to do (raise --epochs to train "
                 "on from the last epoch, --restart to start over)", True)
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
                                   metrics_path=self.metrics_path, selected_epoch=state.selected,
@@ -514,16 +373,10 @@ class SDMNetworkTrainer:
         diag = getattr(est, "admission_", None)
         if not c.require_admission or c.epochs == 0 or diag is None or diag["can_admit"]:
             return
-        from ..calibration.diagnosis import diagnosis_message
-
         self.write_metrics({"config": strict(c), "train_rows": len(train_rows), "calibration_rows": len(cal_rows),
                             "finished": False, "stopped": "verifier_admits_nothing", "verifier_diagnosis": diag,
                             "epochs": []})
-        raise VerifierAdmitsNothing(
-            f"the verification layer admits no calibration row at alpha' = {diag['alpha']:g}, so Alg. 4 could not "
-            f"select any epoch (its calibration count stays 0): stopped before the {c.epochs} epoch(s). The "
-            f"verification layer is saved in {self.verifier_path} (reuse it with --verifier).\n"
-            f"{diagnosis_message(diag)}\n(--no-require-admission runs the epochs anyway)")
+        raise VerifierAdmitsNothing.of(diag, c.epochs, self.verifier_path)
 
     def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
         """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
@@ -574,21 +427,6 @@ class SDMNetworkTrainer:
         return NetworkTrainResult(network_path=self.network_path, verifier_path=self.verifier_path,
                                   metrics_path=self.metrics_path, selected_epoch=selected, best_count=best,
                                   initial_count=initial, history=metrics["epochs"])
-
-
-def _sum_counts(dp: DataParallel, counts: dict | None) -> dict:
-    """Alg. 4's selection count and its parts summed over ranks (``seconds``: the slowest rank's)."""
-    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents")
-    local = np.array([counts[k] if counts else 0 for k in keys], dtype=np.int64)
-    total = dp.all_sum(local)
-    out = {k: int(v) for k, v in zip(keys, total)}
-    out["seconds"] = float(dp.all_max(np.array([counts["seconds"] if counts else 0.0], dtype=np.float32))[0])
-    out["example"] = counts["example"] if counts else None
-    return out
-
-
-def _head_label(epoch: int) -> str:
-    return "the untrained base head (epoch 0)" if epoch == 0 else f"the head of epoch {epoch}"
 
 
 def train_network(config: NetworkConfig, model=None, tokenizer=None, estimator_factory=None,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -86,8 +86,20 @@ def count_rows(path: str) -> int:
     return n
 
 
-def decode_rows(engine, tokenizer, rows: Sequence[dict], *, system: str | None, template: str,
-                completions: Sequence[str], max_tokens: int, feature_parts: Sequence[str]) -> list[dict]:
+class AnswerSettings(NamedTuple):
+    """How a task's own answers are asked for and kept: the prompt (``system``, the task's ``template`` with a
+    ``{document}`` slot), the answer of each label (``completions``, to parse the answers), at most ``max_tokens``
+    tokens decoded ``batch_size`` rows at a time, and the pooled ``feature_parts`` of the features (DESIGN #21)."""
+
+    system: str | None
+    template: str
+    completions: Sequence[str]
+    max_tokens: int = 32
+    batch_size: int = 16
+    feature_parts: Sequence[str] = ("mean", "last")
+
+
+def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings) -> list[dict]:
     """One batch: output rows with the answer, its parse and the decode-time features.  ``engine`` is the
     package's batched decoder (:class:`sdm_mlx.decoding.DecodeEngine`, plain greedy, the shared prompt prefix
     prefilled once by its prefix cache): the tokens and features ``sdm-mlx generate`` computes."""
@@ -95,6 +107,7 @@ def decode_rows(engine, tokenizer, rows: Sequence[dict], *, system: str | None, 
     from ..llm import embed as _embed
     from ..network.generation import parse_task_prediction
 
+    system, template, completions, max_tokens, _, feature_parts = settings
     prompts = [_embed.chat_text(tokenizer, r["document"], system=system, prompt_template=template) for r in rows]
     ids = [_embed.encode(tokenizer, p) for p in prompts]
     decs = engine.run([DecodeRequest(i, max_tokens, features=True, feature_parts=tuple(feature_parts)) for i in ids])
@@ -148,19 +161,18 @@ def _log_default(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, system: str | None, template: str,
-                   completions: Sequence[str], max_tokens: int = 32, batch_size: int = 16,
-                   feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, engine=None, prefix_stats: bool = True,
-                   log: Callable[[str], None] = _log_default, label: str = "") -> dict:
-    """Append the own-answer row of every row of ``rows`` not yet in ``output``; returns
-    ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
+def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings: AnswerSettings, *,
+                   prefix_stats: bool = True, log: Callable[[str], None] = _log_default, label: str = "") -> dict:
+    """Append the own-answer row of every row of ``rows`` not yet in ``output``, asked and kept as ``settings`` say;
+    returns ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
 
-    ``engine``: a :class:`~sdm_mlx.decoding.DecodeEngine` to reuse (its prefix cache) or None for a new one.
-    ``prefix_stats``: also write ``output + ".prefix.npz"`` (:func:`write_prefix_stats`)."""
+    Decoded by a new :class:`~sdm_mlx.decoding.DecodeEngine` with a prefix cache.  ``prefix_stats``: also write
+    ``output + ".prefix.npz"`` (:func:`write_prefix_stats`)."""
     from ..decoding import DecodeEngine, PrefixCache
     from ..llm.pooling import check_feature_parts
 
-    feature_parts = check_feature_parts(feature_parts)
+    settings = settings._replace(feature_parts=check_feature_parts(settings.feature_parts))
+    system, template, batch_size = settings.system, settings.template, settings.batch_size
     have = done_ids(output)
     todo = [r for r in rows if r["id"] not in have]
     name = label or os.path.basename(output)
@@ -170,13 +182,11 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, *, syste
         return stats
     if prefix_stats and not os.path.exists(output + ".prefix.npz"):
         write_prefix_stats(output + ".prefix.npz", model, tokenizer, rows, system=system, template=template)
-    if engine is None:
-        engine = DecodeEngine(model, tokenizer, max_batch=batch_size, prefix_cache=PrefixCache())
+    engine = DecodeEngine(model, tokenizer, max_batch=batch_size, prefix_cache=PrefixCache())
     t0 = time.time()
     with open(output, "a", encoding="utf-8") as f:
         for b0 in range(0, len(todo), batch_size):  # one batch per flush: a stopped run loses at most one batch
-            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], system=system, template=template,
-                              completions=completions, max_tokens=max_tokens, feature_parts=feature_parts)
+            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], settings)
             for row in out:
                 f.write(json.dumps(row) + "\n")
             f.flush()

@@ -77,11 +77,6 @@ def default_model() -> str:
     return os.path.join(os.path.expanduser(cache), TEST_LLM_NAME)
 
 
-def feature_name(parts) -> str:
-    """``("max", "mean", "last")`` -> ``"max-mean-last"`` (a verifier directory's suffix)."""
-    return "-".join(parts)
-
-
 @dataclass
 class TaskSpec:
     name: str
@@ -164,7 +159,7 @@ class Recipe:
 
 def verifier_name(scope: str, row_set: str, parts) -> str:
     """``<scope>-<row set>-<features>``, e.g. ``universal-own-mean-last`` or ``sentiment-forced-max-mean-last``."""
-    return f"{scope}-{row_set}-{feature_name(parts)}"
+    return f"{scope}-{row_set}-{'-'.join(parts)}"
 
 
 # -- validation ---------------------------------------------------------------------------------------------------
@@ -438,14 +433,11 @@ def load_recipe(path: str, *, model: str | None = None, output: str | None = Non
     return parse_recipe(data, path, model=model, output=output)
 
 
-def model_is_local(model: str) -> bool:
-    """True when ``model`` names a local path (not a hub id such as ``mlx-community/...``)."""
-    return model.startswith(("/", ".", "~")) or os.path.exists(model)
-
-
 def check_model(recipe: Recipe) -> None:
-    """A local model directory that does not exist: say how to get or name one."""
-    if model_is_local(recipe.model) and not os.path.isfile(os.path.join(recipe.model, "config.json")):
+    """A local model directory (a path, not a hub id such as ``mlx-community/...``) that does not exist: say how to
+    get or name one."""
+    local = recipe.model.startswith(("/", ".", "~")) or os.path.exists(recipe.model)
+    if local and not os.path.isfile(os.path.join(recipe.model, "config.json")):
         raise RecipeError(f"model directory not found: {recipe.model} (fetch the test LLM with "
                           "`python tools/fetch_test_llm.py`, or name the model with --model, the recipe's model key, "
                           "or the environment variable SDM_MLX_MODEL)")

@@ -59,7 +59,7 @@ def wide_model():
     return est, np.concatenate([Xq, X[:50]])
 
 
-_DICTS: dict = {}  # to_dicts of the whole-batch predictions, computed once
+_DICTS: dict = {}  # id -> (the whole-batch predictions, their to_dicts), computed once
 
 
 def assert_same_predictions(a, b, rows_a=slice(None)):
@@ -74,9 +74,9 @@ def assert_same_predictions(a, b, rows_a=slice(None)):
         assert va.dtype == vb.dtype, name
         # NaN is "none" in float fields (e.g. alpha_region_lower of a row admitted at no level): equal to itself here
         assert np.array_equal(va, vb, equal_nan=va.dtype.kind == "f"), f"estimate field {name} differs"
-    if id(a) not in _DICTS:
-        _DICTS[id(a)] = a.to_dicts()
-    sub = [_DICTS[id(a)][i] for i in np.arange(len(a))[rows_a]]
+    if id(a) not in _DICTS:  # kept with ``a`` itself: a freed object's id may be reused by the next test's
+        _DICTS[id(a)] = (a, a.to_dicts())
+    sub = [_DICTS[id(a)][1][i] for i in np.arange(len(a))[rows_a]]
     got = b.to_dicts()
     for ra, rb in zip(sub, got):
         rb["id"] = ra["id"]

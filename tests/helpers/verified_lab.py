@@ -65,14 +65,14 @@ def build_verified_lab(tiny_phi3_path, root):
     docstring of tests/verified/test_generate.py says how the verified answer is made deterministic)."""
     from sdm_mlx.estimator import SDMEstimator
     from sdm_mlx.network.artifact import save_network
-    from sdm_mlx.network.generation import greedy_generate
+    from sdm_mlx.network.generation import DecodeSettings, greedy_generate
     from sdm_mlx.network.heads import SDMHeads
 
     model, tok = E.load_model(tiny_phi3_path)
     docs = reviews(N_DOCS, seed=0)
     heads = SDMHeads(model, _fit_head(model, tok, docs[:24]))
     prompts = [E.chat_text(tok, d, system=SYSTEM, prompt_template=TEMPLATE) for d, _ in docs]
-    outs = greedy_generate(heads, tok, prompts, max_new_tokens=16, batch_size=25, features=False)
+    outs = greedy_generate(heads, tok, prompts, DecodeSettings(max_new_tokens=16, batch_size=25), features=False)
     rng = random.Random(1)
     seqs, spans, labels, ids = [], [], [], []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):

@@ -201,7 +201,7 @@ def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
 
     from sdm_mlx.llm import embed as E
     from sdm_mlx.network.data_parallel import DataParallel
-    from sdm_mlx.network.generation import generation_features, greedy_generate, prompt_lengths
+    from sdm_mlx.network.generation import DecodeSettings, generation_features, greedy_generate, prompt_lengths
     from sdm_mlx.network.heads import SDMHeads
 
     model, tok = E.load_model(make_tiny_model(str(tmp_path), "phi3"))
@@ -218,9 +218,9 @@ def test_whole_batch_splits_give_bit_identical_rows(tmp_path):
                                            shared_prefix=whole.shared_prefix)  # as SDMNetworkTrainer.features_of
         assert np.array_equal(got.embeddings, full[p])
     heads = SDMHeads(model)
-    gens = greedy_generate(heads, tok, prompts, max_new_tokens=4, batch_size=4)
+    gens = greedy_generate(heads, tok, prompts, DecodeSettings(max_new_tokens=4, batch_size=4))
     for p in dp.aligned_parts(prompt_lengths(tok, prompts), 4):
-        part = greedy_generate(heads, tok, [prompts[i] for i in p], max_new_tokens=4, batch_size=4)
+        part = greedy_generate(heads, tok, [prompts[i] for i in p], DecodeSettings(max_new_tokens=4, batch_size=4))
         # Decoding batches continuously: when a row stops early, the next prompt joins its running batch, which in
         # one process may belong to another rank's part. The decode-step products then see another number of rows,
         # which OpenBLAS rounds differently on some CPUs (AVX2-only EPYC: up to 8e-7 relative; bit-identical where

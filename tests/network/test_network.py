@@ -12,12 +12,14 @@ from mlx.utils import tree_flatten
 
 from sdm_mlx.llm.embed import chat_text, load_model, prompt_completion_features
 from sdm_mlx.network import (
-    HeadShapeError, NetworkArtifactError, SDMHeads, beta_schedule, greedy_generate, joint_argmax, load_network,
+    DecodeSettings, HeadShapeError, NetworkArtifactError, SDMHeads, beta_schedule, greedy_generate, joint_argmax,
+    load_network,
     network_loss, parse_task_prediction, regularization_mask, save_network,
 )
 from sdm_mlx.network.generation import first_json_object, is_closed
 from sdm_mlx.llm.model import model_dims
 from sdm_mlx.network.loss import rescaled_regularizer
+from sdm_mlx.network.step import EpochTokens, MiniBatches
 from sdm_mlx.network.trainer import completion_token_positions, make_optimizer, make_train_step, train_epoch
 from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 from greedy_margins import assert_same_greedy  # tests/helpers/
@@ -70,7 +72,7 @@ def test_greedy_joint_decoding_matches_mlx_lm_greedy_generation(phi3):
     model, tok = phi3
     heads = SDMHeads(model)
     prompts = _prompts(tok)
-    outs = greedy_generate(heads, tok, prompts, max_new_tokens=6, stop_at_delimiter=False, batch_size=3)
+    outs = greedy_generate(heads, tok, prompts, DecodeSettings(max_new_tokens=6, stop_at_delimiter=False, batch_size=3))
     eos = set(tok.eos_token_ids)
     for p, o in zip(prompts, outs):
         ref = []
@@ -216,8 +218,8 @@ def test_beta_resets_every_epoch_and_tokens_are_shuffled():
     T = mx.arange(7)
     rng = np.random.default_rng(0)
     for _ in range(2):
-        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), H, T, np.ones(7), d_tok=np.ones(7),
-                        batch_size=3, beta_min=0.0, beta_max=0.1, rng=rng)
+        m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), EpochTokens(H, T, np.ones(7), np.ones(7)),
+                        MiniBatches(3, 0.0, 0.1), rng=rng)
         assert m["batches"] == 3 and m["beta_first"] == 0.0
     betas = [b for b, _ in seen]
     np.testing.assert_allclose(betas, [0.0, 0.1 / 3, 0.2 / 3] * 2, rtol=1e-6)
@@ -307,7 +309,7 @@ def test_generation_features_equal_force_decoded_features(phi3):
     model, tok = phi3
     heads = SDMHeads(model)
     prompts = _prompts(tok)
-    gens = greedy_generate(heads, tok, prompts, max_new_tokens=5, batch_size=4, stop_at_delimiter=False)
+    gens = greedy_generate(heads, tok, prompts, DecodeSettings(max_new_tokens=5, batch_size=4, stop_at_delimiter=False))
     # force-decode prompt ids + generated ids through embed.py; "}" is absent so the prompt states are pooled
     feats = prompt_completion_features(model, tok, [g.prompt_ids for g in gens], [g.token_ids for g in gens],
                                        on_missing="prompt")
@@ -348,7 +350,7 @@ def test_save_load_roundtrip_and_errors(tiny_phi3_path, tiny_qwen2_path, tmp_pat
     x = [tok.encode(_prompts(tok)[1])]
     h1, h2 = heads.hidden_states(x), net.heads.hidden_states(x)
     np.testing.assert_array_equal(np.array(net.heads.joint_logits(h2)), np.array(heads.joint_logits(h1)))
-    g1 = greedy_generate(heads, tok, _prompts(tok), max_new_tokens=4)
+    g1 = greedy_generate(heads, tok, _prompts(tok), DecodeSettings(max_new_tokens=4))
     g2 = net.generate(_prompts(tok), max_new_tokens=4)
     assert [g.token_ids for g in g1] == [g.token_ids for g in g2]
 
@@ -468,8 +470,10 @@ def test_multi_task_rows_and_per_task_parsing(phi3, tmp_path, monkeypatch):
         return [Decoded(prompt_ids=[1], token_ids=[1], text=by_prompt[p], stop_reason="delimiter", seconds=0.0,
                         features=np.zeros((1, 4), np.float32)) for p in prompts]
 
-    monkeypatch.setattr(tr, "greedy_generate", fake_generate)
-    res = tr.count_verified(None, tok, FakeVerifier(), rows, comps)
+    from sdm_mlx.network import selection
+
+    monkeypatch.setattr(selection, "greedy_generate", fake_generate)
+    res = selection.count_verified(None, tok, FakeVerifier(), rows, comps)
     assert res["documents"] == 10 and res["admitted_pred1"] == 10
     assert res["count"] == 7 and res["task_correct"] == 7 and res["parse_failures"] == 1
 

@@ -93,15 +93,16 @@ def assert_reloads_as_saved(net, kept: dict) -> None:
     each decoding batch; the batched products then round differently (~1e-6 in the verifier features), which can move
     a calibration row across an admission boundary: 245 against 246 on an AVX2 CPU with 2 OpenBLAS threads.)
     """
+    from sdm_mlx.network.generation import DecodeSettings
     from sdm_mlx.network.trainer import count_verified
 
     np.testing.assert_array_equal(np.array(net.heads.pos.weight), kept["weight"])  # a stored copy: exact
-    s, kw = net.settings, kept["kwargs"]
+    s, kw = net.settings, kept["kwargs"]["settings"]
     assert (s["max_new_tokens"], s["delimiter"], s["max_length"], s["completions"]) == \
-        (kw["max_new_tokens"], kw["delimiter"], kw["max_length"], kept["completions"])
+        (kw.max_new_tokens, kw.delimiter, kw.max_length, kept["completions"])
     again = count_verified(net.heads, net.tokenizer, net.verifier, kept["rows"], s["completions"],
-                           max_new_tokens=s["max_new_tokens"], delimiter=s["delimiter"], max_length=s["max_length"],
-                           batch_size=kw["batch_size"])
+                           settings=DecodeSettings(max_new_tokens=s["max_new_tokens"], delimiter=s["delimiter"],
+                                                   max_length=s["max_length"], batch_size=kw.batch_size))
     assert _decisions(again) == _decisions(kept["result"])
 
 

@@ -11,7 +11,8 @@ from sdm_mlx.errors import InputError
 from sdm_mlx.pipeline import recipe as R
 from sdm_mlx.pipeline.answers import done_ids
 from sdm_mlx.pipeline.layout import Layout
-from sdm_mlx.pipeline.stages import model_completions, network_answers_done, network_done
+from sdm_mlx.pipeline.network_stages import network_answers_done, network_done
+from sdm_mlx.pipeline.row_stages import model_completions
 from sdm_mlx.pipeline.table import index_conditional, network_verdicts, risk_coverage, summarize
 from sdm_mlx.pipeline.verifiers import slice_columns, verdict
 

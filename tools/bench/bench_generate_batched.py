@@ -56,12 +56,12 @@ def worker(spec: dict) -> dict:
     width = 2 * model_dims(model)[1]
     out = {"code": str(Path(sdm_mlx.__file__).parent), "load_average": os.getloadavg()}
     if spec["workload"] == "alg4":
-        from sdm_mlx.network.generation import greedy_generate
+        from sdm_mlx.network.generation import DecodeSettings, greedy_generate
 
         heads = SDMHeads(model, reference_head="float32")
         t0 = time.perf_counter()
-        gens = greedy_generate(heads, tok, prompts, max_new_tokens=spec["tokens"], batch_size=spec["batch"],
-                               features=True)
+        gens = greedy_generate(heads, tok, prompts, DecodeSettings(max_new_tokens=spec["tokens"],
+                                                                   batch_size=spec["batch"]), features=True)
         out["seconds"] = time.perf_counter() - t0
         out["tokens"] = [g.token_ids for g in gens]
     else:

@@ -26,7 +26,7 @@ from bench_common import best_time, write_report
 from sdm_mlx.runtime.blas import describe_blas
 from sdm_mlx.storage.datasets import factcheck_splits
 from sdm_mlx.index import ExactIndex, good_neighbours_by_class
-from sdm_mlx.estimator.training import TrainConfig, train_round
+from sdm_mlx.estimator.training import RoundSplit, TrainConfig, train_round
 
 
 def bench_index(n_support: int, n_queries: int, dim: int, seed: int = 0) -> dict:
@@ -67,7 +67,7 @@ def bench_epoch(exemplar_dim: int) -> dict:
     for epochs in (1, 3):
         cfg = TrainConfig(epochs=epochs, iterations=1, exemplar_dim=exemplar_dim)
         t = time.perf_counter()
-        train_round(pool.X[tr], pool.y[tr], pool.X[ca], pool.y[ca], 2, cfg, seed=0)
+        train_round(RoundSplit(pool.X[tr], pool.y[tr], pool.X[ca], pool.y[ca]), 2, cfg, seed=0)
         times[epochs] = time.perf_counter() - t
     return {
         "data": f"factcheck pool {len(pool)} rows (train {len(tr)}, calibration {len(ca)}), D={pool.X.shape[1]}",
@@ -102,7 +102,7 @@ def bench_hnsw_vs_exact(epochs: int = 5) -> dict:
     perm = rng.permutation(len(pool))
     tr, ca = perm[: len(pool) // 2], perm[len(pool) // 2 :]
     cfg = TrainConfig(epochs=epochs, iterations=1, exemplar_dim=1000)
-    r = train_round(pool.X[tr], pool.y[tr], pool.X[ca], pool.y[ca], 2, cfg, seed=0)
+    r = train_round(RoundSplit(pool.X[tr], pool.y[tr], pool.X[ca], pool.y[ca]), 2, cfg, seed=0)
     good = good_neighbours_by_class(pool.y[tr], r.train.y_hat, 2)
     h_tr, h_ca, yhat = r.train.h, r.calibration.h, r.calibration.z.argmax(1)
     out = {"support": len(tr), "queries": len(ca), "k": r.k, "dim": h_tr.shape[1]}

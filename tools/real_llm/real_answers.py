@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
-from sdm_mlx.pipeline.answers import (answer_form, decode_answers, done_ids, embed_forced, read_rows,  # noqa: F401
-                                      shared_prefix_stats, write_prefix_stats)
+from sdm_mlx.pipeline.answers import (AnswerSettings, answer_form, decode_answers, done_ids,  # noqa: F401
+                                      embed_forced, read_rows, shared_prefix_stats, write_prefix_stats)
 
 
 def main(argv=None) -> int:
@@ -56,9 +56,9 @@ def main(argv=None) -> int:
         return 0
     if not set(done_ids(args.output)) >= {r["id"] for r in rows}:
         model, tokenizer = _embed.load_model(args.model)
-        decode_answers(model, tokenizer, rows, args.output, system=args.system, template=preset["prompt_template"],
-                       completions=preset["completions"], max_tokens=args.max_tokens, batch_size=args.batch_size,
-                       feature_parts=parts)
+        decode_answers(model, tokenizer, rows, args.output,
+                       AnswerSettings(args.system, preset["prompt_template"], preset["completions"],
+                                      max_tokens=args.max_tokens, batch_size=args.batch_size, feature_parts=parts))
     else:
         print(f"{len(rows)} rows already in {args.output}; 0 to decode", file=sys.stderr)
     return 0

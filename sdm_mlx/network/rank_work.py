@@ -1,0 +1,93 @@
+"""The network trainer's embedding and decoding, split over the ranks of data-parallel training (:mod:`.data_parallel`):
+each rank runs whole single-process batches and the results are gathered in the single-process order, so a run
+over several ranks computes what one process would.  A mixin of :class:`~sdm_mlx.network.trainer.SDMNetworkTrainer`,
+which holds ``config``, ``dp``, ``model``, ``tokenizer`` and ``heads``; steps (a)-(c) of Alg. 4 call it."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..llm import embed as _embed
+from ..runtime.callbacks import progress_bar as Progress
+from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
+from .training_data import TokenCache, build_token_cache, completion_token_positions
+
+
+class RankWork:
+    """Force-decoded features, greedy generations and the token cache of rows, each rank its part (gathered)."""
+
+    def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
+        """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
+        c = self.config
+        prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
+        parts, shared = [np.arange(len(rows))], None
+        if self.dp.active:
+            keys = _embed.prompt_completion_kept_lengths(self.tokenizer, prompts, completions,
+                                                         delimiter=c.delimiter, max_length=c.max_length)
+            parts = self.dp.aligned_parts(keys, c.embed_batch_size)
+            # the whole set's shared prefix: every rank runs the prefix a single process would (same rows)
+            seqs = [_embed.encode(self.tokenizer, p + q) for p, q in zip(prompts, completions)]
+            shared = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None
+        mine = parts[self.dp.rank]
+        with Progress(len(mine), desc, unit="doc", enabled=c.verbose) as bar:
+            feats = _embed.prompt_completion_features(
+                self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
+                delimiter=c.delimiter, max_length=c.max_length,
+                batch_size=c.embed_batch_size, on_missing="error", progress=bar.update, shared_prefix=shared,
+            ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
+        return self.dp.gather_parts(feats, parts)
+
+    def generate(self, rows: Sequence[dict], desc: str):
+        c = self.config
+        with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
+            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], self.decode_settings(),
+                                   features=True, progress=bar.update)
+
+    def decode_settings(self) -> DecodeSettings:
+        """How the run decodes (its generations and its calibration counts): the config's settings."""
+        c = self.config
+        return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
+                              batch_size=c.generation_batch_size)
+
+    def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
+        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""
+        c = self.config
+        if not self.dp.active:
+            return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
+                                     c.embed_batch_size, verbose=c.verbose)
+        planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
+                                              c.max_length) for r in pos_rows]
+        need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
+        mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
+        seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
+        prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
+        cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
+                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix)
+        hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
+        hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
+        doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token
+        order = np.argsort(doc, kind="stable")  # the single-process order: documents in row order
+        return TokenCache(hidden=hidden[order], targets=targets[order], doc=doc[order], skipped=cache.skipped)
+
+    def document_qd(self, est, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, list]:
+        """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs).
+
+        Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part).
+        """
+        parts = self.generation_parts(rows)
+        part = [rows[i] for i in parts[self.dp.rank]]
+        gens = self.generate(part, "generate (train q, d)")
+        q = d = np.zeros(0, dtype=np.float32)
+        if part:
+            q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")
+        q, d = (self.dp.gather_parts(np.asarray(a, dtype=np.float32), parts) for a in (q, d))
+        return q, d, gens
+
+    def generation_parts(self, rows: Sequence[dict]) -> list:
+        """Every rank's rows of a greedy generation over ``rows``, in whole single-process batches."""
+        if not self.dp.active:
+            return [np.arange(len(rows))]
+        keys = prompt_lengths(self.tokenizer, [r["prompt"] for r in rows])
+        return self.dp.aligned_parts(keys, decode_batch_size(self.heads, self.config.generation_batch_size))

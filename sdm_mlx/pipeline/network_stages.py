@@ -1,0 +1,158 @@
+"""The stages of ``sdm-mlx pipeline`` over Alg. 4 (:mod:`.stages`): ``network`` (``sdm-mlx network-train`` on the
+primary verifier's rows and split) and ``network_answers`` (``sdm-mlx generate --head`` with the kept network over
+the held-out and shift rows)."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import InputError
+from .answers import count_rows
+from .layout import Layout
+from .recipe import TEST_SPLITS, Recipe, check_model
+from .stage_io import read_json, run_cli, stage_log
+from .verifier_stages import verifiers_done
+from .verifiers import plans
+
+
+def _network_fingerprint(recipe: Recipe, layout: Layout) -> dict:
+    index = read_json(layout.verifiers_index) or {}
+    return {"verifier": (index.get(recipe.primary_verifier()) or {}).get("fingerprint"),
+            "settings": recipe.network.settings if recipe.network else None}
+
+
+def network_done(recipe: Recipe, layout: Layout) -> bool:
+    m = read_json(layout.network_metrics) or {}
+    marker = read_json(layout.network_marker) or {}
+    return (bool(m.get("finished")) and int(m.get("epochs_completed") or 0) >= recipe.network.epochs
+            and marker.get("fingerprint") == _network_fingerprint(recipe, layout))
+
+
+def network_rows(recipe: Recipe, layout: Layout) -> list[dict]:
+    """Alg. 4's verification rows: every row the primary verifier was trained on, with the same id, its task, the
+    prompt in the model's chat template and its completion (the own answer, or the forced one); own answers keep
+    ``answer_label`` so network-train corrects the wrong ones into W_pos positives."""
+    from ..llm import embed as _embed
+    from .verifiers import RowStore, training_rows
+
+    plan = next(p for p in plans(recipe) if p.name == recipe.primary_verifier())
+    store = RowStore(layout)
+    ids, _, _, meta = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
+    tokenizer = _embed.load_tokenizer(recipe.model)
+    docs = {t: {r["id"]: r["document"] for r in store.data(t, "pool")} for t in plan.tasks}
+    out = []
+    for i, m in zip(ids, meta):
+        t = recipe.task(m["task"])
+        if m["kind"] == "own":
+            prompt = _embed.chat_text(tokenizer, docs[t.name][m["id"]], system=recipe.system,
+                                      prompt_template=t.template())
+            out.append({"id": i, "task": t.name, "prompt": prompt, "completion": m["text"], "label": int(m["label"]),
+                        "task_label": int(m["task_label"]), "answer_label": int(m["answer_label"])})
+        else:
+            out.append({"id": i, "task": t.name, "prompt": m["prompt"], "completion": m["completion"],
+                        "label": int(m["label"]), "task_label": int(m["task_label"])})
+    return out
+
+
+def run_network(recipe: Recipe, layout: Layout) -> dict:
+    import yaml
+
+    from ..storage.files import make_dirs, write_json, write_jsonl, write_text
+
+    say = stage_log("network")
+    check_model(recipe)
+    index = read_json(layout.verifiers_index) or {}
+    entry = index.get(recipe.primary_verifier())
+    if not verifiers_done(recipe, layout) or not entry:
+        raise InputError("the primary verifier is missing or out of date: run the verifiers stage first")
+    if entry.get("skipped"):
+        raise InputError(f"the primary verifier {recipe.primary_verifier()} was not trained ({entry['skipped']}), so "
+                         "Alg. 4 has no verification layer: remove the network section or choose another primary")
+    make_dirs(os.path.dirname(layout.network_rows))
+    fp = _network_fingerprint(recipe, layout)
+    marker = read_json(layout.network_marker) or {}
+    restart = os.path.isdir(layout.network_run) and marker.get("fingerprint") not in (None, fp)
+    if restart or not os.path.exists(layout.network_rows):
+        rows = network_rows(recipe, layout)
+        write_jsonl(layout.network_rows, rows)
+        say(f"{len(rows)} verification rows -> {layout.network_rows}")
+    tasks = [{"name": t.name, "completions": t.answer_completions(), "prompt_template": t.template()}
+             for t in recipe.tasks if t.name in entry["tasks"]]
+    config = {"model": recipe.model, "verification-data": layout.network_rows,
+              "verifier": layout.verifier(recipe.primary_verifier()), "tasks": tasks, "system": recipe.system or "",
+              "output": layout.network_run, "epochs": recipe.network.epochs, "answers": "model",
+              "max-new-tokens": recipe.max_tokens, "generation-batch-size": recipe.generation_batch_size,
+              "embed-batch-size": recipe.embed_batch_size,
+              **{k.replace("_", "-"): v for k, v in recipe.network.settings.items()}}
+    write_text(layout.network_config, "# written by sdm-mlx pipeline (the recipe's network section)\n"
+               + yaml.safe_dump(config, sort_keys=False, allow_unicode=True, width=1000))
+    args = ["network-train", "-c", layout.network_config] + (["--restart", "--overwrite"] if restart else [])
+    try:
+        run_cli(layout, "network", args, "Alg. 4")
+    except InputError as e:
+        raise InputError(f"{e}. If it says that the verification layer admits nothing, Alg. 4 cannot select an "
+                         "epoch: add require_admission: false to the recipe's network section to run the epochs "
+                         "anyway, or remove the network section") from None
+    write_json(layout.network_marker, {"fingerprint": fp})
+    m = read_json(layout.network_metrics) or {}
+    return {"rows": count_rows(layout.network_rows),
+            "tokens": int(sum(e.get("tokens") or 0 for e in m.get("epochs", [])))}
+
+
+def _network_state(layout: Layout) -> dict:
+    m = read_json(layout.network_metrics) or {}
+    return {"selected_epoch": m.get("selected_epoch"), "epochs_completed": m.get("epochs_completed")}
+
+
+def network_prompts(recipe: Recipe, layout: Layout) -> list[dict]:
+    """The held-out and shift rows of every task as ``generate`` prompts: id ``<task>/<id>``, the document the
+    task's instruction with the row's text in its slot (``generate --prompt-template '{document}'`` then builds
+    exactly the prompt of the task's template, so one process answers every task)."""
+    from .answers import read_rows
+
+    return [{"id": f"{t.name}/{r['id']}", "document": t.template().replace("{document}", r["document"]),
+             "task": t.name, "split": s}
+            for t in recipe.tasks for s in TEST_SPLITS if t.sizes.get(s) for r in read_rows(layout.data(t.name, s))]
+
+
+def network_answers_done(recipe: Recipe, layout: Layout) -> bool:
+    marker = read_json(layout.network_answers_marker) or {}
+    if marker.get("network") != _network_state(layout):
+        return False
+    want = sum(t.sizes[s] for t in recipe.tasks for s in TEST_SPLITS)
+    return count_rows(layout.network_answers) >= want
+
+
+def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
+    from ..storage.files import make_dirs, write_json, write_jsonl
+    from .answers import read_rows
+
+    say = stage_log("network_answers")
+    if not network_done(recipe, layout):
+        raise InputError("the network is missing or out of date: run the network stage first")
+    make_dirs(os.path.dirname(layout.network_answers))
+    state = _network_state(layout)
+    marker = read_json(layout.network_answers_marker) or {}
+    out = layout.network_answers
+    if marker.get("network") not in (None, state) and os.path.exists(out):
+        os.replace(out, out + ".stale")  # the answers of an earlier network: decoded again
+    prompts = network_prompts(recipe, layout)
+    before = count_rows(out)
+    total = {"rows": 0, "tokens": 0}
+    if before < len(prompts):
+        write_jsonl(layout.network_prompts, prompts)
+        say(f"{len(prompts) - before} of {len(prompts)} prompts to answer")
+        run_cli(layout, "network_answers",
+                ["generate", "--head", os.path.join(layout.network_run, "network"), "--verifier",
+                 layout.verifier(recipe.primary_verifier()), "--system", recipe.system or "", "--prompt-template",
+                 "{document}", "--max-tokens", recipe.max_tokens, "--max-batch", recipe.generation_batch_size,
+                 "--input", layout.network_prompts, "--output", out, "--on-reject", "return", "--quiet"],
+                "network answers")
+        rows = read_rows(out)
+        total["rows"] = len(rows) - before
+        total["tokens"] = sum(int(r.get("tokens") or 0) for r in rows[before:])
+    write_json(layout.network_answers_marker, {"network": state})
+    return total
+
+
+# -- table ----------------------------------------------------------------------------------------------------------
