@@ -210,10 +210,8 @@ class SDMEstimator(ParamsMixin, AlphaLevels, SupportEdits):
         the model is saved.  ``callback``: a :class:`sdm_mlx.runtime.callbacks.Callback` receiving progress
         (default: silent, or tqdm progress on stderr with ``verbose=True``).  ``feature_field``: the JSONL field
         the features were read from, kept as the fitted ``feature_field_`` (saved with the model; None: the
-        default lookup).  ``feature_parts``: when the features are an LLM's pooled states, the parts they
-        concatenate (``"mean,last"``, ``"last"``, ``"max,mean,last"``: :data:`sdm_mlx.llm.pooling.FEATURE_PARTS`),
-        kept as ``feature_parts_`` so that verified generation pools its decodings the same way (None: not
-        recorded; generation then assumes concat(mean, last), DESIGN #21).
+        default lookup).  ``feature_parts``: the pooled parts of an LLM's states the features concatenate
+        (``"last"``, ``"mean,last"``, ...), kept as ``feature_parts_`` for verified generation (DESIGN #21).
 
         Eleven parameters, on purpose: scikit-learn's ``fit(X, y)`` with this estimator's calibration split and row
         ids beside them (``X_cal``, ``y_cal``, ``ids_train``, ``ids_cal``) and five optional keywords.
@@ -221,7 +219,6 @@ class SDMEstimator(ParamsMixin, AlphaLevels, SupportEdits):
         callback = as_callback(callback, self.verbose)
         if feature_parts is not None:
             from ..llm.pooling import check_feature_parts
-
             feature_parts = check_feature_parts(feature_parts)
         rows = pooled_data(X, y, X_cal, y_cal, ids_train=ids_train, ids_cal=ids_cal, num_classes=num_classes)
         X, classes, y, ids = rows

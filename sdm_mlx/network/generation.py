@@ -97,6 +97,8 @@ class DecodeSettings:
     stop_at_delimiter: bool = True
     max_length: int = _embed.DEFAULT_MAX_LENGTH
     batch_size: int = 8
+    #: the pooled parts of the features (the verification layer's ``feature_parts_``; DESIGN #21's by default)
+    feature_parts: tuple = _embed.DEFAULT_FEATURE_PARTS
 
 
 def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: DecodeSettings | None = None, *,
@@ -109,7 +111,7 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     :class:`~sdm_mlx.decoding.prompt_cache.PrefixCache`, default a fresh one, ``False`` off).  Returns the
     engine's :class:`~sdm_mlx.decoding.decode_types.Decoded` per prompt, in input order (``stop_reason``:
     "delimiter", "eos" or "max_tokens" of :data:`sdm_mlx.decoding.STOP_REASONS`).  With ``features=True`` each
-    carries the verifier input ``features`` [1, 2D] and its ``feature_info`` (see the module docstring).
+    carries the verifier input ``features`` [1, len(settings.feature_parts)·D] and its ``feature_info`` (see the module docstring).
     ``progress(k)`` is called as ``k`` more prompts finish.
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
@@ -122,7 +124,8 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     ids = _encode_prompts(tokenizer, prompts)
     engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=s.delimiter, max_batch=s.batch_size,
                           max_length=s.max_length, prefix_cache=prefix_cache)
-    reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features)
+    reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features,
+                          feature_parts=tuple(s.feature_parts))
             for p in ids]
     return engine.run(reqs, progress=progress)
 

@@ -18,8 +18,10 @@ from .training_data import TokenCache, build_token_cache, completion_token_posit
 class RankWork:
     """Force-decoded features, greedy generations and the token cache of rows, each rank its part (gathered)."""
 
-    def features_of(self, rows: Sequence[dict], desc: str) -> np.ndarray:
-        """Force-decoded verifier inputs of ``rows``; with several ranks each runs whole batches, gathered."""
+    def features_of(self, rows: Sequence[dict], desc: str,
+                    feature_parts=_embed.DEFAULT_FEATURE_PARTS) -> np.ndarray:
+        """Force-decoded verifier inputs of ``rows`` (the pooled ``feature_parts``); with several ranks each runs
+        whole batches, gathered."""
         c = self.config
         prompts, completions = [r["prompt"] for r in rows], [r["completion"] for r in rows]
         parts, shared = [np.arange(len(rows))], None
@@ -36,6 +38,7 @@ class RankWork:
                 self.model, self.tokenizer, [prompts[i] for i in mine], [completions[i] for i in mine],
                 delimiter=c.delimiter, max_length=c.max_length,
                 batch_size=c.embed_batch_size, on_missing="error", progress=bar.update, shared_prefix=shared,
+                parts=feature_parts,
             ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
         return self.dp.gather_parts(feats, parts)
 

@@ -3,12 +3,15 @@ ranks, and the strict rule that keeps an epoch.  :mod:`.trainer` runs it before 
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import SDMError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import DataParallel
 from .generation import DecodeSettings, generation_features, greedy_generate, parse_task_prediction
@@ -41,6 +44,9 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults).
     """
     t0 = time.perf_counter()
+    # the features pooled as the verification layer was trained (its recorded parts; DESIGN #21's otherwise)
+    settings = dataclasses.replace(settings or DecodeSettings(),
+                                   feature_parts=getattr(verifier, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], settings=settings, features=True,
                                progress=bar.update)

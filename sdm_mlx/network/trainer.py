@@ -181,10 +181,12 @@ class SDMNetworkTrainer(RankWork):
             from ..estimator import SDMEstimator
 
             est = SDMEstimator.load(c.verifier)
-            width = self.features_of(rows[:1], "verifier width check").shape[1]
+            # the parts it was trained on (DESIGN #21's when it recorded none)
+            parts = est.feature_parts_ or _embed.DEFAULT_FEATURE_PARTS
+            width = self.features_of(rows[:1], "verifier width check", parts).shape[1]
             if est.input_dim_ != width:
                 raise InputError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "
-                                 f"{width}")
+                                 f"{width} ({','.join(parts)})")
             self.log(f"reusing the verification layer at {c.verifier}")
         else:
             X = self.features_of(rows, "verifier features") if X is None else X
@@ -193,7 +195,8 @@ class SDMNetworkTrainer(RankWork):
             self.log(f"training the verification layer on {len(rows)} force-decoded rows "
                      f"({int(y.sum())} with label 1), J = {c.verifier_iterations}")
             est = self.estimator_factory(**c.estimator_params())
-            est.fit(X, y, ids_train=ids, num_classes=2)  # labels are the binary verification indices
+            # labels are the binary verification indices; the features are DESIGN #21's parts, recorded
+            est.fit(X, y, ids_train=ids, num_classes=2, feature_parts=_embed.DEFAULT_FEATURE_PARTS)
         if self.dp.active:  # every rank fitted (or loaded) the same estimator: check it
             self.dp.check_same(zlib.crc32("\n".join(map(str, est.support_ids_)).encode()), "the verifier's split")
             self.dp.check_same(float(np.sum(est.support_vectors_, dtype=np.float64)), "the verifier's support set")

@@ -58,7 +58,8 @@ ROW_SETS = ("own", "forced", "own+forced")
 PER_TASK = ("primary", "all", "none")
 #: the model behind the shipped CPU recipes (tools/fetch_test_llm.py writes it)
 TEST_LLM_NAME = "qwen2.5-coder-1.5b-instruct-float32"
-#: generation features (sdm-mlx generate, Alg. 4) are concat(mean, last)
+#: a verifier's default encoding, concat(mean, last) (DESIGN #21); generation and Alg. 4 pool with the parts the
+#: verifier recorded (its feature_parts_)
 GENERATION_FEATURES = ("mean", "last")
 
 
@@ -393,10 +394,6 @@ def parse_recipe(data, path: str = "recipe", *, model: str | None = None, output
             check.fail("verifier.features", f"{','.join(f)} needs parts the decodings do not record "
                                             f"(record_features: {','.join(record)}); add them to record_features")
     network = _network(check, top.get("network"))
-    if network is not None and verifier.features[0] != GENERATION_FEATURES:
-        check.fail("verifier.features", "Alg. 4 (the network section) verifies generations with concat(mean, last) "
-                                        "features, so the primary verifier's features (the first listed) must be "
-                                        "mean,last: list mean,last first, or remove the network section")
     system = top.get("system", "You are a helpful AI assistant.")
     if system is not None and not isinstance(system, str):
         check.fail("system", f"expected a string ('' for none), got {system!r}")

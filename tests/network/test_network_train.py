@@ -201,9 +201,9 @@ def test_reused_verifier_embeds_one_row_only(run, tmp_path, monkeypatch):
     sizes = []
     real = SDMNetworkTrainer.features_of
 
-    def counted(self, rows, desc):
+    def counted(self, rows, desc, *args):
         sizes.append(len(rows))
-        return real(self, rows, desc)
+        return real(self, rows, desc, *args)
 
     monkeypatch.setattr(SDMNetworkTrainer, "features_of", counted)
     cfg2 = dataclasses.replace(cfg, output_dir=str(tmp_path / "out"), verifier=res.verifier_path, epochs=0)

@@ -177,8 +177,8 @@ def _main(*args):
     ({"tasks": [{"name": "sentiment", "preset": "sentimnt", "sizes": {"pool": 2}}]}, "tasks[0].preset",
      "is not one of sentiment, factcheck, arithmetic"),
     ({"verifer": {}}, "verifer", "did you mean 'verifier'"),
-    ({"network": {"epochs": 1}, "verifier": {"features": ["max,mean,last"]}}, "verifier.features",
-     "must be mean,last"),
+    ({"record_features": "mean,last", "verifier": {"features": ["max,mean,last"]}}, "verifier.features",
+     "add them to record_features"),
 ])
 def test_a_bad_recipe_exits_2_naming_the_key_and_the_fix(lab, tmp_path, capsys, change, key, fix):
     mapping = L.recipe(str(tmp_path), lab["model"], lab["csv"], lab["tweets"], network=False)
