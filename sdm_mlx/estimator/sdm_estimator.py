@@ -147,6 +147,7 @@ class SDMEstimator(ParamsMixin, AlphaLevels, SupportEdits):
     # scikit-learn reads an estimator's parameters from its explicit __init__ signature (get_params, clone), and
     # help() and editors show it; a generated signature would hide the API.  The defaults have one source
     # (EstimatorConfig) and tests/estimator/test_defaults.py checks that both lists hold the same names.
+    # scikit-learn's get_params/clone read this signature: one keyword per parameter, defaults from _D (one source)
     def __init__(
         self,
         *,

@@ -190,6 +190,7 @@ class Engine:
         self._thread.runner = self.gen.runner
 
     # -- the server's seam: what serve/ and mcp read of the loaded generator ----------------------------------
+    # (one read-only property each, alike in shape on purpose: a view per need, no reach-through into gen)
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head: the token ids a request may name (``logit_bias``)."""
