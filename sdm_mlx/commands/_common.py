@@ -173,12 +173,14 @@ def estimator_config(args, base: dict | None = None):
     the defaults; ``--patience 0`` means off."""
     import dataclasses
 
+    from ..estimator.config import patience_setting
     from ..settings import SettingsError, resolve
 
     cfg = resolve(EstimatorConfig, args, base)
-    if cfg.patience is not None and cfg.patience < 0:
-        raise SettingsError(f"--patience: expected an integer >= 0 (0 = run every epoch), got {cfg.patience}")
-    return cfg if cfg.patience != 0 else dataclasses.replace(cfg, patience=None)
+    try:
+        return dataclasses.replace(cfg, patience=patience_setting(cfg.patience))
+    except SettingsError as e:
+        raise SettingsError(f"--{e}") from None
 
 def paper_base(args) -> dict:
     """The --paper overrides when --paper is on (explicit flags and YAML still win)."""

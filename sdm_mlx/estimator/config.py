@@ -68,3 +68,13 @@ PAPER_SETTINGS = {
 
 #: {name: default} of :class:`EstimatorConfig` (derived; see docs/defaults.md for the evidence).
 ESTIMATOR_DEFAULTS = defaults(EstimatorConfig)
+
+
+def patience_setting(patience):
+    """``patience`` as the estimator takes it: the settings' 0 (``--patience 0``, ``patience: 0`` in YAML and
+    recipes) means off, i.e. None; a negative value is an error.  The one place that reads the settings' 0."""
+    from ..settings import SettingsError
+
+    if patience is not None and patience < 0:
+        raise SettingsError(f"patience: expected an integer >= 0 (0 = run every epoch), got {patience}")
+    return None if patience == 0 else patience

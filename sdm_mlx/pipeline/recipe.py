@@ -319,7 +319,8 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
 
 
 def _verifier(check: _Checker, value) -> VerifierSpec:
-    from ..estimator.config import EstimatorConfig
+    from ..estimator.config import EstimatorConfig, patience_setting
+    from ..settings import SettingsError
 
     v = check.mapping(value or {}, "verifier", VERIFIER_KEYS, "verifier settings")
     sets = v.get("row_sets", ["own"])
@@ -339,6 +340,11 @@ def _verifier(check: _Checker, value) -> VerifierSpec:
         check.fail("verifier.features", "expected one encoding ('mean,last') or a list of them")
     feats = tuple(dict.fromkeys(check.features(f, "verifier.features") for f in feats))
     train = _settings(check, v.get("train"), "verifier.train", EstimatorConfig, TRAIN_OWN, "sdm-mlx train settings")
+    if "patience" in train:  # 0 = off, as sdm-mlx train reads it
+        try:
+            train["patience"] = patience_setting(train["patience"])
+        except SettingsError as e:
+            check.fail("verifier.train.patience", str(e))
     train.setdefault("normalize", "per-dimension")  # DESIGN #2: LLM hidden states
     return VerifierSpec(row_sets=sets, primary=primary, features=feats,
                         per_task=check.choice(v.get("per_task", "primary"), "verifier.per_task", PER_TASK),

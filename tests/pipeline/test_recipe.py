@@ -62,7 +62,7 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     assert len(names) == 3 * 2 + 2 and "a-forced-mean-last" in names and "f-forced-mean-last" in names
     universal = plans(r)[0]
     assert universal.tasks == ("a", "f") and universal.test_tasks == ("a", "f", "t")  # t has no pool
-    assert r.verifier.train == {"alpha": 0.9, "learning_rate": 3e-4, "patience": 0, "normalize": "per-dimension"}
+    assert r.verifier.train == {"alpha": 0.9, "learning_rate": 3e-4, "patience": None, "normalize": "per-dimension"}
     assert r.network.epochs == 2 and r.network.settings == {"learning_rate": 3e-5, "compile_step": False}
     assert answer_splits(r, r.task("f")) == ["pool", "shift"]  # own row sets need the pool's answers
     assert R.parse_recipe(_base(verifier={"row_sets": "all"})).verifier.row_sets == ("own", "forced", "own+forced")
@@ -155,3 +155,22 @@ def test_shipped_pipeline_recipes_validate(path, tmp_path, monkeypatch):
     r = R.parse_recipe(data, path)
     assert r.tasks and r.output
     assert plans(r)
+    # the verifiers stage's estimator takes the train settings as they are (an error here came after hours of
+    # decoding: `patience: 0` reached SDMEstimator, which wants None for off)
+    from sdm_mlx.estimator import SDMEstimator
+
+    SDMEstimator(**r.verifier.train)._train_config().validate()
+
+
+@pytest.mark.parametrize("value, expected", [(0, None), (3, 3), (None, None)])
+def test_recipe_patience_zero_means_off_as_in_sdm_mlx_train(value, expected):
+    data = {"output": "runs/x", "tasks": [{"name": "a", "preset": "arithmetic", "sizes": {"pool": 10, "heldout": 5}}],
+            "verifier": {"train": {"patience": value}}}
+    assert R.parse_recipe(data, "r.yaml", model="m").verifier.train["patience"] == expected
+
+
+def test_recipe_negative_patience_names_the_key():
+    data = {"output": "runs/x", "tasks": [{"name": "a", "preset": "arithmetic", "sizes": {"pool": 10, "heldout": 5}}],
+            "verifier": {"train": {"patience": -1}}}
+    with pytest.raises(InputError, match="verifier.train.patience"):
+        R.parse_recipe(data, "r.yaml", model="m")
