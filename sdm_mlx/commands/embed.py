@@ -123,13 +123,17 @@ def _position(args) -> str:
         raise CLIError("--position delimiter needs --completion-field (the delimiter is searched in the completion)")
     if args.prompt_template is not None and "{document}" not in args.prompt_template:
         raise CLIError("--prompt-template must contain a {document} slot")
+    return position
+
+
+def _feature_parts(args) -> list:
+    """--feature-parts as a list in FEATURE_PARTS order, checked before the model loads."""
     from ..llm.pooling import check_feature_parts
 
     try:
-        args.feature_parts = ",".join(check_feature_parts(args.feature_parts))
+        return list(check_feature_parts(args.feature_parts))
     except InputError as e:
         raise CLIError(f"--feature-parts: {e}") from None
-    return position
 
 
 def _embed_rows(args, todo: list, model, tokenizer, spec: dict, bar, *, out) -> dict:
@@ -195,7 +199,7 @@ def _feature_spec(args, rows: list, tokenizer, position: str) -> dict:
     import json
     import os
 
-    from ..llm.embed import check_feature_parts, common_prefix_length, encode
+    from ..llm.embed import DEFAULT_FEATURE_PARTS, common_prefix_length, encode
     from ..storage.files import write_json
 
     shared = None
@@ -206,13 +210,13 @@ def _feature_spec(args, rows: list, tokenizer, position: str) -> dict:
     spec = {"model": args.model, "position": position, "delimiter": args.delimiter, "max_length": args.max_length,
             "on_missing_delimiter": args.on_missing_delimiter, "pooling": args.pooling, "shared_prefix_ids": shared,
             "shared_prefix_text": None if shared is None else tokenizer.decode(shared),
-            "feature_parts": list(check_feature_parts(args.feature_parts))}
+            "feature_parts": args.feature_parts}
     path = spec_path(args.output)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
         keys = ("position", "delimiter", "max_length", "pooling", "shared_prefix_ids", "feature_parts")
-        old.setdefault("feature_parts", ["mean", "last"])  # written before the option: the default then
+        old.setdefault("feature_parts", list(DEFAULT_FEATURE_PARTS))  # written before the option: the default then
         changed = [k for k in keys if old.get(k) != spec[k]]
         if changed:
             raise InputError(f"{args.output} holds features made with other settings ({', '.join(changed)} differ "
@@ -226,6 +230,7 @@ def run(args) -> int:
     from ..storage.files import open_append, refuse_same_files
 
     position = _position(args)
+    args.feature_parts = _feature_parts(args)
     refuse_same_files([("--output", args.output)], [("--input", args.input)])
     callback = cli_callback(args.quiet)
 

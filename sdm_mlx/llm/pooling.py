@@ -30,6 +30,7 @@ __all__ = [
     "pooled_from",
     "FEATURE_PARTS",
     "DEFAULT_FEATURE_PARTS",
+    "verifier_parts",
     "check_feature_parts",
 ]
 
@@ -58,6 +59,12 @@ def check_feature_parts(parts) -> tuple[str, ...]:
         raise InputError(f"feature parts must be distinct names from {FEATURE_PARTS} (e.g. 'mean,last' or "
                          f"'max,mean,last'), got {parts!r}")
     return tuple(p for p in FEATURE_PARTS if p in parts)
+
+
+def verifier_parts(verifier) -> tuple[str, ...]:
+    """The pooled parts a verification layer (a fitted ``SDMEstimator``) was trained on: its recorded
+    ``feature_parts_``, or DESIGN #21's :data:`DEFAULT_FEATURE_PARTS` for a layer that recorded none."""
+    return tuple(getattr(verifier, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
 
 
 def kept_positions(n_tokens: int, target: int, max_length: int) -> tuple[int, bool]:

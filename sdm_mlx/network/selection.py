@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SDMError
-from ..llm.pooling import DEFAULT_FEATURE_PARTS
+from ..llm.pooling import verifier_parts
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import DataParallel
 from .generation import DecodeSettings, generation_features, greedy_generate, parse_task_prediction
@@ -44,9 +44,8 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults).
     """
     t0 = time.perf_counter()
-    # the features pooled as the verification layer was trained (its recorded parts; DESIGN #21's otherwise)
-    settings = dataclasses.replace(settings or DecodeSettings(),
-                                   feature_parts=getattr(verifier, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
+    # the features pooled as the verification layer was trained
+    settings = dataclasses.replace(settings or DecodeSettings(), feature_parts=verifier_parts(verifier))
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], settings=settings, features=True,
                                progress=bar.update)

@@ -54,6 +54,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..llm import embed as _embed
+from ..llm.pooling import verifier_parts
 from ..storage.artifact import prepare_run_directory
 from ..storage.datasets import id_key
 from ..storage.files import strict, write_json, write_jsonl
@@ -181,8 +182,7 @@ class SDMNetworkTrainer(RankWork):
             from ..estimator import SDMEstimator
 
             est = SDMEstimator.load(c.verifier)
-            # the parts it was trained on (DESIGN #21's when it recorded none)
-            parts = est.feature_parts_ or _embed.DEFAULT_FEATURE_PARTS
+            parts = verifier_parts(est)  # the parts it was trained on
             width = self.features_of(rows[:1], "verifier width check", parts).shape[1]
             if est.input_dim_ != width:
                 raise InputError(f"verifier {c.verifier} expects {est.input_dim_}-dim features, this model gives "

@@ -36,9 +36,6 @@ import numpy as np
 from ..errors import InputError
 from ..llm.pooling import DEFAULT_FEATURE_PARTS
 
-#: the parts every recorded feature holds, in :data:`sdm_mlx.llm.pooling.FEATURE_PARTS` order
-RECORDED_PARTS = ("max", "mean", "last")
-
 
 def answer_form(text: str) -> str:
     """``compact`` (one-line JSON), ``fenced`` (a ```json block), ``other`` (JSON in another layout) or

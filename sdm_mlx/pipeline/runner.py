@@ -46,8 +46,8 @@ def run_measured(cmd: list, keep_fds: tuple = ()) -> tuple[int, dict]:
     t0 = time.time()
     proc = subprocess.Popen(cmd, pass_fds=tuple(keep_fds))
     terminated = []
-    previous = None
-    if threading.current_thread() is threading.main_thread():
+    forwarding = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    if forwarding:
         def forward(signum, frame):
             terminated.append(signum)
             proc.send_signal(signal.SIGTERM)
@@ -59,8 +59,8 @@ def run_measured(cmd: list, keep_fds: tuple = ()) -> tuple[int, dict]:
         proc.wait()
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if forwarding:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     if terminated:
         raise SystemExit(128 + signal.SIGTERM)
     proc.returncode = os.waitstatus_to_exitcode(status)

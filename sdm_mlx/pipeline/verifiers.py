@@ -122,9 +122,10 @@ class RowStore:
                 if r["id"] in by_id or r["id"] not in wanted:
                     continue
                 emb = np.asarray(r.pop("embedding"), dtype=np.float32)
-                parts = parts or tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS)
-                if tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS) != parts:
-                    raise InputError(f"{path}: rows with different feature_parts ({parts} and {r['feature_parts']})")
+                row_parts = tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS)
+                parts = parts or row_parts
+                if row_parts != parts:
+                    raise InputError(f"{path}: rows with different feature_parts ({parts} and {row_parts})")
                 by_id[r["id"]] = (r, emb)
         missing = [i for i in order if i not in by_id]
         if missing:

@@ -85,12 +85,10 @@ class AnswerVerifier:
         if not estimator.is_fitted:
             raise InputError("the verification layer is not fitted")
         from ..llm.model import model_dims
-        from ..llm.pooling import DEFAULT_FEATURE_PARTS
+        from ..llm.pooling import verifier_parts
 
         _, hidden = model_dims(model)
-        #: the pooled parts the verification layer was trained on (its rows recorded them; DESIGN #21's
-        #: concat(mean, last) for a layer that did not record them)
-        self.feature_parts = tuple(getattr(estimator, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
+        self.feature_parts = verifier_parts(estimator)  #: the pooled parts the layer was trained on
         width = len(self.feature_parts) * hidden
         if estimator.input_dim_ != width:
             raise InputError(

@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-PARTS = ("max", "mean", "last")  # the order every recorded row holds (sdm_mlx.llm.pooling.FEATURE_PARTS)
+from sdm_mlx.llm.pooling import FEATURE_PARTS as PARTS  # the order every recorded row holds
+from sdm_mlx.pipeline.verifiers import slice_columns  # the verifiers stage's own column slicing
 ENCODINGS = ("last", "mean,last", "max,mean,last", "max,last", "max", "mean")
 STRENGTHS = (0.003, 0.03)
 
@@ -34,10 +35,6 @@ def load(path: str):
             raise SystemExit(f"{path}: row {r.get('id')} records {r.get('feature_parts')}, not {list(PARTS)}")
     X = np.asarray([r["embedding"] for r in rows], dtype=np.float32)
     return rows, X, np.array([int(r["label"]) for r in rows])
-
-
-def columns(encoding: str, D: int) -> np.ndarray:
-    return np.concatenate([np.arange(PARTS.index(p) * D, (PARTS.index(p) + 1) * D) for p in encoding.split(",")])
 
 
 def summary(y: np.ndarray, score: np.ndarray) -> dict:
@@ -62,10 +59,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     fit_rows, Xf, yf = load(a.fit)
     rows, Xs, ys = load(a.score)
-    D = Xf.shape[1] // len(PARTS)
     table, scores = [], {}
     for enc in ENCODINGS:
-        cols = columns(enc, D)
+        cols = slice_columns(PARTS, tuple(enc.split(",")), Xf.shape[1], a.fit)
         for C in STRENGTHS:
             probe = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=3000)).fit(Xf[:, cols], yf)
             s = probe.predict_proba(Xs[:, cols])[:, 1]

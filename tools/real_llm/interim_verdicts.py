@@ -20,8 +20,6 @@ import warnings
 
 import numpy as np
 
-PARTS = ("max", "mean", "last")
-
 
 def summary(name: str, y, task_label, answer_label, verified, admitted, prediction) -> dict:
     accs = [float(y[verified & (key == c)].mean()) for key in (task_label, answer_label) for c in (0, 1)
@@ -54,7 +52,9 @@ def main(argv=None) -> int:
         if not os.path.isdir(path) or name.endswith(".partial"):
             continue
         est = SDMEstimator.load(path)
-        parts = tuple(p for p in PARTS if p in name.split("-")[-3:])
+        parts = est.feature_parts_  # the pipeline's verifiers stage records them
+        if parts is None:
+            raise SystemExit(f"{path} records no feature_parts: train it again with the verifiers stage")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             pred = est.estimate(X[:, slice_columns(recorded, parts, X.shape[1], name)])
