@@ -8,7 +8,7 @@ right and the wrong-rate of the 10 % judged most likely wrong, with n.
 
     python tools/real_llm/encoding_probe.py runs/universal_qwen15_cpu/answers/sentiment_pool.jsonl \\
         runs/universal_qwen15_cpu/answers/sentiment_heldout.jsonl \\
-        --rows docs/results/universal_qwen15_cpu/sentiment_encoding_probe.jsonl
+        --rows docs/results/sentiment_qwen15_cpu/sentiment_encoding_probe.jsonl
 
 Needs scikit-learn (``pip install -e '.[tools]'``). A probe is a ceiling-style diagnostic, not the verifier:
 the SDM verifiers of the same encodings are the pipeline's ``verifiers`` stage.
