@@ -113,6 +113,10 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     "delimiter", "eos" or "max_tokens" of :data:`sdm_mlx.decoding.STOP_REASONS`).  With ``features=True`` each
     carries the verifier input ``features`` [1, len(settings.feature_parts)·D] and its ``feature_info`` (see the module docstring).
     ``progress(k)`` is called as ``k`` more prompts finish.
+
+    A prompt that occurs more than once is decoded once: greedy decoding is a function of the prompt, and Alg. 4's
+    rows repeat prompts (own answers plus their constructed negatives: the calibration split holds both rows of
+    many prompts).  Its repeats share that prompt's :class:`Decoded` (read it, do not change it).
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
@@ -122,12 +126,21 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     if s.batch_size < 1:
         raise InputError("batch_size must be >= 1")
     ids = _encode_prompts(tokenizer, prompts)
+    first = {}  # token ids -> index of the prompt's first occurrence among the unique ones
+    slot = [first.setdefault(tuple(p), len(first)) for p in ids]
+    unique = [None] * len(first)
+    for p, k in zip(ids, slot):
+        if unique[k] is None:
+            unique[k] = p
     engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=s.delimiter, max_batch=s.batch_size,
                           max_length=s.max_length, prefix_cache=prefix_cache)
     reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features,
                           feature_parts=tuple(s.feature_parts))
-            for p in ids]
-    return engine.run(reqs, progress=progress)
+            for p in unique]
+    decoded = engine.run(reqs, progress=progress)
+    if progress is not None and len(unique) < len(ids):
+        progress(len(ids) - len(unique))  # the repeats finish with their first occurrence
+    return [decoded[k] for k in slot]
 
 
 def generation_features(outputs: Sequence) -> np.ndarray:

@@ -36,3 +36,28 @@ def test_count_verified_pools_as_the_layer_was_trained(tiny_phi3_path):
     unrecorded.fit(X, y, num_classes=2)  # 1 x hidden, but read as mean,last: the widths disagree
     with pytest.raises(ValueError):
         count_verified(heads, tok, unrecorded, rows, None, DecodeSettings(max_new_tokens=6, batch_size=8))
+
+
+def test_repeated_prompts_are_decoded_once(tiny_phi3_path, monkeypatch):
+    """Own answers plus their constructed negatives repeat every prompt: greedy_generate decodes each prompt once and
+    hands its repeats the same output, in input order; the progress callback still reaches every row."""
+    from sdm_mlx.decoding import batching
+
+    model, tok = E.load_model(tiny_phi3_path)
+    heads = SDMHeads(model)
+    texts = [E.chat_text(tok, f"review number {i}: {'good' if i % 2 else 'bad'} film") for i in range(5)]
+    prompts = [texts[i] for i in (0, 1, 0, 2, 3, 1, 4, 0)]
+    seen = []
+    real_run = batching.DecodeEngine.run
+
+    def counting_run(self, reqs, progress=None):
+        seen.append(len(reqs))
+        return real_run(self, reqs, progress=progress)
+
+    monkeypatch.setattr(batching.DecodeEngine, "run", counting_run)
+    done = []
+    settings = DecodeSettings(max_new_tokens=4, batch_size=4, stop_at_delimiter=False)
+    gens = greedy_generate(heads, tok, prompts, settings, progress=done.append)
+    assert seen == [5] and sum(done) == len(prompts) == len(gens)
+    assert gens[0] is gens[2] is gens[7] and gens[1] is gens[5]
+    assert len({id(g) for g in gens}) == 5 and all(g.token_ids for g in gens)
