@@ -57,17 +57,22 @@ class VerifierPlan:
 
 
 def plans(recipe: Recipe) -> list[VerifierPlan]:
-    """Every verifier the recipe asks for: universal ones first (the primary first of all), then per-task ones."""
+    """Every verifier the recipe asks for, in the order the verifiers stage trains them: the universal primary (its
+    row set on the first encoding), the per-task ones of the same row set and encoding (the comparison of one
+    verifier for every task with one per task), then the other universal ones and the other per-task ones; a
+    stopped stage has the comparisons that matter most."""
     v = recipe.verifier
     names = tuple(t.name for t in recipe.tasks if t.sizes["pool"] > 0)
     every = tuple(t.name for t in recipe.tasks)
     sets = (v.primary,) + tuple(s for s in v.row_sets if s != v.primary)
-    out = [VerifierPlan(verifier_name("universal", s, f), "universal", names, s, f, every)
-           for s in sets for f in v.features]
+    universal = [VerifierPlan(verifier_name("universal", s, f), "universal", names, s, f, every)
+                 for s in sets for f in v.features]
+    per_task = []
     if v.per_task != "none" and len(names) > 1:
         pairs = [(v.primary, v.features[0])] if v.per_task == "primary" else [(s, f) for s in sets for f in v.features]
-        out += [VerifierPlan(verifier_name(t, s, f), t, (t,), s, f, (t,)) for t in names for s, f in pairs]
-    return out
+        per_task = [VerifierPlan(verifier_name(t, s, f), t, (t,), s, f, (t,)) for s, f in pairs for t in names]
+    first = len(names) if per_task else 0  # the per-task verifiers of the primary pair
+    return universal[:1] + per_task[:first] + universal[1:] + per_task[first:]
 
 
 def needs_forced(recipe: Recipe) -> bool:

@@ -60,6 +60,15 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     names = [p.name for p in plans(r)]
     assert names[0] == "universal-forced-mean-last" == r.primary_verifier()
     assert len(names) == 3 * 2 + 2 and "a-forced-mean-last" in names and "f-forced-mean-last" in names
+    # trained in this order: the primary, the per-task ones it is compared with, then the other universal ones
+    assert names[1:3] == ["a-forced-mean-last", "f-forced-mean-last"] and names[3] == "universal-forced-max-mean-last"
+    everything = R.parse_recipe(_base(tasks=[{"name": "a", "preset": "arithmetic", "sizes": {"pool": 4}},
+                                             {"name": "f", "preset": "factcheck", "sizes": {"pool": 4}}],
+                                      verifier={"row_sets": ["own", "forced"], "primary": "own",
+                                                "features": ["last", "mean,last"], "per_task": "all",
+                                                "forced_completions": "preset"}))
+    names = [p.name for p in plans(everything)]
+    assert len(names) == len(set(names)) == 4 + 2 * 4 and names[:3] == ["universal-own-last", "a-own-last", "f-own-last"]
     universal = plans(r)[0]
     assert universal.tasks == ("a", "f") and universal.test_tasks == ("a", "f", "t")  # t has no pool
     assert r.verifier.train == {"alpha": 0.9, "learning_rate": 3e-4, "patience": None, "normalize": "per-dimension"}
