@@ -19,6 +19,7 @@ from __future__ import annotations
 
 
 from ..errors import CLIError, InputError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 from ..storage.datasets import LLM_FEATURES, pending_rows
 from ..storage.files import dumps
 from ..storage.datasets import read_objects as read_jsonl
@@ -58,10 +59,11 @@ def add_arguments(p) -> None:
     p.add_argument("--pooling", choices=["all", "non-shared"], default="all",
                    help="mean half of the feature: over all kept positions (the paper's), or without the token "
                         "prefix every input row shares (document + completion positions; DESIGN #21)")
-    p.add_argument("--feature-parts", default="mean,last",
-                   help="pooled parts of the states to concatenate, in the order max, mean, last: 'mean,last' "
-                        "(DESIGN #21), 'last', 'max,mean,last' (the author's current encoding); recorded in each row "
-                        "and in the model sdm-mlx train makes of them")
+    p.add_argument("--feature-parts", default=",".join(DEFAULT_FEATURE_PARTS),
+                   help="pooled parts of the states to concatenate, in the order max, mean, last: "
+                        f"'{','.join(DEFAULT_FEATURE_PARTS)}' (DESIGN #21's default), 'last', 'mean,last', "
+                        "'max,mean,last' (the author's current encoding); recorded in each row and in the model "
+                        "sdm-mlx train makes of them")
     p.add_argument("--max-length", type=int, default=500, help="keep at most this many leading token positions")
     p.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
     p.add_argument("--quiet", action="store_true", help="no progress output")

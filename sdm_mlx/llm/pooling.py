@@ -30,6 +30,7 @@ __all__ = [
     "pooled_from",
     "FEATURE_PARTS",
     "DEFAULT_FEATURE_PARTS",
+    "UNRECORDED_FEATURE_PARTS",
     "verifier_parts",
     "check_feature_parts",
 ]
@@ -43,8 +44,12 @@ ON_MISSING = ("error", "last", "prompt")
 #: The pooled parts a feature may concatenate, in the order they are concatenated: the element-wise max over
 #: the kept positions (the author's current encoding adds it), the mean, and the last kept state (DESIGN #21).
 FEATURE_PARTS = ("max", "mean", "last")
-#: The default feature: ``concat(mean, last)`` (DESIGN #21), 2D wide.
+#: The default feature: ``concat(mean, last)`` (DESIGN #21), 2D wide.  The one owner of the default: the embed
+#: verb, recipes, the answers stage and Alg. 4's own verification layer read it from here.
 DEFAULT_FEATURE_PARTS = ("mean", "last")
+#: What a verification layer or a features file that records no parts was made of: every feature before the parts
+#: became an option was ``concat(mean, last)``.  Fixed, whatever the default becomes.
+UNRECORDED_FEATURE_PARTS = ("mean", "last")
 
 
 def check_feature_parts(parts) -> tuple[str, ...]:
@@ -63,8 +68,9 @@ def check_feature_parts(parts) -> tuple[str, ...]:
 
 def verifier_parts(verifier) -> tuple[str, ...]:
     """The pooled parts a verification layer (a fitted ``SDMEstimator``) was trained on: its recorded
-    ``feature_parts_``, or DESIGN #21's :data:`DEFAULT_FEATURE_PARTS` for a layer that recorded none."""
-    return tuple(getattr(verifier, "feature_parts_", None) or DEFAULT_FEATURE_PARTS)
+    ``feature_parts_``, or :data:`UNRECORDED_FEATURE_PARTS` for a layer that recorded none (saved before the parts
+    were recorded)."""
+    return tuple(getattr(verifier, "feature_parts_", None) or UNRECORDED_FEATURE_PARTS)
 
 
 def kept_positions(n_tokens: int, target: int, max_length: int) -> tuple[int, bool]:

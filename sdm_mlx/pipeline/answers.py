@@ -93,7 +93,7 @@ class AnswerSettings(NamedTuple):
     completions: Sequence[str]
     max_tokens: int = 32
     batch_size: int = 16
-    feature_parts: Sequence[str] = ("mean", "last")
+    feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS
 
 
 def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings) -> list[dict]:

@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..llm.pooling import DEFAULT_FEATURE_PARTS
 
 #: the task presets: the paper's instruction and JSON answers (arithmetic asks in the factcheck prompt)
 PRESETS = ("sentiment", "factcheck", "arithmetic")
@@ -58,9 +59,6 @@ ROW_SETS = ("own", "forced", "own+forced")
 PER_TASK = ("primary", "all", "none")
 #: the model behind the shipped CPU recipes (tools/fetch_test_llm.py writes it)
 TEST_LLM_NAME = "qwen2.5-coder-1.5b-instruct-float32"
-#: a verifier's default encoding, concat(mean, last) (DESIGN #21); generation and Alg. 4 pool with the parts the
-#: verifier recorded (its feature_parts_)
-GENERATION_FEATURES = ("mean", "last")
 
 
 class RecipeError(InputError):
@@ -110,7 +108,7 @@ class TaskSpec:
 class VerifierSpec:
     row_sets: tuple = ("own",)
     primary: str = "own"
-    features: tuple = (GENERATION_FEATURES,)
+    features: tuple = (DEFAULT_FEATURE_PARTS,)  # DESIGN #21; generation and Alg. 4 pool with the recorded parts
     per_task: str = "primary"
     forced_completions: str = "model"
     train: dict = field(default_factory=dict)
@@ -332,7 +330,7 @@ def _verifier(check: _Checker, value) -> VerifierSpec:
         check.fail("verifier.row_sets", f"expected a list of {', '.join(ROW_SETS)}")
     sets = tuple(dict.fromkeys(check.choice(s, "verifier.row_sets", ROW_SETS) for s in sets))
     primary = check.choice(v.get("primary", sets[0]), "verifier.primary", sets)
-    feats = v.get("features", ["mean,last"])
+    feats = v.get("features", [",".join(DEFAULT_FEATURE_PARTS)])
     if isinstance(feats, str) or (isinstance(feats, list) and feats and all(isinstance(f, str) and "," not in f
                                                                             and "+" not in f for f in feats)):
         feats = [feats]

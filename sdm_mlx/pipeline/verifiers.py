@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from ..llm.pooling import DEFAULT_FEATURE_PARTS
+from ..llm.pooling import UNRECORDED_FEATURE_PARTS
 from .layout import Layout
 from .recipe import TEST_SPLITS, Recipe, verifier_name
 
@@ -127,7 +127,7 @@ class RowStore:
                 if r["id"] in by_id or r["id"] not in wanted:
                     continue
                 emb = np.asarray(r.pop("embedding"), dtype=np.float32)
-                row_parts = tuple(r.get("feature_parts") or DEFAULT_FEATURE_PARTS)
+                row_parts = tuple(r.get("feature_parts") or UNRECORDED_FEATURE_PARTS)
                 parts = parts or row_parts
                 if row_parts != parts:
                     raise InputError(f"{path}: rows with different feature_parts ({parts} and {row_parts})")
@@ -138,7 +138,7 @@ class RowStore:
                              f"{fix}")
         meta = [by_id[i][0] for i in order]
         X = np.stack([by_id[i][1] for i in order]) if order else np.zeros((0, 0), np.float32)
-        self._cache[path] = (meta, X, parts or DEFAULT_FEATURE_PARTS)
+        self._cache[path] = (meta, X, parts or UNRECORDED_FEATURE_PARTS)
         return self._cache[path]
 
     def data(self, task: str, split: str) -> list[dict]:

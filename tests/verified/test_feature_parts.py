@@ -117,3 +117,16 @@ def test_a_layer_without_recorded_parts_is_read_as_mean_last(setup, tmp_path):
 
     gen = VerifiedGenerator(setup.model_path, setup.verifier_dir, head_path=setup.head_dir)
     assert gen.verifier.feature_parts == ("mean", "last")
+
+
+def test_an_unrecorded_layer_reads_as_mean_last_whatever_the_default(monkeypatch):
+    """A layer saved before the parts were recorded was trained on concat(mean, last): changing DESIGN #21's default
+    must not change how it is read."""
+    from types import SimpleNamespace
+
+    from sdm_mlx.llm import pooling
+
+    monkeypatch.setattr(pooling, "DEFAULT_FEATURE_PARTS", ("last",))
+    assert pooling.verifier_parts(SimpleNamespace()) == ("mean", "last")
+    assert pooling.verifier_parts(SimpleNamespace(feature_parts_=None)) == ("mean", "last")
+    assert pooling.verifier_parts(SimpleNamespace(feature_parts_=("last",))) == ("last",)
