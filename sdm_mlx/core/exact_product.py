@@ -29,7 +29,7 @@ rows x̃ = x_hi + 2^−β_x x_lo (2β_x + 1 bits, exact in float64) times W̃ is
 most γ_D ‖x̃‖ ‖w̃‖ whatever the BLAS does; every entry whose band rounds to one float32 is that float32
 (the output is monotone in the sum), and the few others (0.28 % at D = 3,072) take the exact sum from
 two integer dot products.  Which entries are settled exactly may depend on the batch; their values
-do not.  Measured at D = 3,072, M = 1,000: 0.47 against 0.92 CPU s for 2,000 rows (docs/performance.md).
+do not.  Measured at D = 3,072, M = 1,000: 0.48 against 0.85 CPU s for 2,000 rows (docs/performance.md).
 """
 
 from __future__ import annotations
