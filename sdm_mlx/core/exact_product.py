@@ -158,7 +158,7 @@ class ExactRowProduct:
         self.beta_x, self.beta_w = slice_bits(self.in_dim)
         scaled, self._w_exp = scale_rows(w, self.beta_w)
         self._w_rows = np.rint(scaled)  # [K, D] integers, |.| ≤ 2^β_w
-        self._w_t_host = np.ascontiguousarray(self._w_rows.T)  # [D, K]
+        self._w_t_host = self._w_rows.T  # [D, K], a view: the sums are exact in any layout
         self._w_t = _f64(self._w_t_host)
         # ‖w̃_k‖₂ times the band's factor (rounded, _bound_factor)
         self._w_bound = np.sqrt(np.einsum("ij,ij->i", self._w_rows, self._w_rows))[None, :] * _bound_factor(self.in_dim)
