@@ -197,9 +197,10 @@ class InvariantForward:
         return self._rows(x)
 
     def _rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x_norm = (x.astype(np.float64) - self._mean) / self._std
+        x_norm = np.subtract(x, self._mean, dtype=np.float64)  # (x in float64 − μ) / σ, without a float64 copy of x
+        x_norm /= self._std
         if self.basis is None:
-            h = self._hidden(x_norm).astype(np.float32)
-            return self._logits(h).astype(np.float32), h
-        logits, coordinates = shared_products(x_norm, (self._logits, self._coordinates))
-        return logits.astype(np.float32), coordinates.astype(np.float32)
+            h = self._hidden.rounded(x_norm)
+            return self._logits.rounded(h), h
+        logits, coordinates = shared_products(x_norm, (self._logits, self._coordinates), rounded=True)
+        return logits, coordinates

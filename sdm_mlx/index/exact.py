@@ -184,6 +184,26 @@ class ExactIndex:
             out_d[r, : order.shape[1]] = d64[at, order]
             out_i[r, : order.shape[1]] = idx[at, order]
 
+    def _rerank_leading_into(self, queries, rows, cand, counts, ex, out_d, out_i) -> None:
+        """:meth:`_rerank_into` of the first ``counts[i]`` candidates of each row of ``cand`` only (the rest is
+        padding): the float64 distances of those (query, candidate) pairs, unpadded (counts ≥ n)."""
+        valid = np.arange(cand.shape[1])[None, :] < counts[:, None]
+        at, slot = np.nonzero(valid)
+        idx = np.where(valid, cand, self.size)  # padding: after every support index and every distance
+        d64 = np.full(cand.shape, np.inf)
+        flat = np.empty(at.size)
+        step = max(1, self.RERANK_BYTES // (8 * self.dim))
+        for c0 in range(0, at.size, step):
+            pairs = at[c0 : c0 + step]
+            flat[c0 : c0 + step] = self._exact64(queries[rows[pairs]], idx[pairs, slot[c0 : c0 + step]])
+        d64[at, slot] = flat
+        if ex is not None:
+            d64[idx == ex[rows, None]] = np.inf
+        order = np.lexsort((idx, d64), axis=-1)[:, : out_d.shape[1]]
+        at = np.arange(order.shape[0])[:, None]
+        out_d[rows, : order.shape[1]] = d64[at, order]
+        out_i[rows, : order.shape[1]] = idx[at, order]
+
     def _top_into(self, queries, rows, dist, q_sq, col_sq, perm, *, ex, out: tuple) -> None:
         """Exact top-n (n = ``out[0].shape[1]``) of a distance block whose column j is support ``perm[j]``, written
         into ``out`` = (distances, indices), the caller's [N, n] buffers."""
@@ -195,10 +215,16 @@ class ExactIndex:
             return
         key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
         easy = count <= first.shape[1]
+        if isinstance(key, np.ndarray) and first.shape[1] > 1:  # the screened columns first: re-rank only those
+            first = np.take_along_axis(first, np.argsort(np.take_along_axis(key, first, axis=1), axis=1), axis=1)
+            rerank = lambda at: self._rerank_leading_into(queries, rows[at], perm[first[at]], count[at], ex,  # noqa: E731
+                                                          out_d, out_i)
+        else:
+            rerank = lambda at: self._rerank_into(queries, rows[at], perm[first[at]], ex, out_d, out_i)  # noqa: E731
         if easy.all():  # (the usual case: no row has more near-tied candidates than screened)
-            self._rerank_into(queries, rows, perm[first], ex, out_d, out_i)
+            rerank(slice(None))
             return
-        self._rerank_into(queries, rows[easy], perm[first[easy]], ex, out_d, out_i)
+        rerank(easy)
         hard = np.flatnonzero(~easy)  # rows with more near-tied candidates (e.g. duplicates)
         if hard.size:
             c = int(count[hard].max())
@@ -328,28 +354,39 @@ class ExactIndex:
         )
         _evaluate(count, ambiguous, first_bad)
         q = np.asarray(count).astype(np.int64)
-        for r in np.flatnonzero(np.asarray(ambiguous)):
-            q[r] = self._resolve_near_ties(
-                queries[rows[r]], np.asarray(dist[int(r)]), float(first_bad[int(r)].item()), a, b,
-                float(q_sq[int(r)].item()), grouping=grouping,
-            )
+        tied = np.flatnonzero(np.asarray(ambiguous))
+        if tied.size:
+            tied_dist = np.asarray(dist[tied if xp is np else mx.array(tied)])
+            q[tied] = self._resolve_near_ties(queries[rows[tied]], tied_dist, np.asarray(first_bad)[tied], a, b,
+                                              np.asarray(q_sq)[tied], grouping=grouping)
         return q
 
-    def _resolve_near_ties(self, query, dist_row, first_bad, a, b, q_sq, *, grouping) -> int:
-        """Exact q for one query whose first-bad distance is within float32 error of a good neighbour's."""
-        excluded = ~np.isfinite(dist_row)
-        band = self._tau * (2.0 * q_sq + grouping.support_sq_np + self._max_support_sq) + 1e-30
-        near = (np.abs(dist_row - first_bad) <= band) & ~excluded
-        good = np.zeros(self.size, dtype=bool)
-        good[a:b] = True
-        clear = int((good & ~near & (dist_row < first_bad)).sum())
-        cand = np.flatnonzero(near)  # permuted positions
-        original = grouping.perm[cand]
-        d64 = self._exact64(query, original)
-        order = np.lexsort((original, d64))
-        run = good[cand[order]]
-        first = np.flatnonzero(~run)
-        return clear + (int(first[0]) if first.size else int(run.sum()))
+    def _resolve_near_ties(self, query, dist, first_bad, a, b, q_sq, *, grouping) -> np.ndarray:
+        """Exact q for queries [r, dim] whose first-bad distance is within float32 error of a good neighbour's
+        (``dist`` [r, size] their distance rows, permuted columns): the near-tied columns of every row (a few, of
+        2,000) are ordered by (float64 distance, support index), padded to the row with the most."""
+        band = self._tau * (2.0 * q_sq[:, None] + grouping.support_sq_np[None, :] + self._max_support_sq) + 1e-30
+        near = (np.abs(dist - first_bad[:, None]) <= band) & np.isfinite(dist)
+        clear = (~near[:, a:b] & (dist[:, a:b] < first_bad[:, None])).sum(axis=1)
+        row, col = np.nonzero(near)  # row-major: each row's near columns in order
+        counts = np.bincount(row, minlength=dist.shape[0])
+        slot = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        cand = np.full((dist.shape[0], max(int(counts.max()), 1)), -1, dtype=np.int64)  # permuted positions
+        cand[row, slot] = col
+        original = np.full(cand.shape, self.size, dtype=np.int64)  # padding: after every support index …
+        original[row, slot] = grouping.perm[col]
+        d64 = np.full(cand.shape, np.inf)  # … and every distance
+        flat = np.empty(row.size)
+        step = max(1, self.RERANK_BYTES // (8 * self.dim))
+        for c0 in range(0, row.size, step):  # the (query, candidate) pairs, unpadded
+            flat[c0 : c0 + step] = self._exact64(query[row[c0 : c0 + step]], original[row[c0 : c0 + step],
+                                                                                       slot[c0 : c0 + step]])
+        d64[row, slot] = flat
+        order = np.lexsort((original, d64), axis=-1)
+        ranked = np.take_along_axis(cand, order, axis=1)
+        bad = (ranked >= 0) & ((ranked < a) | (ranked >= b))
+        good_run = ((ranked >= a) & (ranked < b)).sum(axis=1)
+        return clear + np.where(bad.any(axis=1), bad.argmax(axis=1), good_run)
 
 
 __all__ = ["ExactIndex", "screening_tolerance"]

@@ -252,3 +252,35 @@ def test_dense_index_orders_exact_ties_by_support_index(exclude):
     for k in (3, 40, 400):
         q, _ = dense.similarity(queries, y_hat, good, k, exclude=ex)
         np.testing.assert_array_equal(q, exact.similarity(queries, y_hat, good, k, exclude=ex)[0])
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_many_near_tied_rows_resolved_together_match_the_reference(exclude, monkeypatch):
+    # concentrated clusters far from the centring row: the float32 bands are wide, most rows go to the float64
+    # resolution of near-ties (in one vectorised call per block) and to the re-ranking of the screened columns
+    rng = np.random.default_rng(7)
+    centres = rng.normal(size=(3, 256)) * 0.05 + 4.0
+    cluster = rng.integers(0, 3, 500)
+    support = (centres[cluster] + rng.normal(size=(500, 256)) * 0.02).astype(np.float32)
+    support[0] = 0.0  # the centring row, far from the rest
+    labels = cluster
+    preds = np.where(rng.random(500) < 0.8, labels, rng.integers(0, 3, 500))
+    good = good_neighbours_by_class(labels, preds, 3)
+    calls = []
+    original = ExactIndex._resolve_near_ties
+    monkeypatch.setattr(ExactIndex, "_resolve_near_ties",
+                        lambda self, query, *a, **kw: calls.append(len(query)) or original(self, query, *a, **kw))
+    index = ExactIndex(support, block_bytes=4 * 500 * 64)  # several query blocks
+    if exclude:
+        queries, y_hat, ex = support, preds, np.arange(500)
+    else:
+        queries = (centres[rng.integers(0, 3, 120)] + rng.normal(size=(120, 256)) * 0.02).astype(np.float32)
+        y_hat, ex = rng.integers(0, 3, 120), None
+    for k in (5, 60, 500):
+        q, d0, top_d, top_i = index.similarity_and_neighbours(queries, y_hat, good, k, 7, exclude=ex)
+        np.testing.assert_array_equal(q, ref_q(queries, support, y_hat, good, k, exclude=ex))
+        rd, ri = brute(queries, support, ex)
+        np.testing.assert_array_equal(top_i, ri[:, :7])
+        np.testing.assert_array_equal(top_d, rd[:, :7].astype(np.float32))
+        np.testing.assert_array_equal(d0, rd[:, 0].astype(np.float32))
+    assert sum(calls) > 0.3 * len(queries) * 3 and max(calls) > 1  # many rows, several per call

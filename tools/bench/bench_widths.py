@@ -134,7 +134,7 @@ def run_peer(data: Path, args, work: Path) -> dict:
     np.savez(peer_data, X_train=d["train_X"], y_train=d["train_y"], X_cal=d["cal_X"], y_cal=d["cal_y"],
              X_test=d["test_X"], X_shift=d["shift_X"])
     info = ask(cmd="info", threads=args.threads)
-    model = str(work / "peer.sdmkitmodel")
+    model = str(work / f"peer_{data.stem}.sdmkitmodel")  # one per data set: the peer refuses to overwrite
     train = ask(cmd="train", data=str(peer_data), out=model, epochs=args.epochs, iterations=args.J,
                 exemplar_dim=args.exemplar_dim, batch_size=64, learning_rate=args.lr, max_neighbors=2048, seed=0)
     ask(cmd="load", model=model)
