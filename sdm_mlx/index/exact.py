@@ -168,26 +168,14 @@ class ExactIndex:
         np.square(diff, out=diff)
         return diff.sum(axis=-1)
 
-    def _rerank_into(self, queries, rows, cand, ex, out_d, out_i) -> None:
-        """Exact float64 ordering by (distance, index) of candidate indices ``cand`` [len(rows), c];
-        writes the best ``out_d.shape[1]`` into ``out_d``/``out_i`` at ``rows`` (vectorised in chunks)."""
-        n = out_d.shape[1]
-        step = max(1, self.RERANK_BYTES // (8 * self.dim * max(cand.shape[1], 1)))
-        for c0 in range(0, rows.size, step):
-            r = rows[c0 : c0 + step]
-            idx = cand[c0 : c0 + step]
-            d64 = self._exact64(queries[r, None, :], idx)
-            if ex is not None:
-                d64[idx == ex[r, None]] = np.inf
-            order = np.lexsort((idx, d64), axis=-1)[:, :n]
-            at = np.arange(order.shape[0])[:, None]  # (take_along_axis without its per-call index building)
-            out_d[r, : order.shape[1]] = d64[at, order]
-            out_i[r, : order.shape[1]] = idx[at, order]
-
-    def _rerank_leading_into(self, queries, rows, cand, counts, ex, out_d, out_i) -> None:
-        """:meth:`_rerank_into` of the first ``counts[i]`` candidates of each row of ``cand`` only (the rest is
-        padding): the float64 distances of those (query, candidate) pairs, unpadded (counts ≥ n)."""
-        valid = np.arange(cand.shape[1])[None, :] < counts[:, None]
+    def _rerank_into(self, queries, rows, cand, ex, *, out: tuple, counts=None) -> None:
+        """Exact float64 ordering by (distance, index) of the candidate indices ``cand`` [len(rows), c] (of each row
+        only the first ``counts[i]``, the rest padding; None: all c); writes the best ``out[0].shape[1]`` into
+        ``out`` = (distances, indices) at ``rows``.  The float64 distances of the (query, candidate) pairs are
+        computed in cache-sized chunks of pairs."""
+        out_d, out_i = out
+        width = np.arange(cand.shape[1])[None, :]
+        valid = np.broadcast_to(True, cand.shape) if counts is None else width < counts[:, None]
         at, slot = np.nonzero(valid)
         idx = np.where(valid, cand, self.size)  # padding: after every support index and every distance
         d64 = np.full(cand.shape, np.inf)
@@ -200,7 +188,7 @@ class ExactIndex:
         if ex is not None:
             d64[idx == ex[rows, None]] = np.inf
         order = np.lexsort((idx, d64), axis=-1)[:, : out_d.shape[1]]
-        at = np.arange(order.shape[0])[:, None]
+        at = np.arange(order.shape[0])[:, None]  # (take_along_axis without its per-call index building)
         out_d[rows, : order.shape[1]] = d64[at, order]
         out_i[rows, : order.shape[1]] = idx[at, order]
 
@@ -211,16 +199,16 @@ class ExactIndex:
         n = out_d.shape[1]
         if n + (8 if n > 1 else 0) >= self.size:
             every = np.broadcast_to(np.arange(self.size), (rows.size, self.size))
-            self._rerank_into(queries, rows, perm[every], ex, out_d, out_i)
+            self._rerank_into(queries, rows, perm[every], ex, out=out)
             return
         key, first, count = _screen_top(dist, q_sq, col_sq, self._max_support_sq, n, self._tau)
         easy = count <= first.shape[1]
         if isinstance(key, np.ndarray) and first.shape[1] > 1:  # the screened columns first: re-rank only those
             first = np.take_along_axis(first, np.argsort(np.take_along_axis(key, first, axis=1), axis=1), axis=1)
-            rerank = lambda at: self._rerank_leading_into(queries, rows[at], perm[first[at]], count[at], ex,  # noqa: E731
-                                                          out_d, out_i)
+            rerank = lambda at: self._rerank_into(queries, rows[at], perm[first[at]], ex, out=out,  # noqa: E731
+                                                  counts=count[at])
         else:
-            rerank = lambda at: self._rerank_into(queries, rows[at], perm[first[at]], ex, out_d, out_i)  # noqa: E731
+            rerank = lambda at: self._rerank_into(queries, rows[at], perm[first[at]], ex, out=out)  # noqa: E731
         if easy.all():  # (the usual case: no row has more near-tied candidates than screened)
             rerank(slice(None))
             return
@@ -232,7 +220,7 @@ class ExactIndex:
                 positions = np.broadcast_to(np.arange(self.size), (hard.size, self.size))
             else:
                 positions = _hard_positions(key, hard, c)
-            self._rerank_into(queries, rows[hard], perm[positions], ex, out_d, out_i)
+            self._rerank_into(queries, rows[hard], perm[positions], ex, out=out)
 
     # -- top-n neighbours ---------------------------------------------------------------------
     def search(self, queries, n: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
