@@ -12,7 +12,9 @@ import numpy as np
 from ..llm import embed as _embed
 from ..runtime.callbacks import progress_bar as Progress
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
-from .training_data import TokenCache, build_token_cache, completion_token_positions
+from .resume import model_fingerprint
+from .training_data import (TokenCache, build_token_cache, completion_token_positions, load_token_cache,
+                            save_token_cache, token_cache_key)
 
 
 class RankWork:
@@ -54,8 +56,28 @@ class RankWork:
         return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
                               batch_size=c.generation_batch_size)
 
-    def token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
-        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered)."""
+    def token_cache(self, pos_rows: Sequence[dict], *, store: str | None = None) -> TokenCache:
+        """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered).
+
+        ``store``: a directory that keeps it across runs (:func:`~.training_data.save_token_cache`): a cache saved
+        there from the same rows, model and settings is read instead of running the model again (every rank reads
+        it); otherwise it is built and rank 0 saves it there."""
+        key = None
+        if store is not None:
+            key = token_cache_key(model_fingerprint(self.config.model), pos_rows, self.config.delimiter,
+                                  self.config.max_length)
+            saved = load_token_cache(store, key)
+            self.dp.check_same(float(saved is not None), "whether a saved token cache was found")
+            if saved is not None:
+                self.log(f"reusing the token cache of {len(pos_rows)} y=1 training documents ({len(saved)} tokens) "
+                         f"saved in {store}")
+                return saved
+        cache = self._build_token_cache(pos_rows)
+        if store is not None and self.dp.writer:
+            save_token_cache(store, cache, key)
+        return cache
+
+    def _build_token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
         c = self.config
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,

@@ -67,7 +67,7 @@ from .resume import Resumption, discard_state
 from .selection import VerifierAdmitsNothing, count_verified, head_label, select_improved, sum_counts
 from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
-                            corrected_rows, model_answer_rows)
+                            TOKEN_CACHE_DIR, corrected_rows, model_answer_rows)
 from .generation import generation_features
 from .heads import SDMHeads
 from ..errors import InputError
@@ -384,7 +384,7 @@ class SDMNetworkTrainer(RankWork):
     def _device_cache(self, pos_rows) -> tuple[TokenCache, mx.array, mx.array]:
         """(b) the token cache with its hidden states and targets on the device (the host copy is dropped)."""
         c = self.config
-        cache = self.token_cache(pos_rows)
+        cache = self.token_cache(pos_rows, store=os.path.join(self.out, TOKEN_CACHE_DIR))
         self.log(f"cached {len(cache)} completion tokens of {len(pos_rows)} y=1 training documents "
                  f"(hidden {self.heads.hidden_size}, |V| = {self.heads.vocab_size})")
         if len(cache) == 0 and c.epochs > 0:

@@ -8,6 +8,9 @@ that predict each y = 1 training completion token, with joint targets ``token + 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,8 +18,10 @@ import numpy as np
 
 from ..llm import embed as _embed
 from ..runtime.callbacks import log, progress_bar as Progress
+from ..storage.artifact import save_artifact
+from ..storage.artifact_load import has_kind, load_artifact
 from ..storage.datasets import read_objects
-from ..errors import InputError
+from ..errors import ArtifactError, InputError
 from .config import NetworkConfig
 from ..llm.verification_data import PRESETS, make_verification_rows
 from .heads import SDMHeads, token_hidden_states
@@ -194,3 +199,46 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
         log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
             f"and give no training tokens (e.g. ids {skipped[:5]})")
     return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
+
+
+#: The token cache's directory in a network-train run (:func:`save_token_cache`); kept across runs.
+TOKEN_CACHE_DIR = "token_cache"
+_CACHE_KIND, _CACHE_VERSION = "sdm_network_token_cache", 1
+
+
+def token_cache_key(model_fingerprint: dict, rows: Sequence[dict], delimiter: str, max_length: int) -> dict:
+    """What a token cache depends on: the frozen base model (its fingerprint), the y = 1 rows in order (SHA-256 of
+    their ids, prompts and completions), the delimiter and ``max_length``."""
+    text = json.dumps([[r["id"], r["prompt"], r["completion"]] for r in rows], ensure_ascii=False)
+    return {"model": model_fingerprint, "rows": len(rows),
+            "rows_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "delimiter": delimiter, "max_length": int(max_length)}
+
+
+def save_token_cache(path: str, cache: TokenCache, key: dict) -> None:
+    """Write ``cache`` and its :func:`token_cache_key` to the directory ``path`` (atomically replaced)."""
+    hidden = cache.hidden if cache.hidden is not None else np.zeros((0, 0), dtype=np.float32)
+    save_artifact(path, _CACHE_KIND, _CACHE_VERSION,
+                  {"cache": {"hidden": np.asarray(hidden, dtype=np.float32),
+                             "targets": np.asarray(cache.targets, dtype=np.int64),
+                             "doc": np.asarray(cache.doc, dtype=np.int64)}},
+                  {"key": key, "skipped": list(cache.skipped)}, overwrite=True)
+
+
+def load_token_cache(path: str, key: dict) -> TokenCache | None:
+    """The cache saved at ``path`` when it was built with ``key``; None when there is none, it is unreadable or it
+    was built from other rows, another model or other settings (then it is built again and replaced)."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        if not has_kind(path, _CACHE_KIND, _CACHE_VERSION, "token cache"):
+            return None
+        groups, meta = load_artifact(path, _CACHE_KIND, _CACHE_VERSION)
+    except (ArtifactError, OSError, ValueError) as e:
+        log(f"network-train: the saved token cache is unreadable ({e}); building it again")
+        return None
+    if meta.get("key") != key:
+        log("network-train: the saved token cache was built from other rows, model or settings; building it again")
+        return None
+    g = groups["cache"]
+    return TokenCache(hidden=g["hidden"], targets=g["targets"], doc=g["doc"], skipped=list(meta.get("skipped") or []))

@@ -120,8 +120,10 @@ def test_a_killed_run_continues_with_the_same_command_to_the_uninterrupted_resul
     killed = sdm(args, killer=("train_epoch", 2))
     assert killed.returncode == -9, killed.stderr
     assert state(out).epochs_completed == 1 and len(metrics(out)["epochs"]) == 1
+    cached = os.stat(out / "token_cache" / "manifest.json").st_mtime_ns  # written once, before the first count
     again = sdm(args)
     assert again.returncode == 0, again.stderr
+    assert os.stat(out / "token_cache" / "manifest.json").st_mtime_ns == cached  # read back, not built again
     assert "resuming after epoch 1 of 3 (kept: the head of epoch 1" in again.stderr, again.stderr
     assert_same_run(out, tiny["reference"])
     assert metrics(out)["resumed_after_epochs"] == [1]
@@ -315,3 +317,27 @@ def test_a_resumed_run_does_not_keep_the_saved_arrays_twice():
     taken_head, taken_adam = take_arrays(state)
     assert taken_head is head and taken_adam is adam
     assert state.head is None and state.optimizer is None and state.epochs_completed == 1 and state.rows
+
+
+def test_a_saved_token_cache_is_read_only_for_the_rows_model_and_settings_it_was_built_from(tmp_path):
+    """Alg. 4's token cache (step (b)) is kept in the run directory and read back by a later run of the same rows,
+    model, delimiter and max_length; anything else, or a damaged file, builds it again."""
+    from sdm_mlx.network.training_data import TokenCache, load_token_cache, save_token_cache, token_cache_key
+
+    rows = [{"id": "a", "prompt": "p", "completion": "c"}, {"id": "b", "prompt": "p2", "completion": "c2"}]
+    key = token_cache_key({"model": "m"}, rows, "}", 500)
+    cache = TokenCache(hidden=np.arange(12, dtype=np.float32).reshape(3, 4), targets=np.array([5, 6, 7]),
+                       doc=np.array([0, 0, 1]), skipped=["x"])
+    path = str(tmp_path / "token_cache")
+    assert load_token_cache(path, key) is None
+    save_token_cache(path, cache, key)
+    got = load_token_cache(path, key)
+    for name in ("hidden", "targets", "doc"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(cache, name), err_msg=name)
+    assert got.skipped == ["x"] and got.hidden.dtype == np.float32
+    others = [token_cache_key({"model": "m2"}, rows, "}", 500), token_cache_key({"model": "m"}, rows[::-1], "}", 500),
+              token_cache_key({"model": "m"}, [{**rows[0], "completion": "c!"}, rows[1]], "}", 500),
+              token_cache_key({"model": "m"}, rows, "]", 500), token_cache_key({"model": "m"}, rows, "}", 400)]
+    assert all(load_token_cache(path, k) is None for k in others)
+    (tmp_path / "token_cache" / "cache.safetensors").write_bytes(b"damaged")
+    assert load_token_cache(path, key) is None
