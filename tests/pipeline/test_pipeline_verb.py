@@ -289,3 +289,28 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
     index = json.loads((out / "verifiers" / "index.json").read_text())
     assert index["universal-forced-mean-last"]["rows"] == 64  # retrained on the larger pool
     assert "[network] running" in r.stderr  # its verifier changed: Alg. 4 starts over
+
+
+def test_verifier_anatomy_recomputes_the_calibration_rows_and_the_twins(lab, tmp_path):
+    """tools/real_llm/verifier_anatomy.py, from the run directory alone: one row per calibration row of the
+    verifier, the per-task q~ table, and (row sets with constructed negatives) how often a row's nearest neighbour
+    is its twin (the same prompt, the other answer): the mean over every position barely sees the answer."""
+    import verifier_anatomy  # tools/real_llm is on pytest's pythonpath
+
+    name = "universal-own+forced-mean-last"
+    rows, table = tmp_path / "cal.jsonl", tmp_path / "anatomy.json"
+    assert verifier_anatomy.main([str(lab["out"]), "--verifier", name, "--rows", str(rows), "--json",
+                                  str(table)]) == 0
+    index = json.loads((lab["out"] / "verifiers" / "index.json").read_text())[name]
+    cal = _rows(rows)
+    assert len(cal) == index["calibration_size"] and {r["task"] for r in cal} == {"sentiment", "arithmetic"}
+    assert {r["kind"] for r in cal} == {"own", "forced"}
+    assert all(set(r) == {"id", "task", "kind", "label", "prediction", "q_tilde_lower"} for r in cal)
+    t = json.loads(table.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert t["calibration"]["robust_min_valid"] is None  # this tiny verifier finds no threshold
+    assert sum(d["n"] for d in t["calibration"]["per_task"].values()) == len(cal)
+    assert all(sum(b["n"] for b in d["bins"]) == d["n"] for d in t["calibration"]["per_task"].values())
+    twins = {(r["encoding"], r["task"]): r for r in t["twins"]}
+    assert sum(twins[("mean", task)]["rows"] for task in ("sentiment", "arithmetic")) == index["rows"]
+    assert twins[("mean", "sentiment")]["nn_is_twin"] > 0.5 and twins[("mean", "arithmetic")]["nn_is_twin"] > 0.5
+    assert verifier_anatomy.main([str(lab["out"]), "--verifier", "nope"]) == 2
