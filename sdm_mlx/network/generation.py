@@ -102,7 +102,8 @@ class DecodeSettings:
 
 
 def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: DecodeSettings | None = None, *,
-                    features: bool = True, progress: Callable[[int], None] | None = None, prefix_cache=None) -> list:
+                    features: bool = True, progress: Callable[[int], None] | None = None, prefix_cache=None,
+                    journal=None) -> list:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
     ``settings``: a :class:`DecodeSettings` (None: its defaults).  Decoded by
@@ -117,6 +118,9 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     A prompt that occurs more than once is decoded once: greedy decoding is a function of the prompt, and Alg. 4's
     rows repeat prompts (own answers plus their constructed negatives: the calibration split holds both rows of
     many prompts).  Its repeats share that prompt's :class:`Decoded` (read it, do not change it).
+
+    ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` of this pass: the prompts it holds are
+    not decoded again, and the others are decoded ``journal.chunk`` at a time, each chunk written to it.
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
@@ -137,10 +141,29 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features,
                           feature_parts=tuple(s.feature_parts))
             for p in unique]
-    decoded = engine.run(reqs, progress=progress)
+    decoded = engine.run(reqs, progress=progress) if journal is None else _journaled(engine, reqs, journal, progress)
     if progress is not None and len(unique) < len(ids):
         progress(len(ids) - len(unique))  # the repeats finish with their first occurrence
     return [decoded[k] for k in slot]
+
+
+def _journaled(engine, reqs: list, journal, progress) -> list:
+    """``engine.run(reqs)`` with the journal's finished prompts taken from it and the rest written to it."""
+    from .decode_journal import prompt_key
+
+    have = journal.done()
+    keys = [prompt_key(r.prompt_ids) for r in reqs]
+    out = [have.get(k) for k in keys]
+    todo = [i for i, d in enumerate(out) if d is None]
+    if progress is not None and len(todo) < len(reqs):
+        progress(len(reqs) - len(todo))
+    for lo in range(0, len(todo), journal.chunk):
+        part = todo[lo:lo + journal.chunk]
+        done = engine.run([reqs[i] for i in part], progress=progress)
+        journal.add([keys[i] for i in part], done)
+        for i, d in zip(part, done):
+            out[i] = d
+    return out
 
 
 def generation_features(outputs: Sequence) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The network trainer's embedding and decoding, split over the ranks of data-parallel training (:mod:`.data_parallel`):
 each rank runs whole single-process batches and the results are gathered in the single-process order, so a run
 over several ranks computes what one process would.  A mixin of :class:`~sdm_mlx.network.trainer.SDMNetworkTrainer`,
-which holds ``config``, ``dp``, ``model``, ``tokenizer`` and ``heads``; steps (a)-(c) of Alg. 4 call it."""
+which holds ``config``, ``dp``, ``model``, ``tokenizer``, ``heads`` and ``out``; steps (a)-(c) and the calibration count
+(e) of Alg. 4 call it.  Its long decodings keep what they finish in decode journals (:mod:`.decode_journal`), so a run
+stopped in the middle of one decodes only the rest."""
 
 from __future__ import annotations
 
@@ -9,8 +11,15 @@ from typing import Sequence
 
 import numpy as np
 
+import os
+
 from ..llm import embed as _embed
+from ..storage.artifact_load import manifest_digest
+from ..storage.files import strict
 from ..runtime.callbacks import progress_bar as Progress
+from .data_parallel import weight_checksum
+from .decode_journal import JOURNAL_DIR, DecodeJournal
+from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
 from .training_data import (TokenCache, build_token_cache, completion_token_positions, load_token_cache,
@@ -44,11 +53,45 @@ class RankWork:
             ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
         return self.dp.gather_parts(feats, parts)
 
-    def generate(self, rows: Sequence[dict], desc: str):
+    def generate(self, rows: Sequence[dict], desc: str, journal: DecodeJournal | None = None):
         c = self.config
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], self.decode_settings(),
-                                   features=True, progress=bar.update)
+                                   features=True, progress=bar.update, journal=journal)
+
+    def journal(self, purpose: str) -> DecodeJournal:
+        """This rank's :class:`~.decode_journal.DecodeJournal` of one decoding pass (``purpose``, e.g.
+        ``calibration-epoch2``), keyed by the current W_pos (its checksum), the verification layer, the base model
+        and the decode settings."""
+        c = self.config
+        key = {"purpose": purpose, "head": weight_checksum(self.heads), "model": model_fingerprint(c.model),
+               "verifier": manifest_digest(self.verifier_path), "settings": strict(self.decode_settings()),
+               "ranks": self.dp.size}
+        return DecodeJournal(os.path.join(self.out, JOURNAL_DIR, f"{purpose}.rank{self.dp.rank}"), key)
+
+    def discard_journals(self) -> None:
+        """Delete this rank's journals (called once the state that makes them unneeded is saved)."""
+        root = os.path.join(self.out, JOURNAL_DIR)
+        if os.path.isdir(root):
+            for name in os.listdir(root):
+                if name.endswith(f".rank{self.dp.rank}"):
+                    DecodeJournal(os.path.join(root, name), {}).discard()
+            try:
+                os.rmdir(root)  # the last rank to finish removes the empty directory
+            except OSError:
+                pass
+
+    def calibration_count(self, est, cal_rows: Sequence[dict], purpose: str) -> dict:
+        """(e) Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer (this rank's
+        part, journaled as ``purpose``; summed over the ranks)."""
+        c = self.config
+        part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
+        counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
+                                settings=self.decode_settings(), verbose=c.verbose,
+                                journal=self.journal(purpose)) if part else None
+        if not self.dp.active:
+            return counts
+        return sum_counts(self.dp, counts)
 
     def decode_settings(self) -> DecodeSettings:
         """How the run decodes (its generations and its calibration counts): the config's settings."""
@@ -96,14 +139,14 @@ class RankWork:
         order = np.argsort(doc, kind="stable")  # the single-process order: documents in row order
         return TokenCache(hidden=hidden[order], targets=targets[order], doc=doc[order], skipped=cache.skipped)
 
-    def document_qd(self, est, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, list]:
+    def document_qd(self, est, rows: Sequence[dict], purpose: str) -> tuple[np.ndarray, np.ndarray, list]:
         """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs).
 
         Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part).
         """
         parts = self.generation_parts(rows)
         part = [rows[i] for i in parts[self.dp.rank]]
-        gens = self.generate(part, "generate (train q, d)")
+        gens = self.generate(part, "generate (train q, d)", self.journal(purpose))
         q = d = np.zeros(0, dtype=np.float32)
         if part:
             q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")

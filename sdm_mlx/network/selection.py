@@ -35,20 +35,21 @@ class VerifierAdmitsNothing(SDMError):
 
 
 def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
-                   settings: DecodeSettings | None = None, *, verbose: bool = False) -> dict:
+                   settings: DecodeSettings | None = None, *, verbose: bool = False, journal=None) -> dict:
     """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
     ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
     with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
     answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
     ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``;
-    ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults).
+    ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults);
+    ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` that keeps the decodings as they finish.
     """
     t0 = time.perf_counter()
     # the features pooled as the verification layer was trained
     settings = dataclasses.replace(settings or DecodeSettings(), feature_parts=verifier_parts(verifier))
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], settings=settings, features=True,
-                               progress=bar.update)
+                               progress=bar.update, journal=journal)
     pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)
     verified = admitted & (np.asarray(pred.prediction) == 1)

@@ -64,7 +64,7 @@ from .artifact import base_model_reference, mark_network_finished, read_network_
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .rank_work import RankWork
 from .resume import Resumption, discard_state
-from .selection import VerifierAdmitsNothing, count_verified, head_label, select_improved, sum_counts
+from .selection import VerifierAdmitsNothing, head_label, select_improved
 from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
                             TOKEN_CACHE_DIR, corrected_rows, model_answer_rows)
@@ -209,17 +209,6 @@ class SDMNetworkTrainer(RankWork):
                              "(was it trained on other data?)") from None
         return est, train_rows, cal_rows
 
-    # -- (e) --------------------------------------------------------------------------------------
-    def calibration_count(self, est, cal_rows: Sequence[dict]) -> dict:
-        """Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer."""
-        c = self.config
-        part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
-        counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
-                                settings=self.decode_settings(), verbose=c.verbose) if part else None
-        if not self.dp.active:
-            return counts
-        return sum_counts(self.dp, counts)
-
     # -- everything ------------------------------------------------------------------------------
     def save(self, est_path: str, epoch: int, count: int, epochs_completed: int) -> None:
         """Write the network holding the head of ``epoch`` (0 = the base head), marked as not finished."""
@@ -249,7 +238,7 @@ class SDMNetworkTrainer(RankWork):
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
         c, (est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer) = self.config, run
         t0 = time.perf_counter()
-        q_doc, d_doc, _ = self.document_qd(est, pos_rows)
+        q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}")
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
@@ -257,7 +246,7 @@ class SDMNetworkTrainer(RankWork):
                             MiniBatches(c.batch_size, c.beta_min, c.beta_max), rng=self.rng, progress=bar.update,
                             dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
-        cal = self.calibration_count(est, cal_rows)
+        cal = self.calibration_count(est, cal_rows, f"calibration-epoch{epoch}")
         improved = select_improved(cal["count"], best)
         if improved:
             best, selected = cal["count"], epoch
@@ -271,6 +260,7 @@ class SDMNetworkTrainer(RankWork):
         self.write_metrics(metrics)
         self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=epoch, best=best, selected=selected,
                              metrics=metrics)
+        self.discard_journals()
         self.log(
             f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
             f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
@@ -297,6 +287,7 @@ class SDMNetworkTrainer(RankWork):
             metrics = self._start_metrics(train_rows, cal_rows, pos_rows, len(cache))
             best, selected, done = self._initial_count(est, cal_rows, metrics)["count"], 0, 0
             self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=0, best=best, metrics=metrics)
+            self.discard_journals()
         else:
             metrics, best, selected, done = self.resumption.restore(self.heads, self.rng, optimizer, self.network_path)
             log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {head_label(selected)}, "
@@ -408,7 +399,7 @@ class SDMNetworkTrainer(RankWork):
 
     def _initial_count(self, est, cal_rows, metrics: dict) -> dict:
         """(e) before fine-tuning: the count of the base head, saved as epoch 0 — the bar to beat."""
-        initial = self.calibration_count(est, cal_rows)
+        initial = self.calibration_count(est, cal_rows, "calibration-epoch0")
         best = initial["count"]
         self.save(self.verifier_path, 0, best, 0)
         metrics["initial"] = initial

@@ -30,17 +30,26 @@ TIMEOUT = 300
 #: trainer's $KILL_AFTER (``train_epoch``: W_pos and Adam moved on, the count, metrics and state of that
 #: epoch not yet written; ``count_verified``: the calibration count of the base head or of an epoch)
 KILLER = """
-import os, signal, sys
+import atexit, os, signal, sys
+import sdm_mlx.network.decode_journal as decode_journal
+import sdm_mlx.network.rank_work as rank_work
 import sdm_mlx.network.trainer as trainer
 name, calls = os.environ["KILL_AFTER"], []
-real = getattr(trainer, name)
+if "." in name:  # a method, e.g. DecodeJournal.add
+    module, name = getattr(decode_journal, name.split(".")[0]), name.split(".")[1]
+else:
+    module = trainer if hasattr(trainer, name) else rank_work
+if os.environ.get("JOURNAL_CHUNK"):
+    decode_journal.CHUNK_PROMPTS = int(os.environ["JOURNAL_CHUNK"])
+atexit.register(lambda: print(f"KILLER calls {len(calls)}", file=sys.stderr))
+real = getattr(module, name)
 def killed_after(*args, **kwargs):
     out = real(*args, **kwargs)
     calls.append(1)
     if len(calls) == int(os.environ["KILL_CALL"]):
         os.kill(os.getpid(), signal.SIGKILL)
     return out
-setattr(trainer, name, killed_after)
+setattr(module, name, killed_after)
 from sdm_mlx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -63,10 +72,13 @@ def train_args(built, out, *extra) -> list:
             "--epochs", "3", "--quiet", *extra]
 
 
-def sdm(args, *, killer: tuple | None = None) -> subprocess.CompletedProcess:
-    """``sdm-mlx args`` in a subprocess (``killer``: (function, call) to kill the process after, :data:`KILLER`)."""
+def sdm(args, *, killer: tuple | None = None, chunk: int | None = None) -> subprocess.CompletedProcess:
+    """``sdm-mlx args`` in a subprocess (``killer``: (function, call) to kill the process after, :data:`KILLER`;
+    ``chunk``: prompts per decode-journal chunk)."""
     cmd = [PY, "-c", KILLER, *args] if killer else [SDM, *args]
     env = {**ENV, "KILL_AFTER": killer[0], "KILL_CALL": str(killer[1])} if killer else ENV
+    if chunk:
+        env["JOURNAL_CHUNK"] = str(chunk)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
 
 
@@ -341,3 +353,26 @@ def test_a_saved_token_cache_is_read_only_for_the_rows_model_and_settings_it_was
     assert all(load_token_cache(path, k) is None for k in others)
     (tmp_path / "token_cache" / "cache.safetensors").write_bytes(b"damaged")
     assert load_token_cache(path, key) is None
+
+
+def test_a_run_killed_in_the_middle_of_a_count_decodes_only_the_prompts_it_had_not_finished(tiny, tmp_path):
+    """Killed after the third chunk of the base head's calibration count (32 prompts a chunk): the same command
+    takes those chunks from OUTPUT/decode_journal/ and decodes the rest, ends where the uninterrupted run with the
+    same chunks did, and
+    deletes the journal once the state after the count is saved."""
+    def adds(run):  # DecodeJournal.add calls of a run that was not killed
+        return int(run.stderr.rsplit("KILLER calls ", 1)[1].split()[0])
+
+    whole = sdm(train_args(tiny["built"], tmp_path / "whole"), killer=("DecodeJournal.add", 10**6), chunk=32)
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    killed = sdm(args, killer=("DecodeJournal.add", 3), chunk=32)
+    assert killed.returncode == -9, killed.stderr
+    journal = out / "decode_journal" / "calibration-epoch0.rank0"
+    assert sorted(p.name for p in journal.glob("chunk_*.npz")) == [f"chunk_{i:06d}.npz" for i in range(3)]
+    again = sdm(args, killer=("DecodeJournal.add", 10**6), chunk=32)
+    assert again.returncode == 0, again.stderr
+    assert adds(again) == adds(whole) - 3  # the three finished chunks were not decoded again
+    assert_same_run(out, tmp_path / "whole")  # (chunks of 32 decode in other batches than the reference's)
+    assert not (out / "decode_journal").exists() or not any((out / "decode_journal").iterdir())

@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     counts = _Counts()
     with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
         warnings.simplefilter("ignore")
-        mp.setattr("sdm_mlx.network.trainer.count_verified", counts.recording)
+        mp.setattr("sdm_mlx.network.rank_work.count_verified", counts.recording)
         result = train_network(cfg, model, tok)
     result.counts = counts.calls
     return cfg, result
@@ -48,9 +48,9 @@ class _Counts:
     rows in the order they were decoded, the decoding settings, W_pos at that moment and the result."""
 
     def __init__(self):
-        from sdm_mlx.network import trainer
+        from sdm_mlx.network import rank_work
 
-        self.real, self.calls = trainer.count_verified, []
+        self.real, self.calls = rank_work.count_verified, []
 
     def recording(self, heads, tokenizer, verifier, rows, completions, **kwargs):
         result = self.real(heads, tokenizer, verifier, rows, completions, **kwargs)
@@ -94,7 +94,7 @@ def assert_reloads_as_saved(net, kept: dict) -> None:
     a calibration row across an admission boundary: 245 against 246 on an AVX2 CPU with 2 OpenBLAS threads.)
     """
     from sdm_mlx.network.generation import DecodeSettings
-    from sdm_mlx.network.trainer import count_verified
+    from sdm_mlx.network.selection import count_verified
 
     np.testing.assert_array_equal(np.array(net.heads.pos.weight), kept["weight"])  # a stored copy: exact
     s, kw = net.settings, kept["kwargs"]["settings"]
