@@ -14,6 +14,7 @@ import numpy as np
 import os
 
 from ..llm import embed as _embed
+from ..llm.pooling import verifier_parts
 from ..storage.artifact_load import manifest_digest
 from ..storage.files import strict
 from ..runtime.callbacks import progress_bar as Progress
@@ -53,11 +54,12 @@ class RankWork:
             ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
         return self.dp.gather_parts(feats, parts)
 
-    def generate(self, rows: Sequence[dict], desc: str, journal: DecodeJournal | None = None):
+    def generate(self, rows: Sequence[dict], desc: str, *, verifier=None, journal: DecodeJournal | None = None):
+        """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given)."""
         c = self.config
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
-            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], self.decode_settings(),
-                                   features=True, progress=bar.update, journal=journal)
+            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows],
+                                   self.decode_settings(verifier), features=True, progress=bar.update, journal=journal)
 
     def journal(self, purpose: str) -> DecodeJournal:
         """This rank's :class:`~.decode_journal.DecodeJournal` of one decoding pass (``purpose``, e.g.
@@ -65,7 +67,8 @@ class RankWork:
         and the decode settings."""
         c = self.config
         key = {"purpose": purpose, "head": weight_checksum(self.heads), "model": model_fingerprint(c.model),
-               "verifier": manifest_digest(self.verifier_path), "settings": strict(self.decode_settings()),
+               "verifier": manifest_digest(self.verifier_path),  # (it names the pooled parts too)
+               "settings": strict(self.decode_settings()),
                "ranks": self.dp.size}
         return DecodeJournal(os.path.join(self.out, JOURNAL_DIR, f"{purpose}.rank{self.dp.rank}"), key)
 
@@ -87,17 +90,19 @@ class RankWork:
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
-                                settings=self.decode_settings(), verbose=c.verbose,
+                                settings=self.decode_settings(est), verbose=c.verbose,
                                 journal=self.journal(purpose)) if part else None
         if not self.dp.active:
             return counts
         return sum_counts(self.dp, counts)
 
-    def decode_settings(self) -> DecodeSettings:
-        """How the run decodes (its generations and its calibration counts): the config's settings."""
+    def decode_settings(self, verifier=None) -> DecodeSettings:
+        """How the run decodes (its generations and its calibration counts): the config's settings; with the
+        ``verifier`` that will judge the generations, pooling the features it was trained on (DESIGN #21)."""
         c = self.config
+        parts = verifier_parts(verifier) if verifier is not None else _embed.DEFAULT_FEATURE_PARTS
         return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                              batch_size=c.generation_batch_size)
+                              batch_size=c.generation_batch_size, feature_parts=tuple(parts))
 
     def token_cache(self, pos_rows: Sequence[dict], *, store: str | None = None) -> TokenCache:
         """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered).
@@ -146,7 +151,7 @@ class RankWork:
         """
         parts = self.generation_parts(rows)
         part = [rows[i] for i in parts[self.dp.rank]]
-        gens = self.generate(part, "generate (train q, d)", self.journal(purpose))
+        gens = self.generate(part, "generate (train q, d)", verifier=est, journal=self.journal(purpose))
         q = d = np.zeros(0, dtype=np.float32)
         if part:
             q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")

@@ -519,3 +519,30 @@ def test_token_states_run_the_shared_prefix_once_and_equal_full_passes(which, re
     given = token_hidden_states(model, seqs, poss, batch_size=2, prefix_ids=seqs[0][:5])  # a shorter common prefix
     np.testing.assert_allclose(given, want, atol=1e-5, rtol=1e-5)
     assert len(encode(tok, _prompts(tok)[0])) > 5
+
+
+def test_the_training_q_d_pool_the_parts_the_verifier_was_trained_on(tiny_phi3_path, tmp_path, phi3):
+    """Alg. 4 (c): the q, d of each y = 1 training document come from its generation's features, pooled as the
+    verification layer was trained (here `last` alone, D wide), and the decodings are journaled in OUTPUT/."""
+    from sdm_mlx.network import NetworkConfig, SDMNetworkTrainer
+    from tiny_tasks import write_synthetic_sentiment
+
+    model, tok = load_model(tiny_phi3_path)
+    data = write_synthetic_sentiment(tmp_path / "task.jsonl", n=8, seed=0)
+    cfg = NetworkConfig(model=tiny_phi3_path, output_dir=str(tmp_path / "run"), data=data, preset="sentiment",
+                        answers="preset", epochs=1, batch_size=8, max_new_tokens=3, verbose=False)
+    trainer = SDMNetworkTrainer(cfg, model, tok, estimator_factory=FakeVerifier)
+    widths = []
+
+    class LastOnly(FakeVerifier):
+        feature_parts_ = ("last",)
+
+        def similarity_distance(self, X, distance_ecdfs="calibration"):
+            widths.append(X.shape[1])
+            return super().similarity_distance(X, distance_ecdfs)
+
+    rows = [{"id": f"r{i}", "prompt": f"Review {i}: fine.", "completion": "x"} for i in range(4)]
+    q, d, gens = trainer.document_qd(LastOnly(), rows, "train-qd-epoch1")
+    assert widths == [trainer.heads.hidden_size] and q.shape == d.shape == (4,)
+    assert all(g.features.size == trainer.heads.hidden_size for g in gens)
+    assert (tmp_path / "run" / "decode_journal" / "train-qd-epoch1.rank0" / "chunk_000000.npz").is_file()

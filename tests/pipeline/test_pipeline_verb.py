@@ -245,7 +245,7 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
                 "tasks": [{"name": "mine", "preset": "sentiment", "data": files,
                            "sizes": {"pool": pool, "heldout": 10, "shift": 10}},
                           {"name": "facts", "preset": "factcheck", "sizes": {"pool": pool, "heldout": 6, "shift": 4}}],
-                "verifier": {"row_sets": ["forced", "own"], "features": "mean,last", "per_task": "all",
+                "verifier": {"row_sets": ["forced", "own"], "features": "last", "per_task": "all",
                              "forced_completions": "preset",
                              "train": {"alpha": 0.6, "iterations": 2, "epochs": 8, "exemplar_dim": 16,
                                        "batch_size": 16, "learning_rate": 0.003, "rescaler_max_epochs": 20}},
@@ -256,7 +256,8 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "run"
     index = json.loads((out / "verifiers" / "index.json").read_text())
-    assert set(index) == {f"{s}-{k}-mean-last" for s in ("universal", "mine", "facts") for k in ("forced", "own")}
+    # a verifier on `last` alone: Alg. 4's decodings pool as it was trained (its count and its q, d)
+    assert set(index) == {f"{s}-{k}-last" for s in ("universal", "mine", "facts") for k in ("forced", "own")}
     assert json.loads((out / "forced" / "mine_completions.json").read_text())["source"] == "preset"
     net_rows = _rows(out / "network" / "rows.jsonl")
     assert len(net_rows) == 48 and all(x["id"].endswith("/forced") and "answer_label" not in x for x in net_rows)
@@ -287,7 +288,7 @@ def test_forced_primary_own_task_files_larger_pool_and_wrap(lab, tmp_path):
     assert len(new_pool) == 32 and {x["id"] for x in _rows(out / "data" / "facts_pool.jsonl")} >= {
         json.loads(x)["id"] for x in first_pool.splitlines()}
     index = json.loads((out / "verifiers" / "index.json").read_text())
-    assert index["universal-forced-mean-last"]["rows"] == 64  # retrained on the larger pool
+    assert index["universal-forced-last"]["rows"] == 64  # retrained on the larger pool
     assert "[network] running" in r.stderr  # its verifier changed: Alg. 4 starts over
 
 
