@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from ..decoding.decode_types import Decoded
+from ..storage.files import atomic_write, write_json
 
 #: The journals' directory in a network-train run.
 JOURNAL_DIR = "decode_journal"
@@ -45,6 +46,7 @@ class DecodeJournal:
     def __init__(self, path: str, key: dict, chunk: int | None = None):
         self.path, self.key = path, json.loads(json.dumps(key, sort_keys=True))
         self.chunk = int(chunk or CHUNK_PROMPTS)
+        self._open = False  #: the directory holds this key (checked or written once per journal object)
 
     def _saved_key(self):
         try:
@@ -61,6 +63,7 @@ class DecodeJournal:
         if self._saved_key() != self.key:
             self.discard()
             return {}
+        self._open = True
         out = {}
         for name in sorted(n for n in os.listdir(self.path) if n.startswith("chunk_") and n.endswith(".npz")):
             try:
@@ -79,13 +82,10 @@ class DecodeJournal:
         """Write one chunk of finished decodings (atomically: a stopped write leaves no chunk)."""
         if not keys:
             return
-        if not os.path.isdir(self.path) or self._saved_key() != self.key:
+        if not self._open and self._saved_key() != self.key:
             self.discard()
-            os.makedirs(self.path, exist_ok=True)
-            tmp = os.path.join(self.path, KEY_FILE + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.key, f)
-            os.replace(tmp, os.path.join(self.path, KEY_FILE))
+            write_json(os.path.join(self.path, KEY_FILE), self.key)
+        self._open = True
         rows = [{"key": k, "prompt_ids": [int(t) for t in d.prompt_ids], "token_ids": [int(t) for t in d.token_ids],
                  "text": d.text, "stop_reason": d.stop_reason, "seconds": float(d.seconds),
                  "feature_info": d.feature_info} for k, d in zip(keys, decoded)]
@@ -93,11 +93,23 @@ class DecodeJournal:
         feats = (np.concatenate([np.asarray(d.features, dtype=np.float32).reshape(1, -1) for d in decoded])
                  if has else np.zeros((0, 0), dtype=np.float32))
         n = len([x for x in os.listdir(self.path) if x.startswith("chunk_") and x.endswith(".npz")])
-        final = os.path.join(self.path, f"chunk_{n:06d}.npz")
-        tmp = os.path.join(self.path, f".writing_{n:06d}.npz")
-        np.savez(tmp, rows=np.array(json.dumps(rows)), features=feats)
-        os.replace(tmp, final)
+        with atomic_write(os.path.join(self.path, f"chunk_{n:06d}.npz"), binary=True) as f:
+            np.savez(f, rows=np.array(json.dumps(rows)), features=feats)
 
     def discard(self) -> None:
         """Delete the journal (its pass is over, or it belongs to another one)."""
         shutil.rmtree(self.path, ignore_errors=True)
+        self._open = False
+
+
+def discard_journals(root: str, rank: int) -> None:
+    """Delete rank ``rank``'s journals under ``root`` (and ``root`` once no rank's are left)."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if name.endswith(f".rank{rank}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    try:
+        os.rmdir(root)  # the last rank to finish removes the empty directory
+    except OSError:
+        pass

@@ -7,11 +7,10 @@ stopped in the middle of one decodes only the rest."""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
-
-import os
 
 from ..llm import embed as _embed
 from ..llm.pooling import verifier_parts
@@ -19,7 +18,7 @@ from ..storage.artifact_load import manifest_digest
 from ..storage.files import strict
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
-from .decode_journal import JOURNAL_DIR, DecodeJournal
+from .decode_journal import JOURNAL_DIR, DecodeJournal, discard_journals
 from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
@@ -67,22 +66,14 @@ class RankWork:
         and the decode settings."""
         c = self.config
         key = {"purpose": purpose, "head": weight_checksum(self.heads), "model": model_fingerprint(c.model),
-               "verifier": manifest_digest(self.verifier_path),  # (it names the pooled parts too)
-               "settings": strict(self.decode_settings()),
+               # the config's decode settings; the parts pooled follow from the verification layer (its manifest)
+               "verifier": manifest_digest(self.verifier_path), "settings": strict(self.decode_settings()),
                "ranks": self.dp.size}
         return DecodeJournal(os.path.join(self.out, JOURNAL_DIR, f"{purpose}.rank{self.dp.rank}"), key)
 
     def discard_journals(self) -> None:
         """Delete this rank's journals (called once the state that makes them unneeded is saved)."""
-        root = os.path.join(self.out, JOURNAL_DIR)
-        if os.path.isdir(root):
-            for name in os.listdir(root):
-                if name.endswith(f".rank{self.dp.rank}"):
-                    DecodeJournal(os.path.join(root, name), {}).discard()
-            try:
-                os.rmdir(root)  # the last rank to finish removes the empty directory
-            except OSError:
-                pass
+        discard_journals(os.path.join(self.out, JOURNAL_DIR), self.dp.rank)
 
     def calibration_count(self, est, cal_rows: Sequence[dict], purpose: str) -> dict:
         """(e) Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer (this rank's

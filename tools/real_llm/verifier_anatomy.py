@@ -28,7 +28,9 @@ import numpy as np
 
 from sdm_mlx.pipeline.layout import Layout
 from sdm_mlx.pipeline.stages import load_run_recipe
-from sdm_mlx.pipeline.verifiers import RowStore, plans, training_rows
+from sdm_mlx.index.exact import ExactIndex
+from sdm_mlx.llm.pooling import FEATURE_PARTS, check_feature_parts
+from sdm_mlx.pipeline.verifiers import RowStore, plans, slice_columns, training_rows
 from sdm_mlx.storage.files import write_json, write_jsonl
 
 BIN_EDGES = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, float("inf"))
@@ -77,22 +79,21 @@ def calibration_anatomy(est, ids, X, y, meta) -> tuple[list[dict], dict]:
     return rows, table
 
 
-def twin_neighbours(plan, store, forced_completions: str, seed: int, encodings=TWIN_ENCODINGS) -> list[dict]:
-    """Per encoding and task: the share of rows whose nearest neighbour is its twin, and that share its label."""
+def twin_neighbours(plan, store, forced_completions: str, seed: int, recorded=FEATURE_PARTS,
+                    encodings=TWIN_ENCODINGS) -> list[dict]:
+    """Per encoding and task: the share of rows whose nearest neighbour is its twin, and that share its label (the
+    rows are read once with every ``recorded`` part; encodings of other parts are skipped; the neighbours come from
+    the exact support index)."""
+    recorded = check_feature_parts(recorded)
+    ids, X_all, y, meta = training_rows(dataclasses.replace(plan, parts=recorded), store, forced_completions, seed)
+    key = np.array([i.removesuffix("/forced") for i in ids])
+    tasks = np.array([m["task"] for m in meta])
     out = []
-    for enc in encodings:
-        p = dataclasses.replace(plan, parts=tuple(enc.split(",")))
-        ids, X, y, meta = training_rows(p, store, forced_completions, seed)
-        X = X.astype(np.float64)
-        X = (X - X.mean(0)) / (X.std(0) + 1e-6)
-        key = np.array([i.removesuffix("/forced") for i in ids])
-        sq = (X * X).sum(1)
-        nn = np.empty(len(ids), dtype=np.int64)
-        for lo in range(0, len(ids), 1024):  # 1,024 rows at a time: bounded memory
-            d = sq[lo:lo + 1024, None] + sq[None, :] - 2.0 * (X[lo:lo + 1024] @ X.T)
-            d[np.arange(d.shape[0]), np.arange(lo, lo + d.shape[0])] = np.inf
-            nn[lo:lo + 1024] = d.argmin(1)
-        tasks = np.array([m["task"] for m in meta])
+    for enc in (e for e in encodings if set(check_feature_parts(e)) <= set(recorded)):
+        X = X_all[:, slice_columns(recorded, check_feature_parts(enc), X_all.shape[1], enc)].astype(np.float64)
+        Z = ((X - X.mean(0)) / (X.std(0) + 1e-6)).astype(np.float32)
+        _, nn = ExactIndex(Z).search(Z, 1, exclude=np.arange(len(ids)))
+        nn = nn[:, 0]
         for t in sorted(set(tasks.tolist())):
             m = tasks == t
             out.append({"encoding": enc, "task": t, "rows": int(m.sum()),
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     ids, X, y, meta = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
     rows, table = calibration_anatomy(SDMEstimator.load(layout.verifier(name)), ids, X, y, meta)
     twins = [] if a.no_twins or not plan.uses_forced() else twin_neighbours(
-        plan, store, recipe.verifier.forced_completions, recipe.seed)
+        plan, store, recipe.verifier.forced_completions, recipe.seed, recipe.record_features)
     if a.rows:
         write_jsonl(a.rows, rows)
     if a.json:
