@@ -315,3 +315,38 @@ def test_verifier_anatomy_recomputes_the_calibration_rows_and_the_twins(lab, tmp
     assert sum(twins[("mean", task)]["rows"] for task in ("sentiment", "arithmetic")) == index["rows"]
     assert twins[("mean", "sentiment")]["nn_is_twin"] > 0.5 and twins[("mean", "arithmetic")]["nn_is_twin"] > 0.5
     assert verifier_anatomy.main([str(lab["out"]), "--verifier", "nope"]) == 2
+
+
+def test_pool_curve_retrains_the_primary_on_a_prefix_of_one_pool(lab, tmp_path, capsys):
+    """tools/real_llm/pool_curve.py: the primary verifier again on the first k pool prompts of one task (the other
+    tasks' rows unchanged), judging the same answers; the run's own size reuses the run's verifier; a second call
+    trains nothing."""
+    import pool_curve  # tools/real_llm is on pytest's pythonpath
+
+    out = tmp_path / "curve"
+    half = L.POOL // 2
+    argv = [str(lab["out"]), "--task", "sentiment", "--sizes", f"{half},{L.POOL}", "--out", str(out)]
+    assert pool_curve.main(argv) == 0
+    first = capsys.readouterr()
+    curve = json.loads((out / "pool_curve.json").read_text(),
+                       parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))["curve"]
+    index = json.loads((lab["out"] / "verifiers" / "index.json").read_text())
+    primary = index["universal-own-mean-last"]
+    assert [c["pool_size"] for c in curve] == [half, L.POOL] and [c["run_verifier"] for c in curve] == [False, True]
+    assert curve[1]["rows"] == primary["rows"] == 2 * L.POOL  # own answers of both tasks' pools
+    assert curve[0]["rows"] == half + L.POOL
+    verdicts = _rows(out / "pool_curve.jsonl")
+    run_verdicts = _rows(lab["out"] / "evaluate" / "universal-own-mean-last.jsonl")
+    for k in (half, L.POOL):
+        mine = [v for v in verdicts if v["pool_size"] == k]
+        assert sorted((v["task"], v["split"], v["id"]) for v in mine) == sorted(
+            (v["task"], v["split"], v["id"]) for v in run_verdicts)
+        c = next(c for c in curve if c["pool_size"] == k)
+        assert sum(r["n"] for r in c["results"].values()) == len(mine)
+        assert sum(r["verified"] for r in c["results"].values()) == sum(v["verified"] for v in mine)
+    assert "training on" in first.err and f"| {half} | {half + L.POOL} |" in first.out
+    assert pool_curve.main(argv) == 0
+    assert "training on" not in capsys.readouterr().err  # resumed: nothing trained again
+    assert pool_curve.main(argv[:4] + [f"{L.POOL + 2}", "--out", str(out)]) == 2
+    assert pool_curve.main([str(lab["out"]), "--task", "nope", "--sizes", "2", "--out", str(out)]) == 2
+    assert "nope" in capsys.readouterr().err
