@@ -23,11 +23,10 @@ from typing import Sequence
 import numpy as np
 
 from ..decoding.decode_types import Decoded
-from ..storage.files import atomic_write, write_json
+from ..storage.journal import ChunkJournal
 
 #: The journals' directory in a network-train run.
 JOURNAL_DIR = "decode_journal"
-KEY_FILE = "key.json"
 #: Prompts decoded (and written) per chunk: 4 decode batches of 64 on a CPU, a few minutes of a real model.
 CHUNK_PROMPTS = 256
 
@@ -37,39 +36,24 @@ def prompt_key(prompt_ids: Sequence[int]) -> str:
     return hashlib.sha1(np.asarray(list(prompt_ids), dtype=np.int64).tobytes()).hexdigest()
 
 
-class DecodeJournal:
+class DecodeJournal(ChunkJournal):
     """The finished decodings of one decoding pass, in ``path`` (see the module docstring).
 
     ``key``: a JSON mapping that names the pass; ``chunk``: prompts decoded before each write (default
     :data:`CHUNK_PROMPTS`)."""
 
     def __init__(self, path: str, key: dict, chunk: int | None = None):
-        self.path, self.key = path, json.loads(json.dumps(key, sort_keys=True))
+        super().__init__(path, key)
         self.chunk = int(chunk or CHUNK_PROMPTS)
-        self._open = False  #: the directory holds this key (checked or written once per journal object)
-
-    def _saved_key(self):
-        try:
-            with open(os.path.join(self.path, KEY_FILE), encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
 
     def done(self) -> dict[str, Decoded]:
         """``{prompt_key: Decoded}`` of the prompts already decoded in this pass (a journal of another key, or a
         damaged one, is discarded: its prompts are decoded again)."""
-        if not os.path.isdir(self.path):
-            return {}
-        if self._saved_key() != self.key:
-            self.discard()
-            return {}
-        self._open = True
         out = {}
-        for name in sorted(n for n in os.listdir(self.path) if n.startswith("chunk_") and n.endswith(".npz")):
+        for arrays in self.chunks().values():
             try:
-                with np.load(os.path.join(self.path, name), allow_pickle=False) as z:
-                    rows, feats = json.loads(str(z["rows"])), z["features"]
-            except (OSError, ValueError, KeyError):
+                rows, feats = json.loads(str(arrays["rows"])), arrays["features"]
+            except (KeyError, ValueError):
                 continue  # a chunk that cannot be read is decoded again
             for i, r in enumerate(rows):
                 out[r["key"]] = Decoded(prompt_ids=r["prompt_ids"], token_ids=r["token_ids"], text=r["text"],
@@ -82,24 +66,13 @@ class DecodeJournal:
         """Write one chunk of finished decodings (atomically: a stopped write leaves no chunk)."""
         if not keys:
             return
-        if not self._open and self._saved_key() != self.key:
-            self.discard()
-            write_json(os.path.join(self.path, KEY_FILE), self.key)
-        self._open = True
         rows = [{"key": k, "prompt_ids": [int(t) for t in d.prompt_ids], "token_ids": [int(t) for t in d.token_ids],
                  "text": d.text, "stop_reason": d.stop_reason, "seconds": float(d.seconds),
                  "feature_info": d.feature_info} for k, d in zip(keys, decoded)]
         has = all(d.features is not None for d in decoded)
         feats = (np.concatenate([np.asarray(d.features, dtype=np.float32).reshape(1, -1) for d in decoded])
                  if has else np.zeros((0, 0), dtype=np.float32))
-        n = len([x for x in os.listdir(self.path) if x.startswith("chunk_") and x.endswith(".npz")])
-        with atomic_write(os.path.join(self.path, f"chunk_{n:06d}.npz"), binary=True) as f:
-            np.savez(f, rows=np.array(json.dumps(rows)), features=feats)
-
-    def discard(self) -> None:
-        """Delete the journal (its pass is over, or it belongs to another one)."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        self._open = False
+        self.write(f"{self.count():06d}", rows=np.array(json.dumps(rows)), features=feats)
 
 
 def discard_journals(root: str, rank: int) -> None:

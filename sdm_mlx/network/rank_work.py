@@ -16,6 +16,7 @@ from ..llm import embed as _embed
 from ..llm.pooling import verifier_parts
 from ..storage.artifact_load import manifest_digest
 from ..storage.files import strict
+from ..storage.journal import ChunkJournal
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
 from .decode_journal import JOURNAL_DIR, DecodeJournal, discard_journals
@@ -100,7 +101,9 @@ class RankWork:
 
         ``store``: a directory that keeps it across runs (:func:`~.training_data.save_token_cache`): a cache saved
         there from the same rows, model and settings is read instead of running the model again (every rank reads
-        it); otherwise it is built and rank 0 saves it there."""
+        it); otherwise it is built and rank 0 saves it there.  The build keeps its finished parts in
+        ``<store>.partial.rank<r>/`` (:func:`~.training_data.build_token_cache`'s journal), so a build stopped
+        midway computes only the rest when the run is started again."""
         key = None
         if store is not None:
             key = token_cache_key(model_fingerprint(self.config.model), pos_rows, self.config.delimiter,
@@ -111,16 +114,20 @@ class RankWork:
                 self.log(f"reusing the token cache of {len(pos_rows)} y=1 training documents ({len(saved)} tokens) "
                          f"saved in {store}")
                 return saved
-        cache = self._build_token_cache(pos_rows)
+        journal = None if store is None else ChunkJournal(
+            f"{store.rstrip(os.sep)}.partial.rank{self.dp.rank}", {**key, "rank": self.dp.rank, "ranks": self.dp.size})
+        cache = self._build_token_cache(pos_rows, journal)
         if store is not None and self.dp.writer:
             save_token_cache(store, cache, key)
+        if journal is not None:
+            journal.discard()  # the cache is whole (and saved by the writer): its parts are not needed again
         return cache
 
-    def _build_token_cache(self, pos_rows: Sequence[dict]) -> TokenCache:
+    def _build_token_cache(self, pos_rows: Sequence[dict], journal=None) -> TokenCache:
         c = self.config
         if not self.dp.active:
             return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                     c.embed_batch_size, verbose=c.verbose)
+                                     c.embed_batch_size, verbose=c.verbose, journal=journal)
         planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
                                               c.max_length) for r in pos_rows]
         need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
@@ -128,7 +135,8 @@ class RankWork:
         seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
         prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
         cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix)
+                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix,
+                                  journal=journal)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
         hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)
         doc = self.dp.gather_rows(mine[cache.doc])  # global document index of every token

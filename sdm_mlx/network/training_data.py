@@ -178,10 +178,18 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
     return ids, positions, [ids[p + 1] for p in positions]
 
 
+#: y = 1 documents whose states are computed (and, with a journal, written) together: a few minutes of a real model.
+TOKEN_CACHE_CHUNK_DOCS = 256
+
+
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, *, verbose: bool = True, prefix_ids=None) -> TokenCache:
+                      batch_size: int = 8, *, verbose: bool = True, prefix_ids=None, journal=None) -> TokenCache:
     """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``); their shared token prefix runs once
-    (``prefix_ids``: see :func:`~sdm_mlx.network.heads.token_hidden_states`)."""
+    (``prefix_ids``: see :func:`~sdm_mlx.network.heads.token_hidden_states`).
+
+    ``journal``: a :class:`~sdm_mlx.storage.journal.ChunkJournal` keyed by these rows
+    (:func:`token_cache_key`): the states are computed :data:`TOKEN_CACHE_CHUNK_DOCS` documents at a time, each
+    part written to it as it finishes and read from it when a stopped build is started again."""
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):
         ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
@@ -191,14 +199,41 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
         poss.append(pos)
         tgts.extend(tg)
         docs.extend([i] * len(pos))
+    if journal is not None and prefix_ids is None:  # every part shares the whole set's prefix, as one pass would
+        need = [s[: max(p) + 1] for s, p in zip(seqs, poss) if p]
+        prefix_ids = need[0][: _embed.common_prefix_length(need)] if need else None
     with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
-        hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,
-                                     prefix_ids=prefix_ids)
+        if journal is None:
+            hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,
+                                         prefix_ids=prefix_ids)
+        else:
+            hidden = _journaled_states(heads, seqs, poss, batch_size, bar.update, prefix_ids, journal)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
     if skipped and verbose:
         log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
             f"and give no training tokens (e.g. ids {skipped[:5]})")
     return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
+
+
+def _journaled_states(heads: SDMHeads, seqs, poss, batch_size, progress, prefix_ids, journal) -> np.ndarray:
+    """:func:`token_hidden_states` of ``seqs`` in parts of :data:`TOKEN_CACHE_CHUNK_DOCS` documents, each kept in
+    (and, when a stopped build is started again, read from) ``journal``."""
+    have = journal.chunks()
+    parts = []
+    for lo in range(0, len(seqs), TOKEN_CACHE_CHUNK_DOCS):
+        hi = min(lo + TOKEN_CACHE_CHUNK_DOCS, len(seqs))
+        n_tok = sum(len(p) for p in poss[lo:hi])
+        saved = have.get(f"docs{lo:07d}-{hi:07d}", {}).get("hidden")
+        if saved is not None and saved.shape == (n_tok, heads.hidden_size):
+            progress(hi - lo)
+            parts.append(saved)
+            continue
+        h = token_hidden_states(heads.model, seqs[lo:hi], poss[lo:hi], batch_size=batch_size, progress=progress,
+                                prefix_ids=prefix_ids)
+        h = h if n_tok else np.zeros((0, heads.hidden_size), dtype=np.float32)
+        journal.write(f"docs{lo:07d}-{hi:07d}", hidden=np.asarray(h, dtype=np.float32))
+        parts.append(h)
+    return np.concatenate(parts) if parts else np.zeros((0, heads.hidden_size), dtype=np.float32)
 
 
 #: The token cache's directory in a network-train run (:func:`save_token_cache`); kept across runs.

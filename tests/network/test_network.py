@@ -521,6 +521,51 @@ def test_token_states_run_the_shared_prefix_once_and_equal_full_passes(which, re
     assert len(encode(tok, _prompts(tok)[0])) > 5
 
 
+def test_a_stopped_token_cache_build_computes_only_the_parts_it_had_not_finished(phi3, tmp_path, monkeypatch):
+    """Alg. 4 (b): with a journal the token cache is built a few documents at a time, each part written as it
+    finishes; a build stopped after its second part and started again computes only the rest, and ends with the
+    one-pass cache (states within 1e-5, the same targets and documents); a journal of other rows is not used."""
+    import sdm_mlx.network.training_data as training_data
+    from sdm_mlx.network.training_data import build_token_cache, token_cache_key
+    from sdm_mlx.storage.journal import ChunkJournal
+
+    model, tok = phi3
+    heads = SDMHeads(model)
+    comps = PRESETS["sentiment"]["completions"]
+    rows = [{"id": f"r{k}", "prompt": p, "completion": comps[k % 2]} for k, p in enumerate(_prompts(tok) * 3)]
+    whole = build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False)
+    monkeypatch.setattr(training_data, "TOKEN_CACHE_CHUNK_DOCS", 3)
+    parts = -(-len(rows) // 3)
+    assert parts >= 4
+    key = token_cache_key({"model": "tiny"}, rows, "}", 500)
+    journal = ChunkJournal(str(tmp_path / "token_cache.partial.rank0"), key)
+    runs, real = [], training_data.token_hidden_states
+
+    def stopped_after_two(model, seqs, *args, **kwargs):
+        if len(runs) == 2:
+            raise KeyboardInterrupt
+        runs.append(len(seqs))
+        return real(model, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(training_data, "token_hidden_states", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False, journal=journal)
+    assert journal.count() == 2
+    runs.clear()
+    monkeypatch.setattr(training_data, "token_hidden_states", lambda m, seqs, *a, **k: runs.append(len(seqs)) or
+                        real(m, seqs, *a, **k))
+    again = build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False,
+                              journal=ChunkJournal(journal.path, dict(key)))
+    assert len(runs) == parts - 2 and sum(runs) == len(rows) - 6
+    np.testing.assert_array_equal(again.targets, whole.targets)
+    np.testing.assert_array_equal(again.doc, whole.doc)
+    np.testing.assert_allclose(again.hidden, whole.hidden, atol=1e-5, rtol=1e-5)
+    runs.clear()
+    other = token_cache_key({"model": "tiny"}, rows[::-1], "}", 500)
+    build_token_cache(heads, tok, rows[::-1], "}", 500, 3, verbose=False, journal=ChunkJournal(journal.path, other))
+    assert len(runs) == parts  # the journal of the other rows was discarded, not mixed in
+
+
 def test_the_training_q_d_pool_the_parts_the_verifier_was_trained_on(tiny_phi3_path, tmp_path, phi3):
     """Alg. 4 (c): the q, d of each y = 1 training document come from its generation's features, pooled as the
     verification layer was trained (here `last` alone, D wide), and the decodings are journaled in OUTPUT/."""
