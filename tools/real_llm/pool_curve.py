@@ -4,7 +4,7 @@ Sentiment for want of rows?).
 For an ``sdm-mlx pipeline`` run this retrains one verifier (default: the recipe's primary) on the first ``k`` pool
 prompts of one task, for each ``k`` of ``--sizes``, the other tasks' rows unchanged, and judges the same held-out and
 shift own answers as the run's evaluate stage (``evaluate_verifier``).  The pool is stratified by prefix (the first
-``k`` rows hold ``k / 2`` of each label, DESIGN of ``sdm_mlx.pipeline.task_data``), so size ``k`` trains on exactly
+``k`` rows hold ``k / 2`` of each label: :mod:`sdm_mlx.pipeline.task_data`), so size ``k`` trains on exactly
 the rows a recipe with ``pool: k`` would have drawn.  Nothing is decoded again: the rows' recorded features are
 sliced.  A size equal to the run's pool reuses the run's own verifier.
 
@@ -13,8 +13,8 @@ sliced.  A size equal to the run's pool reuses the run's own verifier.
 
 writes ``OUT/pool_curve.jsonl`` (one verdict per size, task, split and answer, with ``pool_size``),
 ``OUT/pool_curve.json`` (per size: the verifier's rows, whether Alg. 3 found a threshold, its robust min valid q~,
-and per task and split the verified answers and their index-conditional accuracy) and the verifiers themselves
-(``OUT/verifiers/<name>-pool<k>``, each resumed where it stopped, its index entry beside it).
+and per task and split the verified answers and their index-conditional accuracy).  The verifiers themselves go to
+the run directory (``RUN/pool_curve/<name>-pool<k>``, each resumed where it stopped, its index entry beside it).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--task", help="the task whose pool is cut (default: the first task with pool rows)")
     ap.add_argument("--sizes", required=True, help="pool prompts of that task, comma-separated (even numbers)")
     ap.add_argument("--verifier", help="the verifier's name (default: the recipe's primary)")
-    ap.add_argument("--out", required=True, help="the output folder (pool_curve.jsonl, pool_curve.json, verifiers/)")
+    ap.add_argument("--out", required=True, help="the output folder (pool_curve.jsonl, pool_curve.json)")
     a = ap.parse_args(argv)
     recipe, layout = load_run_recipe(a.run), Layout(a.run)
     name = a.verifier or recipe.primary_verifier()
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     for k in sizes:
         store = PoolPrefixStore(layout, task, k)
         reuse = k == full  # the run's own verifier, trained on the whole pool
-        path = layout.verifier(name) if reuse else os.path.join(a.out, "verifiers", f"{name}-pool{k}")
+        path = layout.verifier(name) if reuse else os.path.join(a.run, "pool_curve", f"{name}-pool{k}")
         entry = (read_json(layout.verifiers_index) or {}).get(name) if reuse else read_json(path + ".entry.json")
         if entry is None and reuse:
             print(f"pool_curve: the run has no trained {name!r}: run its verifiers stage first", file=sys.stderr)
