@@ -126,16 +126,14 @@ class RankWork:
     def _build_token_cache(self, pos_rows: Sequence[dict], journal=None) -> TokenCache:
         c = self.config
         if not self.dp.active:
-            return build_token_cache(self.heads, self.tokenizer, pos_rows, c.delimiter, c.max_length,
-                                     c.embed_batch_size, verbose=c.verbose, journal=journal)
+            return build_token_cache(self.heads, self.tokenizer, pos_rows, c, journal=journal)
         planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
                                               c.max_length) for r in pos_rows]
         need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
         mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
         seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
         prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
-        cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c.delimiter,
-                                  c.max_length, c.embed_batch_size, verbose=c.verbose, prefix_ids=prefix,
+        cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c, prefix_ids=prefix,
                                   journal=journal)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)
         hidden, targets = self.dp.gather_rows(hidden), self.dp.gather_rows(cache.targets)

@@ -182,14 +182,18 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
 TOKEN_CACHE_CHUNK_DOCS = 256
 
 
-def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimiter: str, max_length: int,
-                      batch_size: int = 8, *, verbose: bool = True, prefix_ids=None, journal=None) -> TokenCache:
-    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``); their shared token prefix runs once
-    (``prefix_ids``: see :func:`~sdm_mlx.network.heads.token_hidden_states`).
+def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: NetworkConfig, *, prefix_ids=None,
+                      journal=None) -> TokenCache:
+    """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``), the completion tokens picked by the
+    ``config``'s ``delimiter`` and ``max_length``, ``embed_batch_size`` rows per forward pass (``verbose``: a
+    progress bar); their shared token prefix runs once (``prefix_ids``: see
+    :func:`~sdm_mlx.network.heads.token_hidden_states`).
 
     ``journal``: a :class:`~sdm_mlx.storage.journal.ChunkJournal` keyed by these rows
     (:func:`token_cache_key`): the states are computed :data:`TOKEN_CACHE_CHUNK_DOCS` documents at a time, each
     part written to it as it finishes and read from it when a stopped build is started again."""
+    delimiter, max_length, batch_size, verbose = (config.delimiter, config.max_length, config.embed_batch_size,
+                                                  config.verbose)
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
     for i, r in enumerate(rows):
         ids, pos, tg = completion_token_positions(tokenizer, r["prompt"], r["completion"], delimiter, max_length)
@@ -207,7 +211,8 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
             hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,
                                          prefix_ids=prefix_ids)
         else:
-            hidden = _journaled_states(heads, seqs, poss, batch_size, bar.update, prefix_ids, journal)
+            hidden = _journaled_states(heads, seqs, poss, journal, batch_size=batch_size, progress=bar.update,
+                                           prefix_ids=prefix_ids)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
     if skipped and verbose:
         log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
@@ -215,7 +220,8 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], delimite
     return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
 
 
-def _journaled_states(heads: SDMHeads, seqs, poss, batch_size, progress, prefix_ids, journal) -> np.ndarray:
+def _journaled_states(heads: SDMHeads, seqs, poss, journal, *, batch_size: int, progress,
+                      prefix_ids) -> np.ndarray:
     """:func:`token_hidden_states` of ``seqs`` in parts of :data:`TOKEN_CACHE_CHUNK_DOCS` documents, each kept in
     (and, when a stopped build is started again, read from) ``journal``."""
     have = journal.chunks()

@@ -529,11 +529,14 @@ def test_a_stopped_token_cache_build_computes_only_the_parts_it_had_not_finished
     from sdm_mlx.network.training_data import build_token_cache, token_cache_key
     from sdm_mlx.storage.journal import ChunkJournal
 
+    from types import SimpleNamespace
+
     model, tok = phi3
     heads = SDMHeads(model)
+    settings = SimpleNamespace(delimiter="}", max_length=500, embed_batch_size=3, verbose=False)
     comps = PRESETS["sentiment"]["completions"]
     rows = [{"id": f"r{k}", "prompt": p, "completion": comps[k % 2]} for k, p in enumerate(_prompts(tok) * 3)]
-    whole = build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False)
+    whole = build_token_cache(heads, tok, rows, settings)
     monkeypatch.setattr(training_data, "TOKEN_CACHE_CHUNK_DOCS", 3)
     parts = -(-len(rows) // 3)
     assert parts >= 4
@@ -549,12 +552,12 @@ def test_a_stopped_token_cache_build_computes_only_the_parts_it_had_not_finished
 
     monkeypatch.setattr(training_data, "token_hidden_states", stopped_after_two)
     with pytest.raises(KeyboardInterrupt):
-        build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False, journal=journal)
+        build_token_cache(heads, tok, rows, settings, journal=journal)
     assert journal.count() == 2
     runs.clear()
     monkeypatch.setattr(training_data, "token_hidden_states", lambda m, seqs, *a, **k: runs.append(len(seqs)) or
                         real(m, seqs, *a, **k))
-    again = build_token_cache(heads, tok, rows, "}", 500, 3, verbose=False,
+    again = build_token_cache(heads, tok, rows, settings,
                               journal=ChunkJournal(journal.path, dict(key)))
     assert len(runs) == parts - 2 and sum(runs) == len(rows) - 6
     np.testing.assert_array_equal(again.targets, whole.targets)
@@ -562,7 +565,7 @@ def test_a_stopped_token_cache_build_computes_only_the_parts_it_had_not_finished
     np.testing.assert_allclose(again.hidden, whole.hidden, atol=1e-5, rtol=1e-5)
     runs.clear()
     other = token_cache_key({"model": "tiny"}, rows[::-1], "}", 500)
-    build_token_cache(heads, tok, rows[::-1], "}", 500, 3, verbose=False, journal=ChunkJournal(journal.path, other))
+    build_token_cache(heads, tok, rows[::-1], settings, journal=ChunkJournal(journal.path, other))
     assert len(runs) == parts  # the journal of the other rows was discarded, not mixed in
 
 
