@@ -24,7 +24,7 @@ from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
 from .training_data import (TokenCache, build_token_cache, completion_token_positions, load_token_cache,
-                            save_token_cache, token_cache_key)
+                            save_token_cache, shared_prefix, token_cache_key)
 
 
 class RankWork:
@@ -131,8 +131,7 @@ class RankWork:
                                               c.max_length) for r in pos_rows]
         need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key
         mine = self.dp.aligned_parts(need, c.embed_batch_size)[self.dp.rank]
-        seqs = [ids[:k] for (ids, _, _), k in zip(planned, need) if k]
-        prefix = seqs[0][: _embed.common_prefix_length(seqs)] if seqs else None  # the whole set's, on every rank
+        prefix = shared_prefix([ids for ids, _, _ in planned], [pos for _, pos, _ in planned])  # on every rank
         cache = build_token_cache(self.heads, self.tokenizer, [pos_rows[i] for i in mine], c, prefix_ids=prefix,
                                   journal=journal)
         hidden = cache.hidden if len(cache) else np.zeros((0, self.heads.hidden_size), dtype=np.float32)

@@ -178,6 +178,13 @@ def completion_token_positions(tokenizer, prompt: str, completion: str, delimite
     return ids, positions, [ids[p + 1] for p in positions]
 
 
+def shared_prefix(seqs: Sequence[Sequence[int]], poss: Sequence[Sequence[int]]) -> list | None:
+    """The token prefix the sequences share, each cut after its last chosen position (what
+    :func:`~sdm_mlx.network.heads.token_hidden_states` runs once); None when no position is chosen."""
+    cut = [list(s[: max(p) + 1]) for s, p in zip(seqs, poss) if len(p)]
+    return cut[0][: _embed.common_prefix_length(cut)] if cut else None
+
+
 #: y = 1 documents whose states are computed (and, with a journal, written) together: a few minutes of a real model.
 TOKEN_CACHE_CHUNK_DOCS = 256
 
@@ -204,8 +211,7 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: 
         tgts.extend(tg)
         docs.extend([i] * len(pos))
     if journal is not None and prefix_ids is None:  # every part shares the whole set's prefix, as one pass would
-        need = [s[: max(p) + 1] for s, p in zip(seqs, poss) if p]
-        prefix_ids = need[0][: _embed.common_prefix_length(need)] if need else None
+        prefix_ids = shared_prefix(seqs, poss)
     with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
         if journal is None:
             hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,

@@ -37,15 +37,20 @@ class ChunkJournal:
         except (OSError, ValueError):
             return None
 
+    def _holds_key(self) -> bool:
+        """Whether the directory holds this journal's key (read once per object); another key's is discarded."""
+        if not self._open:
+            if self._saved_key() != self.key:
+                self.discard()
+                return False
+            self._open = True
+        return True
+
     def chunks(self) -> dict[str, dict]:
         """``{name: arrays}`` of every readable chunk of this key, in name order (a directory of another key is
         discarded; a chunk that cannot be read is left out, so its part is done again)."""
-        if not os.path.isdir(self.path):
+        if not os.path.isdir(self.path) or not self._holds_key():
             return {}
-        if not self._open and self._saved_key() != self.key:
-            self.discard()
-            return {}
-        self._open = True
         out = {}
         for file in sorted(n for n in os.listdir(self.path) if n.startswith(_PREFIX) and n.endswith(_SUFFIX)):
             try:
@@ -63,10 +68,9 @@ class ChunkJournal:
 
     def write(self, name: str, **arrays) -> None:
         """Write the chunk ``name`` (``np.savez`` of ``arrays``) atomically, under this journal's key."""
-        if not self._open and self._saved_key() != self.key:
-            self.discard()
+        if not self._holds_key():
             write_json(os.path.join(self.path, KEY_FILE), self.key)
-        self._open = True
+            self._open = True
         with atomic_write(os.path.join(self.path, f"{_PREFIX}{name}{_SUFFIX}"), binary=True) as f:
             np.savez(f, **arrays)
 

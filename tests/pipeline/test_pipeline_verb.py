@@ -342,8 +342,9 @@ def test_pool_curve_retrains_the_primary_on_a_prefix_of_one_pool(lab, tmp_path, 
         assert sorted((v["task"], v["split"], v["id"]) for v in mine) == sorted(
             (v["task"], v["split"], v["id"]) for v in run_verdicts)
         c = next(c for c in curve if c["pool_size"] == k)
-        assert sum(r["n"] for r in c["results"].values()) == len(mine)
-        assert sum(r["verified"] for r in c["results"].values()) == sum(v["verified"] for v in mine)
+        summaries = [r for splits in c["results"].values() for r in splits.values()]
+        assert sum(r["n"] for r in summaries) == len(mine)
+        assert sum(r["verified"] for r in summaries) == sum(v["verified"] for v in mine)
     assert "training on" in first.err and f"| {half} | {half + L.POOL} |" in first.out
     assert pool_curve.main(argv) == 0
     assert "training on" not in capsys.readouterr().err  # resumed: nothing trained again

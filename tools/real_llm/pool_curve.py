@@ -13,7 +13,7 @@ sliced.  A size equal to the run's pool reuses the run's own verifier.
 
 writes ``OUT/pool_curve.jsonl`` (one verdict per size, task, split and answer, with ``pool_size``),
 ``OUT/pool_curve.json`` (per size: the verifier's rows, whether Alg. 3 found a threshold, its robust min valid q~,
-and per task and split the verified answers and their index-conditional accuracy).  The verifiers themselves go to
+and per task and split the evaluate stage's summary: ``sdm_mlx.pipeline.table.summarize``).  The verifiers themselves go to
 the run directory (``RUN/pool_curve/<name>-pool<k>``, each resumed where it stopped, its index entry beside it).
 """
 
@@ -23,11 +23,10 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 from sdm_mlx.pipeline.layout import Layout
 from sdm_mlx.pipeline.stage_io import read_json
 from sdm_mlx.pipeline.stages import load_run_recipe
+from sdm_mlx.pipeline.table import by_task_split
 from sdm_mlx.pipeline.verifiers import RowStore, evaluate_verifier, plans, train_verifier
 from sdm_mlx.storage.files import write_json, write_jsonl
 
@@ -44,33 +43,32 @@ class PoolPrefixStore(RowStore):
         return rows[: self.size] if (task, split) == (self.task, "pool") else rows
 
 
-def summary(verdicts: list[dict]) -> dict:
-    """Per ``task/split``: n, verified, and the accuracy among the verified, minimum over true and predicted
-    classes (None when nothing is verified), as the issue's goals count them."""
-    out = {}
-    for key in sorted({(v["task"], v["split"]) for v in verdicts}):
-        rows = [v for v in verdicts if (v["task"], v["split"]) == key]
-        ver = [v for v in rows if v["verified"]]
-        accs = [float(np.mean([v["correct"] for v in ver if v[f] == c])) for f in ("label", "answer")
-                for c in {v[f] for v in ver}]
-        out["/".join(key)] = {"n": len(rows), "verified": len(ver), "min_accuracy": min(accs) if accs else None}
-    return out
-
-
 def markdown(task: str, curve: list[dict]) -> str:
-    keys = list(curve[0]["results"]) if curve else []
-    lines = [f"| {task} pool prompts | rows | robust min valid q~ | " + " | ".join(keys) + " |",
-             "|---" * (3 + len(keys)) + "|"]
+    keys = list(dict.fromkeys((t, sp) for c in curve for t, splits in c["results"].items() for sp in splits))
+    lines = [f"| {task} pool prompts | rows | robust min valid q~ | " + " | ".join(f"{t}/{sp}" for t, sp in keys)
+             + " |", "|---" * (3 + len(keys)) + "|"]
     for c in curve:
         q = c["robust_min_valid_qbin"]
         cells = []
-        for k in keys:
-            r = c["results"][k]
-            acc = "N/A" if r["min_accuracy"] is None else f"{r['min_accuracy']:.3f}"
-            cells.append(f"{r['verified']}/{r['n']} at {acc}")
+        for t, sp in keys:
+            r = c["results"].get(t, {}).get(sp)
+            acc = r and r["index_conditional_accuracy"]
+            cells.append("—" if r is None else f"{r['verified']}/{r['n']} at {'N/A' if acc is None else f'{acc:.3f}'}")
         lines.append(f"| {c['pool_size']} | {c['rows']} | {'none' if q is None else f'{q:.2f}'} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _problem(recipe, name: str, plan, task: str | None, sizes: list[int], given: str) -> str | None:
+    """What is wrong with the arguments (None: nothing)."""
+    if plan is None:
+        return f"the recipe has no verifier {name!r} (it has {[p.name for p in plans(recipe)]})"
+    if task not in plan.tasks:
+        return f"the verifier {name!r} is not trained on {task!r}'s rows (its tasks: {list(plan.tasks)})"
+    pool = recipe.task(task).sizes["pool"]
+    if not sizes or any(k < 2 or k % 2 or k > pool for k in sizes):
+        return f"--sizes must be even whole numbers from 2 to {task}'s pool ({pool}), got {given!r}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -89,12 +87,7 @@ def main(argv=None) -> int:
         sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     except ValueError:
         sizes = []
-    problem = (f"the recipe has no verifier {name!r} (it has {[p.name for p in plans(recipe)]})" if plan is None else
-               f"the verifier {name!r} is not trained on {task!r}'s rows (its tasks: {list(plan.tasks)})"
-               if task not in plan.tasks else
-               f"--sizes must be even whole numbers from 2 to {task}'s pool ({recipe.task(task).sizes['pool']}), "
-               f"got {a.sizes!r}" if not sizes or any(k < 2 or k % 2 or k > recipe.task(task).sizes["pool"]
-                                                      for k in sizes) else None)
+    problem = _problem(recipe, name, plan, task, sizes, a.sizes)
     if problem:
         print(f"pool_curve: {problem}", file=sys.stderr)
         return 2
@@ -115,9 +108,11 @@ def main(argv=None) -> int:
         verdicts += [{"pool_size": k, **r} for r in rows]
         curve.append({"pool_size": k, "run_verifier": reuse, "rows": entry.get("rows"), "labels": entry.get("labels"),
                       "can_admit": bool(entry.get("can_admit")), "skipped": entry.get("skipped"),
-                      "robust_min_valid_qbin": entry.get("robust_min_valid_qbin"), "results": summary(rows)})
-        print(f"pool_curve: {task} pool {k}: {curve[-1]['results'].get(f'{task}/heldout')}", file=sys.stderr,
-              flush=True)
+                      "robust_min_valid_qbin": entry.get("robust_min_valid_qbin"),
+                      "results": by_task_split(rows, recipe)})
+        held = curve[-1]["results"].get(task, {}).get("heldout") or {}
+        print(f"pool_curve: {task} pool {k}: {held.get('verified')} of {held.get('n')} held-out answers verified",
+              file=sys.stderr, flush=True)
     write_jsonl(os.path.join(a.out, "pool_curve.jsonl"), verdicts)
     write_json(os.path.join(a.out, "pool_curve.json"), {"run": os.path.basename(os.path.abspath(a.run)),
                                                         "verifier": name, "task": task, "curve": curve})
