@@ -34,7 +34,8 @@ def add_arguments(p) -> None:
     from ..settings import add_arguments as add_settings
 
     groups = {
-        "model and data": ("model", "output_dir", "data", "verification_data", "completions", "preset", "system",
+        "model and data": ("model", "output_dir", "data", "verification_data", "base_decodings", "completions",
+                           "preset", "system",
                            "prompt_template", "use_chat_template", "delimiter", "max_length", "negatives_seed",
                            "answers", "overwrite", "restart"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",

@@ -66,6 +66,20 @@ def check_feature_parts(parts) -> tuple[str, ...]:
     return tuple(p for p in FEATURE_PARTS if p in parts)
 
 
+def part_columns(recorded, wanted, width: int, where: str, fix: str) -> np.ndarray:
+    """Column indices of the parts ``wanted`` in features of ``width`` columns that concatenate the parts
+    ``recorded`` (each ``width / len(recorded)`` wide); :class:`~sdm_mlx.errors.InputError` naming ``where`` and
+    ``fix`` when a wanted part is not recorded."""
+    recorded, wanted = tuple(recorded), tuple(wanted)
+    if not set(wanted) <= set(recorded):
+        raise InputError(f"{where}: the rows record the features {','.join(recorded)}, not {','.join(wanted)}; "
+                         f"{fix}")
+    if not recorded or width % len(recorded):
+        raise InputError(f"{where}: feature width {width} is not a multiple of {len(recorded)} parts")
+    d = width // len(recorded)
+    return np.concatenate([np.arange(recorded.index(p) * d, (recorded.index(p) + 1) * d) for p in wanted])
+
+
 def verifier_parts(verifier) -> tuple[str, ...]:
     """The pooled parts a verification layer (a fitted ``SDMEstimator``) was trained on: its recorded
     ``feature_parts_``, or :data:`UNRECORDED_FEATURE_PARTS` for a layer that recorded none (saved before the parts

@@ -77,6 +77,11 @@ class NetworkConfig:
                  "(+|V|*D*4 bytes; much faster on Linux CPUs for quantised models)", choices=("model", "float32"))
     # verification layer (defaults: the estimator's; verifier_options may set e.g. "patience")
     verifier: str | None = option(None, "reuse an already trained verification layer (directory)")
+    base_decodings: str | None = option(
+        None, "an .npz of the base model's greedy decodings of the rows' prompts (prompts, texts, features, "
+              "feature_parts; sdm-mlx pipeline writes it from its answers stage): the passes that decode with the "
+              "base head (the count before fine-tuning, epoch 1's q, d, --answers model) take these prompts' "
+              "decodings from it instead of decoding them again (a few are decoded again to check the file)")
     alpha: float = option(_E.alpha, "target conditional accuracy α' of the verification layer")
     verifier_iterations: int = option(_E.iterations, "J of the verification layer")
     verifier_epochs: int = option(_E.epochs, f"epochs per round of the verification layer (a cap: rounds stop "
@@ -150,6 +155,9 @@ class NetworkConfig:
             raise InputError("beta_min and beta_max must be >= 0")
         if self.preset is not None and self.preset not in PRESETS:
             raise InputError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if self.base_decodings is not None and not os.path.isfile(os.path.expanduser(str(self.base_decodings))):
+            raise InputError(f"base_decodings {self.base_decodings} is not a file: give the .npz of the base "
+                             "model's decodings, or remove base_decodings to decode every prompt")
         if self.prompt_template is not None and "{document}" not in self.prompt_template:
             raise InputError("prompt_template must contain a {document} slot")
 
@@ -181,7 +189,8 @@ class NetworkConfig:
 
     def input_paths(self) -> list:
         """(flag, path) of every input a run reads, for the output-directory guard."""
-        pairs = [("--data", self.data), ("--verification-data", self.verification_data)]
+        pairs = [("--data", self.data), ("--verification-data", self.verification_data),
+                 ("--base-decodings", self.base_decodings)]
         pairs += [(f"--tasks[{i}].data", t.get("data")) for i, t in enumerate(self.tasks or []) if isinstance(t, dict)]
         if self.model and os.path.exists(os.path.expanduser(str(self.model))):
             pairs.append(("--model", os.path.expanduser(str(self.model))))

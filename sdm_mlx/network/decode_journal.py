@@ -75,6 +75,23 @@ class DecodeJournal(ChunkJournal):
         self.write(f"{self.count():06d}", rows=np.array(json.dumps(rows)), features=feats)
 
 
+class GivenDecodings:
+    """A pass's decodings known before it (``given``: ``{prompt_key: Decoded}``, the base head's of
+    :mod:`.base_decodings`) in front of its ``journal`` (or none): :func:`~.generation.greedy_generate` reads it as
+    a journal, takes the given decodings as they are and writes only what it decodes to ``journal``."""
+
+    def __init__(self, given: dict, journal: DecodeJournal | None = None):
+        self.given, self.journal = given, journal
+        self.chunk = journal.chunk if journal is not None else None
+
+    def done(self) -> dict:
+        return {**self.given, **(self.journal.done() if self.journal is not None else {})}
+
+    def add(self, keys: Sequence[str], decoded: Sequence[Decoded]) -> None:
+        if self.journal is not None:
+            self.journal.add(keys, decoded)
+
+
 def discard_journals(root: str, rank: int) -> None:
     """Delete rank ``rank``'s journals under ``root`` (and ``root`` once no rank's are left)."""
     if not os.path.isdir(root):

@@ -121,6 +121,8 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
 
     ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` of this pass: the prompts it holds are
     not decoded again, and the others are decoded ``journal.chunk`` at a time, each chunk written to it.
+    A :class:`~sdm_mlx.network.decode_journal.GivenDecodings` journal adds decodings known before the pass (the
+    base head's): taken as they are, neither decoded nor written.
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
@@ -148,7 +150,8 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
 
 
 def _journaled(engine, reqs: list, journal, progress) -> list:
-    """``engine.run(reqs)`` with the journal's finished prompts taken from it and the rest written to it."""
+    """``engine.run(reqs)`` with the journal's finished prompts taken from it and the rest written to it
+    (``journal.chunk`` at a time; all at once for a journal without a chunk size)."""
     from .decode_journal import prompt_key
 
     have = journal.done()
@@ -157,8 +160,9 @@ def _journaled(engine, reqs: list, journal, progress) -> list:
     todo = [i for i, d in enumerate(out) if d is None]
     if progress is not None and len(todo) < len(reqs):
         progress(len(reqs) - len(todo))
-    for lo in range(0, len(todo), journal.chunk):
-        part = todo[lo:lo + journal.chunk]
+    step = journal.chunk or max(len(todo), 1)
+    for lo in range(0, len(todo), step):
+        part = todo[lo:lo + step]
         done = engine.run([reqs[i] for i in part], progress=progress)
         journal.add([keys[i] for i in part], done)
         for i, d in zip(part, done):

@@ -19,7 +19,7 @@ from ..storage.files import strict
 from ..storage.journal import ChunkJournal
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
-from .decode_journal import JOURNAL_DIR, DecodeJournal, discard_journals
+from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals, prompt_key
 from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
@@ -27,8 +27,15 @@ from .training_data import (TokenCache, build_token_cache, completion_token_posi
                             save_token_cache, shared_prefix, token_cache_key)
 
 
+#: Prompts decoded again to check a base-decodings file before its decodings are used.
+CHECKED_PROMPTS = 4
+
+
 class RankWork:
-    """Force-decoded features, greedy generations and the token cache of rows, each rank its part (gathered)."""
+    """Force-decoded features, greedy generations and the token cache of rows, each rank its part (gathered).
+
+    The trainer sets ``base_decodings`` (a :class:`~.base_decodings.BaseDecodings` or None) and
+    ``_base_decodings_checked``."""
 
     def features_of(self, rows: Sequence[dict], desc: str,
                     feature_parts=_embed.DEFAULT_FEATURE_PARTS) -> np.ndarray:
@@ -54,12 +61,40 @@ class RankWork:
             ).embeddings if len(mine) else np.zeros((0, 0), dtype=np.float32)
         return self.dp.gather_parts(feats, parts)
 
-    def generate(self, rows: Sequence[dict], desc: str, *, verifier=None, journal: DecodeJournal | None = None):
-        """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given)."""
-        c = self.config
+    def generate(self, rows: Sequence[dict], desc: str, *, verifier=None, journal: DecodeJournal | None = None,
+                 base_head: bool = False):
+        """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
+        ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
+        c, settings = self.config, self.decode_settings(verifier)
+        journal = self.given_in_front(journal, rows, settings) if base_head else journal
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
-            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows],
-                                   self.decode_settings(verifier), features=True, progress=bar.update, journal=journal)
+            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
+                                   progress=bar.update, journal=journal)
+
+    def given_in_front(self, journal: DecodeJournal | None, rows: Sequence[dict], settings: DecodeSettings):
+        """``journal`` with the base model's given decodings in front of it (:class:`~.decode_journal.GivenDecodings`)
+        when ``config.base_decodings`` names some, else ``journal`` itself."""
+        known = self.known_decodings(rows, settings)
+        return journal if known is None else GivenDecodings(known, journal)
+
+    def known_decodings(self, rows: Sequence[dict], settings: DecodeSettings) -> dict | None:
+        """The base model's given decodings (``config.base_decodings``, :mod:`.base_decodings`) in the parts
+        ``settings`` pools, or None; the first time, up to :data:`CHECKED_PROMPTS` of ``rows`` whose decoding is
+        given are decoded again and compared (a file of another model or setting is refused)."""
+        base = self.base_decodings
+        if base is None:
+            return None
+        known = base.decodings(settings.feature_parts)
+        if not self._base_decodings_checked:
+            keys = {prompt_key(_embed.encode(self.tokenizer, r["prompt"])): r["prompt"] for r in rows}
+            sample = [k for k in keys if k in known][:CHECKED_PROMPTS]
+            again = greedy_generate(self.heads, self.tokenizer, [keys[k] for k in sample], settings, features=True)
+            base.check_against(again, [known[k] for k in sample])
+            self._base_decodings_checked = bool(sample)
+            given = sum(k in known for k in keys)
+            self.log(f"{given} of {len(keys)} prompts' base-head decodings are given by {base.path} "
+                     f"({len(sample)} decoded again: the same)")
+        return known
 
     def journal(self, purpose: str) -> DecodeJournal:
         """This rank's :class:`~.decode_journal.DecodeJournal` of one decoding pass (``purpose``, e.g.
@@ -76,14 +111,17 @@ class RankWork:
         """Delete this rank's journals (called once the state that makes them unneeded is saved)."""
         discard_journals(os.path.join(self.out, JOURNAL_DIR), self.dp.rank)
 
-    def calibration_count(self, est, cal_rows: Sequence[dict], purpose: str) -> dict:
+    def calibration_count(self, est, cal_rows: Sequence[dict], purpose: str, *, base_head: bool = False) -> dict:
         """(e) Generate over D_ca* and count admitted ŷ = 1 documents with a correct parsed task answer (this rank's
-        part, journaled as ``purpose``; summed over the ranks)."""
+        part, journaled as ``purpose``; summed over the ranks); ``base_head`` as in :meth:`generate`."""
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
-        counts = count_verified(self.heads, self.tokenizer, est, part, self.completions,
-                                settings=self.decode_settings(est), verbose=c.verbose,
-                                journal=self.journal(purpose)) if part else None
+        settings = self.decode_settings(est)
+        journal = self.journal(purpose)
+        if base_head and part:
+            journal = self.given_in_front(journal, part, settings)
+        counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
+                                verbose=c.verbose, journal=journal) if part else None
         if not self.dp.active:
             return counts
         return sum_counts(self.dp, counts)
@@ -140,14 +178,17 @@ class RankWork:
         order = np.argsort(doc, kind="stable")  # the single-process order: documents in row order
         return TokenCache(hidden=hidden[order], targets=targets[order], doc=doc[order], skipped=cache.skipped)
 
-    def document_qd(self, est, rows: Sequence[dict], purpose: str) -> tuple[np.ndarray, np.ndarray, list]:
+    def document_qd(self, est, rows: Sequence[dict], purpose: str, *,
+                    base_head: bool = False) -> tuple[np.ndarray, np.ndarray, list]:
         """q, d of each row's greedy generation (no self-exclusion, training distance eCDFs).
 
-        Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part).
+        Each rank generates its contiguous part; q and d are gathered (``gens``: this rank's part);
+        ``base_head`` as in :meth:`generate`.
         """
         parts = self.generation_parts(rows)
         part = [rows[i] for i in parts[self.dp.rank]]
-        gens = self.generate(part, "generate (train q, d)", verifier=est, journal=self.journal(purpose))
+        gens = self.generate(part, "generate (train q, d)", verifier=est, journal=self.journal(purpose),
+                             base_head=base_head)
         q = d = np.zeros(0, dtype=np.float32)
         if part:
             q, d, _ = est.similarity_distance(generation_features(gens), distance_ecdfs="training")

@@ -45,9 +45,10 @@ ROWS_FILE = "rows.json"
 #: settings that do not change what the epochs compute (``epochs`` is compared on its own; a state is written
 #: only after the admission check of ``require_admission`` passed; the host and MLX steps compute the same
 #: update up to float rounding, and the state holds plain W_pos and Adam arrays either way; the batched
-#: engine decodes and embeds a row the same whatever else is in its batch, tests/decoding)
+#: engine decodes and embeds a row the same whatever else is in its batch, tests/decoding; the base decodings
+#: are the base head's own, checked against it: :mod:`.base_decodings`)
 _NOT_COMPARED = ("output_dir", "epochs", "overwrite", "restart", "verbose", "distributed_timeout", "require_admission",
-                 "train_step", "generation_batch_size", "embed_batch_size")
+                 "train_step", "generation_batch_size", "embed_batch_size", "base_decodings")
 #: model files up to this size are compared by SHA-256, larger ones (the weights) by size
 _HASHED_MODEL_FILE = 32 << 20
 

@@ -42,7 +42,8 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     answer parsed from the generated JSON equal to it.  Parse failures count as wrong.
     ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``;
     ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults);
-    ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` that keeps the decodings as they finish.
+    ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` that keeps the decodings as they finish
+    (or a :class:`~sdm_mlx.network.decode_journal.GivenDecodings` in front of one).
     """
     t0 = time.perf_counter()
     # the features pooled as the verification layer was trained
@@ -67,6 +68,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
         "task_correct": int((correct & has_task).sum()),
         "parse_failures": int((task_pred[has_task] < 0).sum()),
         "documents": len(rows),
+        "given": sum(g.stop_reason == "given" for g in gens),  # decodings taken from the base decodings
         "seconds": time.perf_counter() - t0,
         "example": gens[0].text if gens else None,
     }
@@ -79,7 +81,7 @@ def select_improved(count: int, best: int) -> bool:
 
 def sum_counts(dp: DataParallel, counts: dict | None) -> dict:
     """Alg. 4's selection count and its parts summed over ranks (``seconds``: the slowest rank's)."""
-    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents")
+    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents", "given")
     local = np.array([counts[k] if counts else 0 for k in keys], dtype=np.int64)
     total = dp.all_sum(local)
     out = {k: int(v) for k, v in zip(keys, total)}

@@ -70,6 +70,7 @@ from .training_data import (TokenCache, build_verification_rows, completion_toke
                             TOKEN_CACHE_DIR, corrected_rows, model_answer_rows)
 from .generation import generation_features
 from .heads import SDMHeads
+from .base_decodings import BaseDecodings
 from ..errors import InputError
 
 
@@ -142,6 +143,10 @@ class SDMNetworkTrainer(RankWork):
             estimator_factory = SDMEstimator
         self.estimator_factory = estimator_factory
         self.completions = config.resolved_completions()
+        #: the base model's given decodings (:mod:`.base_decodings`), used by the passes at the base head
+        self.base_decodings = (BaseDecodings(os.path.expanduser(config.base_decodings), tokenizer)
+                               if config.base_decodings else None)
+        self._base_decodings_checked = False
         self.network_path = os.path.join(self.out, "network")
         self.verifier_path = os.path.join(self.out, "verifier")
         self.metrics_path = os.path.join(self.out, "metrics.json")
@@ -165,7 +170,7 @@ class SDMNetworkTrainer(RankWork):
         """``answers: model``: the base model's greedy answer to every prompt (W_pos still equals the head, so joint
         decoding is the model's own greedy decoding) becomes the row's completion, labelled by its parsed task
         answer; the features are those of that decoding, i.e. what verified generation computes."""
-        gens = self.generate(rows, "model answers")
+        gens = self.generate(rows, "model answers", base_head=True)
         out = model_answer_rows(rows, [g.text for g in gens], self.completions)
         forms = {k: sum(r["form"] == k for r in out) for k in ("compact", "fenced", "other", "unparsable")}
         self.answer_stats = {"mode": "model", "forms": forms, "correct": int(sum(r["label"] for r in out)),
@@ -238,7 +243,8 @@ class SDMNetworkTrainer(RankWork):
         """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
         c, (est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer) = self.config, run
         t0 = time.perf_counter()
-        q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}")
+        # epoch 1 decodes before its first step: with the base head (W_pos restored or fresh, a copy of it)
+        q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}", base_head=epoch == 1)
         t_qd = time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
@@ -399,7 +405,7 @@ class SDMNetworkTrainer(RankWork):
 
     def _initial_count(self, est, cal_rows, metrics: dict) -> dict:
         """(e) before fine-tuning: the count of the base head, saved as epoch 0 — the bar to beat."""
-        initial = self.calibration_count(est, cal_rows, "calibration-epoch0")
+        initial = self.calibration_count(est, cal_rows, "calibration-epoch0", base_head=True)
         best = initial["count"]
         self.save(self.verifier_path, 0, best, 0)
         metrics["initial"] = initial

@@ -76,6 +76,7 @@ class Layout:
     # Alg. 4
     network_rows = property(lambda self: self._p("network", "rows.jsonl"))
     network_config = property(lambda self: self._p("network", "network_train.yaml"))
+    network_base_decodings = property(lambda self: self._p("network", "base_decodings.npz"))
     network_run = property(lambda self: self._p("network", "run"))
     network_metrics = property(lambda self: self._p("network", "run", "metrics.json"))
     network_marker = property(lambda self: self._p("network", "done.json"))

@@ -28,35 +28,41 @@ def network_done(recipe: Recipe, layout: Layout) -> bool:
             and marker.get("fingerprint") == _network_fingerprint(recipe, layout))
 
 
-def network_rows(recipe: Recipe, layout: Layout) -> list[dict]:
+def network_rows(recipe: Recipe, layout: Layout) -> tuple[list[dict], dict]:
     """Alg. 4's verification rows: every row the primary verifier was trained on, with the same id, its task, the
     prompt in the model's chat template and its completion (the own answer, or the forced one); own answers keep
-    ``answer_label`` so network-train corrects the wrong ones into W_pos positives."""
+    ``answer_label`` so network-train corrects the wrong ones into W_pos positives.  With them, the base model's
+    decodings of those prompts (the own answers: their texts and recorded features, in the verifier's parts), as
+    :func:`sdm_mlx.network.base_decodings.save_base_decodings` takes them."""
     from ..llm import embed as _embed
     from .verifiers import RowStore, training_rows
 
     plan = next(p for p in plans(recipe) if p.name == recipe.primary_verifier())
     store = RowStore(layout)
-    ids, _, _, meta = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
+    ids, X, _, meta = training_rows(plan, store, recipe.verifier.forced_completions, recipe.seed)
     tokenizer = _embed.load_tokenizer(recipe.model)
     docs = {t: {r["id"]: r["document"] for r in store.data(t, "pool")} for t in plan.tasks}
-    out = []
-    for i, m in zip(ids, meta):
+    out, own = [], []
+    for k, (i, m) in enumerate(zip(ids, meta)):
         t = recipe.task(m["task"])
         if m["kind"] == "own":
             prompt = _embed.chat_text(tokenizer, docs[t.name][m["id"]], system=recipe.system,
                                       prompt_template=t.template())
             out.append({"id": i, "task": t.name, "prompt": prompt, "completion": m["text"], "label": int(m["label"]),
                         "task_label": int(m["task_label"]), "answer_label": int(m["answer_label"])})
+            own.append(k)
         else:
             out.append({"id": i, "task": t.name, "prompt": m["prompt"], "completion": m["completion"],
                         "label": int(m["label"]), "task_label": int(m["task_label"])})
-    return out
+    base = {"prompts": [out[k]["prompt"] for k in own], "texts": [out[k]["completion"] for k in own],
+            "features": X[own], "feature_parts": plan.parts}
+    return out, base
 
 
 def run_network(recipe: Recipe, layout: Layout) -> dict:
     import yaml
 
+    from ..network.base_decodings import save_base_decodings
     from ..storage.files import make_dirs, write_json, write_jsonl, write_text
 
     say = stage_log("network")
@@ -72,14 +78,17 @@ def run_network(recipe: Recipe, layout: Layout) -> dict:
     fp = _network_fingerprint(recipe, layout)
     marker = read_json(layout.network_marker) or {}
     restart = os.path.isdir(layout.network_run) and marker.get("fingerprint") not in (None, fp)
-    if restart or not os.path.exists(layout.network_rows):
-        rows = network_rows(recipe, layout)
+    if restart or not (os.path.exists(layout.network_rows) and os.path.exists(layout.network_base_decodings)):
+        rows, base = network_rows(recipe, layout)
         write_jsonl(layout.network_rows, rows)
-        say(f"{len(rows)} verification rows -> {layout.network_rows}")
+        save_base_decodings(layout.network_base_decodings, **base)
+        say(f"{len(rows)} verification rows -> {layout.network_rows}; the base model's decodings of their "
+            f"{len(base['prompts'])} prompts (the own answers) -> {layout.network_base_decodings}")
     tasks = [{"name": t.name, "completions": t.answer_completions(), "prompt_template": t.template()}
              for t in recipe.tasks if t.name in entry["tasks"]]
     config = {"model": recipe.model, "verification-data": layout.network_rows,
               "verifier": layout.verifier(recipe.primary_verifier()), "tasks": tasks, "system": recipe.system or "",
+              "base-decodings": layout.network_base_decodings,
               "output": layout.network_run, "epochs": recipe.network.epochs, "answers": "model",
               "max-new-tokens": recipe.max_tokens, "generation-batch-size": recipe.generation_batch_size,
               "embed-batch-size": recipe.embed_batch_size,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from ..llm.pooling import UNRECORDED_FEATURE_PARTS
+from ..llm.pooling import UNRECORDED_FEATURE_PARTS, part_columns
 from .layout import Layout
 from .recipe import TEST_SPLITS, Recipe, verifier_name
 
@@ -95,15 +95,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def slice_columns(recorded, wanted, width: int, where: str) -> np.ndarray:
-    """Column indices of the parts ``wanted`` in features that concatenate ``recorded`` (each ``width / len``)."""
-    recorded, wanted = tuple(recorded), tuple(wanted)
-    if not set(wanted) <= set(recorded):
-        raise InputError(f"{where}: the rows record the features {','.join(recorded)}, not {','.join(wanted)}; "
-                         "delete the rows and decode them again with record_features holding every part you ask for")
-    if width % len(recorded):
-        raise InputError(f"{where}: feature width {width} is not a multiple of {len(recorded)} parts")
-    d = width // len(recorded)
-    return np.concatenate([np.arange(recorded.index(p) * d, (recorded.index(p) + 1) * d) for p in wanted])
+    """Column indices of the parts ``wanted`` in the rows' features that concatenate ``recorded``
+    (:func:`sdm_mlx.llm.pooling.part_columns`, with the pipeline's fix)."""
+    return part_columns(recorded, wanted, width, where, "delete the rows and decode them again with "
+                        "record_features holding every part you ask for")
 
 
 class RowStore:

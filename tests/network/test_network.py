@@ -413,7 +413,7 @@ def test_selection_keeps_strictly_better_epochs(counts, selected, tiny_phi3_path
     base_head = np.array(trainer.heads.pos.weight)
     it, snapshots = iter(counts), []
 
-    def fake_count(self, est, rows, purpose):
+    def fake_count(self, est, rows, purpose, base_head=False):
         snapshots.append(np.array(self.heads.pos.weight))
         return {"count": next(it), "admitted_pred1": 0, "admitted": 0, "task_correct": 0, "parse_failures": 0,
                 "documents": len(rows), "seconds": 0.0, "example": None}

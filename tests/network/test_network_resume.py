@@ -376,3 +376,33 @@ def test_a_run_killed_in_the_middle_of_a_count_decodes_only_the_prompts_it_had_n
     assert adds(again) == adds(whole) - 3  # the three finished chunks were not decoded again
     assert_same_run(out, tmp_path / "whole")  # (chunks of 32 decode in other batches than the reference's)
     assert not (out / "decode_journal").exists() or not any((out / "decode_journal").iterdir())
+
+
+def test_given_base_decodings_stand_in_for_the_passes_at_the_base_head(tiny, tmp_path):
+    """``--base-decodings``: the base model's own decodings of the rows' prompts (as sdm-mlx pipeline writes them
+    from its answers stage) serve the count before fine-tuning and epoch 1's q, d; the run ends where the reference
+    did (within the counts' rounding tolerance), and a file of other decodings is refused with exit 2."""
+    from sdm_mlx.llm.embed import load_model
+    from sdm_mlx.network import DecodeSettings, SDMHeads, greedy_generate
+    from sdm_mlx.network.base_decodings import save_base_decodings
+
+    ref = tiny["reference"]
+    prompts = sorted({json.loads(line)["prompt"] for line in open(ref / "verification_rows.jsonl")})
+    model, tok = load_model(tiny["built"]["model"])
+    gens = greedy_generate(SDMHeads(model), tok, prompts, DecodeSettings(max_new_tokens=12, batch_size=64))
+    feats = np.concatenate([g.features for g in gens])
+    save_base_decodings(str(tmp_path / "base.npz"), prompts, [g.text for g in gens], feats, ("mean", "last"))
+    out = tmp_path / "out"
+    r = sdm(train_args(tiny["built"], out, "--base-decodings", str(tmp_path / "base.npz")))
+    assert r.returncode == 0, r.stderr
+    m, reference = metrics(out), metrics(ref)
+    assert m["initial"]["given"] == m["initial"]["documents"] > 0 and reference["initial"]["given"] == 0
+    assert all(e["calibration"]["given"] == 0 for e in m["epochs"])  # trained heads decode for themselves
+    assert_same_counts_and_selection(m, reference)
+    assert m["epochs"][0]["q_mean"] == pytest.approx(reference["epochs"][0]["q_mean"], rel=0.05)
+    # another model's decodings (its texts and states)
+    save_base_decodings(str(tmp_path / "other.npz"), prompts, ['{"sentiment": "neutral"}'] * len(gens), 2 * feats,
+                        ("mean", "last"))
+    bad = sdm(train_args(tiny["built"], tmp_path / "bad", "--base-decodings", str(tmp_path / "other.npz"),
+                         "--verifier", str(ref / "verifier")))
+    assert bad.returncode == 2 and "does not hold this model's greedy decodings" in bad.stderr, bad.stderr

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import pipeline_lab as L
@@ -73,6 +74,10 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
         assert (out / "verifiers" / name).is_dir() and (out / "evaluate" / f"{name}.jsonl").is_file()
     metrics = json.loads((out / "network" / "run" / "metrics.json").read_text())
     assert metrics["finished"] and metrics["epochs_completed"] == 1
+    # the base head's count took the answers stage's own answers (a few decoded again to check them)
+    with np.load(out / "network" / "base_decodings.npz") as base:
+        assert len(base["prompts"]) == 2 * L.POOL and list(base["feature_parts"]) == ["mean", "last"]
+    assert metrics["initial"]["given"] == metrics["initial"]["documents"] > 0
     assert len(_rows(out / "network" / "answers.jsonl")) == 2 * (L.HELDOUT + L.SHIFT)
     for name in ("table.json", "table.md", "verdicts.jsonl", "recipe.json"):
         assert (out / name).is_file()
