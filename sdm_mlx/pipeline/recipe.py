@@ -90,6 +90,7 @@ class TaskSpec:
     seed: int = 0
     prompt_template: str | None = None
     completions: list | None = None
+    scramble: str | None = None  #: "words": every document's words in a seeded random order (labels kept)
 
     def template(self) -> str:
         from ..llm.verification_data import PRESETS as P
@@ -169,7 +170,9 @@ def verifier_name(scope: str, row_set: str, parts) -> str:
 TOP_KEYS = ("model", "output", "seed", "system", "max_tokens", "generation_batch_size", "embed_batch_size",
             "record_features", "tasks", "verifier", "network")
 TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "reviews", "max_words", "tweets", "data", "seed",
-             "prompt_template", "completions")
+             "prompt_template", "completions", "scramble")
+#: what a task's ``scramble`` may shuffle (a test of text that reads as no sentence: the rows' labels are kept)
+SCRAMBLES = ("words",)
 VERIFIER_KEYS = ("row_sets", "primary", "features", "per_task", "forced_completions", "train")
 #: network-train options the pipeline sets itself
 NETWORK_OWN = ("model", "output_dir", "data", "verification_data", "tasks", "verifier", "preset", "completions",
@@ -310,6 +313,8 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
     elif any(t.get(k) is not None for k in ("movie_reviews", "reviews", "max_words", "tweets")):
         check.fail(key, f"movie_reviews, reviews, max_words and tweets are sentiment's sources, not {preset}'s "
                         "(remove them)")
+    if t.get("scramble") is not None:
+        spec.scramble = check.choice(t["scramble"], f"{key}.scramble", SCRAMBLES)
     if t.get("prompt_template") is not None:
         spec.prompt_template = check.string(t["prompt_template"], f"{key}.prompt_template")
         if "{document}" not in spec.prompt_template:

@@ -17,7 +17,18 @@ from .verifiers import answer_splits
 
 
 def task_rows(task) -> dict[str, list[dict]]:
-    """``{split: rows}`` of one task, from its source (the recipe's files, the samplers, the movie reviews)."""
+    """``{split: rows}`` of one task, from its source (the recipe's files, the samplers, the movie reviews); with
+    ``scramble: words`` every document's words shuffled (:func:`~.task_data.scramble_words`, labels kept)."""
+    from . import task_data
+
+    rows = _source_rows(task)
+    if task.scramble == "words":
+        rows = {s: [{**r, "document": task_data.scramble_words(r["document"], task.seed, r["id"])} for r in part]
+                for s, part in rows.items()}
+    return rows
+
+
+def _source_rows(task) -> dict[str, list[dict]]:
     from . import samplers, task_data
 
     sizes = task.sizes

@@ -14,6 +14,8 @@ label, and a larger ``pool`` only appends rows (the held-out rows and earlier po
 * :func:`tweet_rows`: the SemEval-2017 Task 4A test tweets (TweetEval's ``test_text.txt`` /
   ``test_labels.txt``: 0 negative, 1 neutral, 2 positive), neutral dropped and balanced as the paper does, the
   first ``n`` (split ``shift``).
+* :func:`scramble_words`: a document's words in a seeded random order (a recipe task's ``scramble: words``: text
+  that reads as no sentence, with the source row's label).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +125,14 @@ def sentiment_rows(csv_path, *, pool: int, heldout: int, seed: int = 0, source: 
     return [{"id": f"{prefix}-{reviews[i]['line']}", "label": reviews[i]["label"],
              "document": document(reviews[i]["text"]), "split": "heldout" if k < heldout else "pool"}
             for k, i in enumerate(order[: heldout + pool])]
+
+
+def scramble_words(text: str, seed: int, row_id) -> str:
+    """``text`` with its whitespace-separated words in a random order drawn from ``seed`` and the row's id (the same
+    row scrambles the same way in every run; a recipe task's ``scramble: words``)."""
+    words = text.split()
+    rng = np.random.default_rng([int(seed), zlib.crc32(str(row_id).encode("utf-8"))])
+    return " ".join(words[i] for i in rng.permutation(len(words)))
 
 
 def tweet_rows(folder, *, n: int, seed: int = 0) -> list[dict]:

@@ -48,6 +48,29 @@ def test_an_imdb_task_is_cut_to_120_words_unless_it_says():
     assert again.task("imdb").max_words == 50
 
 
+def test_a_scrambled_task_holds_the_source_rows_with_their_words_shuffled():
+    """``scramble: words``: the same ids and labels as the task without it, each document a permutation of its
+    words, the same in every run (seeded by the task's seed and the row id)."""
+    from sdm_mlx.pipeline.row_stages import task_rows
+
+    sizes = {"pool": 10, "heldout": 4, "shift": 2}  # _base()'s
+    plain = task_rows(R.parse_recipe(_base()).task("arith"))
+    spec = R.parse_recipe(_base(tasks=[{"name": "arith", "preset": "arithmetic", "sizes": sizes,
+                                        "scramble": "words"}])).task("arith")
+    assert spec.scramble == "words" and R.Recipe.from_dict(R.parse_recipe(_base(tasks=[
+        {"name": "arith", "preset": "arithmetic", "sizes": sizes, "scramble": "words"}])).to_dict()).task(
+        "arith").scramble == "words"
+    scrambled, again = task_rows(spec), task_rows(spec)
+    assert scrambled == again
+    moved = 0
+    for split in ("pool", "heldout", "shift"):
+        for a, b in zip(plain[split], scrambled[split], strict=True):
+            assert (a["id"], a["label"]) == (b["id"], b["label"])
+            assert sorted(a["document"].split()) == sorted(b["document"].split())
+            moved += a["document"] != b["document"]
+    assert moved >= 12  # of 16 statements of 7 words or more
+
+
 def test_model_resolution_order(monkeypatch):
     monkeypatch.setenv("SDM_MLX_MODEL", "/env/model")
     assert R.parse_recipe(_base()).model == "/env/model"
@@ -135,6 +158,8 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     (_base(network={"epochs": 0}), "network.epochs", ">= 1"),
     (_base(network={"model": "x"}), "network.model", "unknown key"),  # the pipeline sets it
     (_base(network={"learning_rate": "fast"}), "network.learning_rate", "number"),
+    (_base(tasks=[{"name": "a", "preset": "arithmetic", "sizes": {"pool": 2}, "scramble": "letters"}]),
+     "tasks[0].scramble", "words"),
     (_base(max_tokens=0), "max_tokens", ">= 1"),
     (_base(system=3), "system", "string"),
 ])
