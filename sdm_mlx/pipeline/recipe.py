@@ -24,6 +24,7 @@ Schema (``recipes/qwen15_universal_cpu.yaml`` is a full example)::
         tweets: ../shared/data/semeval2017_task4a         # sentiment's shift split: SemEval-2017 4A tweets
         # data: {pool: a.jsonl, heldout: b.jsonl, shift: c.jsonl}   # any preset: your own task rows instead
         # prompt_template: "... {document}"  completions: [...]      # override the preset's
+        # scramble: words                 # every document's words shuffled (labels kept): a test task
     verifier:
       row_sets: [own]                     # own | forced | own+forced: (b), (a), (c) of the universal verifier; all
       primary: own                        # the row set of verdicts.jsonl (stage base) and of Alg. 4
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..llm.pooling import DEFAULT_FEATURE_PARTS
-from .task_data import IMDB_MAX_WORDS, REVIEW_SOURCES
+from .task_data import IMDB_MAX_WORDS, REVIEW_SOURCES, SCRAMBLES
 
 #: the task presets: the paper's instruction and JSON answers (arithmetic asks in the factcheck prompt)
 PRESETS = ("sentiment", "factcheck", "arithmetic")
@@ -165,20 +166,15 @@ def verifier_name(scope: str, row_set: str, parts) -> str:
     return f"{scope}-{row_set}-{'-'.join(parts)}"
 
 
-# -- validation ---------------------------------------------------------------------------------------------------
-
+#: the keys of a recipe, of a task and of its verifier section (validation below)
 TOP_KEYS = ("model", "output", "seed", "system", "max_tokens", "generation_batch_size", "embed_batch_size",
             "record_features", "tasks", "verifier", "network")
 TASK_KEYS = ("name", "preset", "sizes", "movie_reviews", "reviews", "max_words", "tweets", "data", "seed",
              "prompt_template", "completions", "scramble")
-#: what a task's ``scramble`` may shuffle (a test of text that reads as no sentence: the rows' labels are kept)
-SCRAMBLES = ("words",)
 VERIFIER_KEYS = ("row_sets", "primary", "features", "per_task", "forced_completions", "train")
 #: network-train options the pipeline sets itself
 NETWORK_OWN = ("model", "output_dir", "data", "verification_data", "tasks", "verifier", "preset", "completions",
-               "prompt_template", "system", "answers", "overwrite", "restart", "verbose")
-#: sdm-mlx train options the pipeline sets itself (the row set decides the rows)
-TRAIN_OWN = ()
+               "prompt_template", "system", "answers", "overwrite", "restart", "verbose", "base_decodings")
 
 
 class _Checker:
@@ -313,8 +309,7 @@ def _task(check: _Checker, value, i: int, seed: int) -> TaskSpec:
     elif any(t.get(k) is not None for k in ("movie_reviews", "reviews", "max_words", "tweets")):
         check.fail(key, f"movie_reviews, reviews, max_words and tweets are sentiment's sources, not {preset}'s "
                         "(remove them)")
-    if t.get("scramble") is not None:
-        spec.scramble = check.choice(t["scramble"], f"{key}.scramble", SCRAMBLES)
+    spec.scramble = None if t.get("scramble") is None else check.choice(t["scramble"], f"{key}.scramble", SCRAMBLES)
     if t.get("prompt_template") is not None:
         spec.prompt_template = check.string(t["prompt_template"], f"{key}.prompt_template")
         if "{document}" not in spec.prompt_template:
@@ -349,7 +344,7 @@ def _verifier(check: _Checker, value) -> VerifierSpec:
     if not isinstance(feats, list) or not feats:
         check.fail("verifier.features", "expected one encoding ('mean,last') or a list of them")
     feats = tuple(dict.fromkeys(check.features(f, "verifier.features") for f in feats))
-    train = _settings(check, v.get("train"), "verifier.train", EstimatorConfig, TRAIN_OWN, "sdm-mlx train settings")
+    train = _settings(check, v.get("train"), "verifier.train", EstimatorConfig, (), "sdm-mlx train settings")
     if "patience" in train:  # 0 = off, as sdm-mlx train reads it
         try:
             train["patience"] = patience_setting(train["patience"])

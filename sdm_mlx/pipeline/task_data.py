@@ -127,6 +127,10 @@ def sentiment_rows(csv_path, *, pool: int, heldout: int, seed: int = 0, source: 
             for k, i in enumerate(order[: heldout + pool])]
 
 
+#: what a recipe task's ``scramble`` may shuffle (a test of text that reads as no sentence: the rows' labels are kept)
+SCRAMBLES = ("words",)
+
+
 def scramble_words(text: str, seed: int, row_id) -> str:
     """``text`` with its whitespace-separated words in a random order drawn from ``seed`` and the row's id (the same
     row scrambles the same way in every run; a recipe task's ``scramble: words``)."""

@@ -157,6 +157,7 @@ def test_comparison_recipe_plans_every_row_set_encoding_and_task():
     (_base(verifier={"train": {"alpha": "high"}}), "verifier.train.alpha", "number"),
     (_base(network={"epochs": 0}), "network.epochs", ">= 1"),
     (_base(network={"model": "x"}), "network.model", "unknown key"),  # the pipeline sets it
+    (_base(network={"base_decodings": "x"}), "network.base_decodings", "unknown key"),  # the answers stage's
     (_base(network={"learning_rate": "fast"}), "network.learning_rate", "number"),
     (_base(tasks=[{"name": "a", "preset": "arithmetic", "sizes": {"pool": 2}, "scramble": "letters"}]),
      "tasks[0].scramble", "words"),

@@ -6,8 +6,8 @@ scores another (the held-out answers). Writes one row per scored answer with eve
 (``--rows``) and prints the per-encoding table: AUC, the right-rate of the most confident 10 / 30 / 50 % judged
 right and the wrong-rate of the 10 % judged most likely wrong, with n.
 
-    python tools/real_llm/encoding_probe.py runs/universal_qwen15_cpu/answers/sentiment_pool.jsonl \\
-        runs/universal_qwen15_cpu/answers/sentiment_heldout.jsonl \\
+    python tools/real_llm/encoding_probe.py runs/universal2k_qwen15_cpu/answers/sentiment_pool.jsonl \\
+        runs/universal2k_qwen15_cpu/answers/sentiment_heldout.jsonl \\
         --rows docs/results/sentiment_qwen15_cpu/sentiment_encoding_probe.jsonl
 
 Needs scikit-learn (``pip install -e '.[tools]'``). A probe is a ceiling-style diagnostic, not the verifier:

@@ -6,8 +6,8 @@ evaluate stage slices them), prints one JSON summary per verifier (verified = ad
 "correct"; the lowest accuracy among the verified rows of each true and each predicted class) and, with
 ``--rows``, writes the per-row verdicts of ``--verifier`` in verdicts.jsonl's fields.
 
-    python tools/real_llm/interim_verdicts.py runs/universal_qwen15_cpu sentiment heldout \\
-        --verifier universal-own+forced-last --rows docs/results/universal_qwen15_cpu/interim.jsonl
+    python tools/real_llm/interim_verdicts.py runs/universal2k_qwen15_cpu sentiment heldout \\
+        --verifier universal-own+forced-last --rows docs/results/universal2k_qwen15_cpu/interim.jsonl
 """
 
 from __future__ import annotations
