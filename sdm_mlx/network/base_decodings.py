@@ -108,10 +108,11 @@ class BaseDecodings:
                            seconds=0.0, features=self._features[i:i + 1, cols])
                 for k, i in self._row.items()}
 
-    def check_against(self, decoded: Sequence[Decoded], given: Sequence[Decoded]) -> None:
+    def check_against(self, decoded: Sequence[Decoded], given: Sequence[Decoded]) -> int:
         """Refuse the file when most of ``decoded`` (prompts decoded again by the base head) differ from their
         ``given`` decodings: another model, prompt template, stop rule or feature construction wrote the file.  (One
-        prompt may differ by a near tie between two tokens: BLAS kernels and batch shapes differ.)"""
+        prompt may differ by a near tie between two tokens: BLAS kernels and batch shapes differ.)  Returns how many
+        differ."""
         differ = [(a, b) for a, b in zip(decoded, given) if not _same_decoding(a, b)]
         if differ and 2 * len(differ) >= len(given):
             a, b = differ[0]
@@ -120,6 +121,7 @@ class BaseDecodings:
                 f"again, {len(differ)} of {len(given)} differ (one gives {a.text[:60]!r} where the file says "
                 f"{b.text[:60]!r}). Write it again from the same model and decode settings, or remove "
                 "base_decodings to decode every prompt")
+        return len(differ)
 
 
 def _same_decoding(a: Decoded, b: Decoded) -> bool:

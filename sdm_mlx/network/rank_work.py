@@ -89,11 +89,11 @@ class RankWork:
             keys = {prompt_key(_embed.encode(self.tokenizer, r["prompt"])): r["prompt"] for r in rows}
             sample = [k for k in keys if k in known][:CHECKED_PROMPTS]
             again = greedy_generate(self.heads, self.tokenizer, [keys[k] for k in sample], settings, features=True)
-            base.check_against(again, [known[k] for k in sample])
+            differ = base.check_against(again, [known[k] for k in sample])
             self._base_decodings_checked = bool(sample)
             given = sum(k in known for k in keys)
             self.log(f"{given} of {len(keys)} prompts' base-head decodings are given by {base.path} "
-                     f"({len(sample)} decoded again: the same)")
+                     f"({len(sample)} decoded again, {differ} of them differently)")
         return known
 
     def journal(self, purpose: str) -> DecodeJournal:

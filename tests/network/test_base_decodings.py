@@ -69,13 +69,13 @@ def test_a_file_of_another_model_is_refused_and_one_near_tie_is_not(decoded, tmp
     given = list(base.decodings(SETTINGS.feature_parts).values())
     by_prompt = {tuple(g.prompt_ids): g for g in gens}
     again = [by_prompt[tuple(d.prompt_ids)] for d in given]
-    base.check_against(again, given)  # the model's own decodings
+    assert base.check_against(again, given) == 0  # the model's own decodings
 
     def other(g, text=None, scale=1.0):
         return Decoded(prompt_ids=g.prompt_ids, token_ids=g.token_ids, text=g.text if text is None else text,
                        stop_reason=g.stop_reason, seconds=0.0, features=g.features * scale)
 
-    base.check_against([other(again[0], text="x")] + again[1:], given)  # one prompt of four on a near tie
+    assert base.check_against([other(again[0], text="x")] + again[1:], given) == 1  # one of four on a near tie
     with pytest.raises(InputError, match="does not hold this model's greedy decodings.*2 of 4 differ"):
         base.check_against([other(g, text="x") for g in again[:2]] + again[2:], given)
     with pytest.raises(InputError, match="4 of 4 differ"):  # the same texts, another model's states
