@@ -19,7 +19,7 @@ from ..storage.files import strict
 from ..storage.journal import ChunkJournal
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
-from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals, prompt_key
+from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals
 from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
@@ -66,35 +66,29 @@ class RankWork:
         """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
         ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
         c, settings = self.config, self.decode_settings(verifier)
-        journal = self.given_in_front(journal, rows, settings) if base_head else journal
+        journal = self.given_in_front(journal, settings) if base_head else journal
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
                                    progress=bar.update, journal=journal)
 
-    def given_in_front(self, journal: DecodeJournal | None, rows: Sequence[dict], settings: DecodeSettings):
-        """``journal`` with the base model's given decodings in front of it (:class:`~.decode_journal.GivenDecodings`)
-        when ``config.base_decodings`` names some, else ``journal`` itself."""
-        known = self.known_decodings(rows, settings)
-        return journal if known is None else GivenDecodings(known, journal)
-
-    def known_decodings(self, rows: Sequence[dict], settings: DecodeSettings) -> dict | None:
-        """The base model's given decodings (``config.base_decodings``, :mod:`.base_decodings`) in the parts
-        ``settings`` pools, or None; the first time, up to :data:`CHECKED_PROMPTS` of ``rows`` whose decoding is
-        given are decoded again and compared (a file of another model or setting is refused)."""
+    def given_in_front(self, journal: DecodeJournal | None, settings: DecodeSettings):
+        """``journal`` with the base model's given decodings (``config.base_decodings``, :mod:`.base_decodings`) in
+        the parts ``settings`` pools in front of it (:class:`~.decode_journal.GivenDecodings`), else ``journal``
+        itself.  The first time, :data:`CHECKED_PROMPTS` of the file's prompts are decoded again and compared (a
+        file of another model or setting is refused)."""
         base = self.base_decodings
         if base is None:
-            return None
+            return journal
         known = base.decodings(settings.feature_parts)
         if not self._base_decodings_checked:
-            keys = {prompt_key(_embed.encode(self.tokenizer, r["prompt"])): r["prompt"] for r in rows}
-            sample = [k for k in keys if k in known][:CHECKED_PROMPTS]
-            again = greedy_generate(self.heads, self.tokenizer, [keys[k] for k in sample], settings, features=True)
-            differ = base.check_against(again, [known[k] for k in sample])
-            self._base_decodings_checked = bool(sample)
-            given = sum(k in known for k in keys)
-            self.log(f"{given} of {len(keys)} prompts' base-head decodings are given by {base.path} "
-                     f"({len(sample)} decoded again, {differ} of them differently)")
-        return known
+            sample = list(known.values())[:CHECKED_PROMPTS]
+            again = greedy_generate(self.heads, self.tokenizer, [d.prompt_ids for d in sample], settings,
+                                    features=True)
+            differ = base.check_against(again, sample)
+            self._base_decodings_checked = True
+            self.log(f"the base-head decodings of {len(known)} prompts are given by {base.path} ({len(sample)} "
+                     f"decoded again, {differ} of them differently)")
+        return GivenDecodings(known, journal)
 
     def journal(self, purpose: str) -> DecodeJournal:
         """This rank's :class:`~.decode_journal.DecodeJournal` of one decoding pass (``purpose``, e.g.
@@ -118,8 +112,8 @@ class RankWork:
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         settings = self.decode_settings(est)
         journal = self.journal(purpose)
-        if base_head and part:
-            journal = self.given_in_front(journal, part, settings)
+        if base_head:
+            journal = self.given_in_front(journal, settings)
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
                                 verbose=c.verbose, journal=journal) if part else None
         if not self.dp.active:
