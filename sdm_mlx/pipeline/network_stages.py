@@ -124,10 +124,20 @@ def network_prompts(recipe: Recipe, layout: Layout) -> list[dict]:
             for t in recipe.tasks for s in TEST_SPLITS if t.sizes.get(s) for r in read_rows(layout.data(t.name, s))]
 
 
+def base_head_kept(layout: Layout) -> bool:
+    """Whether the network's answers are the base model's: Alg. 4 kept epoch 0, so W_pos is the base head, the
+    network decodes exactly as the base model did in the answers stage, and the same primary verifier judges the
+    same decode-time features (``network_answers`` then decodes nothing; the table repeats the base verdicts)."""
+    marker = read_json(layout.network_answers_marker) or {}
+    return bool(marker.get("base_head")) and marker.get("network") == _network_state(layout)
+
+
 def network_answers_done(recipe: Recipe, layout: Layout) -> bool:
     marker = read_json(layout.network_answers_marker) or {}
     if marker.get("network") != _network_state(layout):
         return False
+    if marker.get("base_head"):
+        return True
     want = sum(t.sizes[s] for t in recipe.tasks for s in TEST_SPLITS)
     return count_rows(layout.network_answers) >= want
 
@@ -145,6 +155,11 @@ def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
     out = layout.network_answers
     if marker.get("network") not in (None, state) and os.path.exists(out):
         os.replace(out, out + ".stale")  # the answers of an earlier network: decoded again
+    if state["selected_epoch"] == 0:
+        write_json(layout.network_answers_marker, {"network": state, "base_head": True})
+        say("Alg. 4 kept epoch 0 (no epoch admitted more than the base head): the network is the base model, so "
+            "its answers are the answers stage's, judged by the same verifier; nothing to decode")
+        return {"rows": 0, "tokens": 0}
     prompts = network_prompts(recipe, layout)
     before = count_rows(out)
     total = {"rows": 0, "tokens": 0}

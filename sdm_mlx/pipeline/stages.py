@@ -10,7 +10,8 @@
 ``verifiers``      the universal verifier per row set and encoding, and per-task ones (:mod:`.verifiers`)
 ``evaluate``       every verifier's verdict on the held-out and shift own answers
 ``network``        Alg. 4 (``sdm-mlx network-train``) on the primary verifier's rows and split
-``network_answers`` ``sdm-mlx generate --head`` with the kept network over the held-out and shift rows
+``network_answers`` ``sdm-mlx generate --head`` with the kept network over the held-out and shift rows (nothing to
+                   decode when Alg. 4 kept epoch 0, the base head: the table repeats the base verdicts)
 ``table``          ``table.json``, ``table.md``, ``verdicts.jsonl``, risk–coverage plots (:mod:`.table`); always runs
 =================  =============================================================================================
 

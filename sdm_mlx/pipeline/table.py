@@ -88,10 +88,14 @@ def by_task_split(rows: list[dict], recipe: Recipe) -> dict:
     return out
 
 
-def network_verdicts(recipe: Recipe, layout: Layout) -> list[dict]:
-    """Verdict rows (stage ``network``) of ``sdm-mlx generate --head``'s answers to the held-out and shift rows."""
+def network_verdicts(recipe: Recipe, layout: Layout, base: list[dict] = ()) -> list[dict]:
+    """Verdict rows (stage ``network``) of ``sdm-mlx generate --head``'s answers to the held-out and shift rows; the
+    ``base`` verdicts again when Alg. 4 kept epoch 0 (:func:`~.network_stages.base_head_kept`)."""
     from ..network.generation import parse_task_prediction
+    from .network_stages import base_head_kept
 
+    if base_head_kept(layout):
+        return [{**r, "stage": "network"} for r in base]
     out = []
     answers = {r["id"]: r for r in _read(layout.network_answers)}
     for t in recipe.tasks:
@@ -178,7 +182,9 @@ def markdown(table: dict) -> str:
         lines += ["", "## SDM network (Alg. 4)", "",
                   f"Calibration count (admitted, prediction \"right\", task answer right): {sel['initial_count']} "
                   f"before training{'; after each epoch: ' + counts if counts else ''}; kept: epoch "
-                  f"{sel['selected_epoch']} (finished: {sel['finished']})."]
+                  f"{sel['selected_epoch']} (finished: {sel['finished']})."
+                  + (" Epoch 0 is the base head: the network is the base model, and its rows are the base rows."
+                     if sel["selected_epoch"] == 0 else "")]
     if table.get("stages"):
         lines += ["", "## Cost per stage (last run)", "",
                   "| stage | wall s | rows | rows/s | tokens/s | peak RSS GB | load |", "|---|---|---|---|---|---|---|"]
@@ -260,7 +266,7 @@ def build_table(recipe: Recipe, layout: Layout, verifier_index: dict, stages: di
                                     "results": by_task_split(rows, recipe)}
     base = [{**r, "stage": "base"} for r in rows_by_verifier.get(primary, [])]
     table["base"] = by_task_split(base, recipe)
-    net = network_verdicts(recipe, layout)
+    net = network_verdicts(recipe, layout, base)
     selection = network_selection(layout)
     if selection is not None or net:
         table["network"] = {"selection": selection, "results": by_task_split(net, recipe)}

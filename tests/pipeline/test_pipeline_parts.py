@@ -11,7 +11,7 @@ from sdm_mlx.errors import InputError
 from sdm_mlx.pipeline import recipe as R
 from sdm_mlx.pipeline.answers import done_ids
 from sdm_mlx.pipeline.layout import Layout
-from sdm_mlx.pipeline.network_stages import network_answers_done, network_done
+from sdm_mlx.pipeline.network_stages import base_head_kept, network_answers_done, network_done, run_network_answers
 from sdm_mlx.pipeline.row_stages import model_completions
 from sdm_mlx.pipeline.table import index_conditional, network_verdicts, risk_coverage, summarize
 from sdm_mlx.pipeline.verifiers import slice_columns, verdict
@@ -109,6 +109,34 @@ def test_network_stage_done_reads_the_metrics_and_the_marker(tmp_path):
     (tmp_path / "network" / "answers.done.json").write_text(json.dumps(
         {"network": {"selected_epoch": 2, "epochs_completed": 2}}))
     assert network_answers_done(r, lay)
+
+
+def test_a_network_that_kept_epoch_0_answers_as_the_base_model_without_decoding(tmp_path):
+    """Alg. 4 kept epoch 0 (the base head): network_answers decodes nothing, and the table's network rows are the
+    base verdicts; a later network that kept an epoch of its own needs its answers decoded."""
+    r = R.parse_recipe({"output": str(tmp_path), "network": {"epochs": 1},
+                        "tasks": [{"name": "a", "preset": "arithmetic", "sizes": {"pool": 2, "heldout": 2}}]})
+    lay = Layout(str(tmp_path))
+    (tmp_path / "network" / "run").mkdir(parents=True)
+    (tmp_path / "network" / "run" / "metrics.json").write_text(json.dumps(
+        {"finished": True, "epochs_completed": 1, "selected_epoch": 0}))
+    (tmp_path / "network" / "done.json").write_text(json.dumps({"fingerprint": {"verifier": None, "settings": {}}}))
+    _write(tmp_path / "network" / "answers.jsonl", [{"id": "a/1"}])  # an earlier network's answers
+    (tmp_path / "network" / "answers.done.json").write_text(json.dumps(
+        {"network": {"selected_epoch": 2, "epochs_completed": 2}}))
+    assert network_done(r, lay) and not network_answers_done(r, lay) and not base_head_kept(lay)
+    assert run_network_answers(r, lay) == {"rows": 0, "tokens": 0}
+    assert network_answers_done(r, lay) and base_head_kept(lay)
+    assert not (tmp_path / "network" / "answers.jsonl").exists()  # set aside, not mixed in
+    assert (tmp_path / "network" / "answers.jsonl.stale").exists()
+    base = [_v(1, 1, True, id="1"), _v(0, 1, False, id="2")]
+    net = network_verdicts(r, lay, base)
+    assert [x["stage"] for x in net] == ["network", "network"]
+    assert [{k: v for k, v in x.items() if k != "stage"} for x in net] == base
+    (tmp_path / "network" / "run" / "metrics.json").write_text(json.dumps(
+        {"finished": True, "epochs_completed": 1, "selected_epoch": 1}))
+    assert not base_head_kept(lay) and not network_answers_done(r, lay)
+    assert network_verdicts(r, lay, base) == []
 
 
 def test_slice_columns_picks_the_parts_of_one_decoding():

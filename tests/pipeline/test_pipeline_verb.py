@@ -78,7 +78,11 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
     with np.load(out / "network" / "base_decodings.npz") as base:
         assert len(base["prompts"]) == 2 * L.POOL and list(base["feature_parts"]) == ["mean", "last"]
     assert metrics["initial"]["given"] == metrics["initial"]["documents"] > 0
-    assert len(_rows(out / "network" / "answers.jsonl")) == 2 * (L.HELDOUT + L.SHIFT)
+    done = json.loads((out / "network" / "answers.done.json").read_text())
+    if metrics["selected_epoch"] == 0:  # the base head kept: nothing decoded (see the next test)
+        assert done["base_head"] and not (out / "network" / "answers.jsonl").exists()
+    else:
+        assert len(_rows(out / "network" / "answers.jsonl")) == 2 * (L.HELDOUT + L.SHIFT)
     for name in ("table.json", "table.md", "verdicts.jsonl", "recipe.json"):
         assert (out / name).is_file()
     assert "| sentiment | heldout | 10 |" in r.stdout  # the markdown table on stdout
@@ -121,15 +125,39 @@ def test_verdicts_hold_the_checked_fields_and_agree_with_the_table(lab):
     for r in rows:
         if r["stage"] == "base":
             assert ev[(r["task"], r["id"])]["verified"] == r["verified"]
-    # a network that kept epoch 0 is the base model: generate --head answers as the answers stage did, and the
-    # verifier judges the decode-time features of both alike
+    # a network that kept epoch 0 is the base model: its rows are the base rows, and generate --head (which the
+    # stage then skips) answers as the answers stage did, judged alike by the verifier on decode-time features
     if table["network"]["selection"]["selected_epoch"] == 0:
         base = {(r["task"], r["id"]): r for r in rows if r["stage"] == "base"}
+        assert len(base) == sum(r["stage"] == "network" for r in rows)
         for r in rows:
             if r["stage"] == "network":
-                b = base[(r["task"], r["id"])]
-                assert r["answer"] == b["answer"] and r["verified"] == b["verified"]
-                assert r["p_lower"] == pytest.approx(b["p_lower"], abs=1e-3)
+                assert r == {**base[(r["task"], r["id"])], "stage": "network"}
+        _generate_with_the_base_head_answers_as_the_answers_stage(out, base)
+
+
+def _generate_with_the_base_head_answers_as_the_answers_stage(out, base):
+    from sdm_mlx.pipeline.layout import Layout
+    from sdm_mlx.pipeline.network_stages import network_prompts
+    from sdm_mlx.pipeline.stages import load_run_recipe
+    from sdm_mlx.pipeline.table import network_verdicts
+
+    recipe, layout = load_run_recipe(str(out)), Layout(str(out / "check"))
+    prompts = [p for p in network_prompts(recipe, Layout(str(out))) if p["split"] == "heldout"][::3]
+    (out / "check" / "network").mkdir(parents=True)
+    (out / "check" / "network" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (out / "check" / "data").symlink_to(out / "data")
+    r = _cli("generate", "--head", out / "network" / "run" / "network", "--verifier",
+             out / "verifiers" / recipe.primary_verifier(), "--system", recipe.system or "", "--prompt-template",
+             "{document}", "--max-tokens", recipe.max_tokens, "--input", out / "check" / "network" / "prompts.jsonl",
+             "--output", layout.network_answers, "--on-reject", "return", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    decoded = network_verdicts(recipe, layout)
+    assert len(decoded) == len(prompts) >= 4
+    for d in decoded:
+        b = base[(d["task"], d["id"])]
+        assert d["answer"] == b["answer"] and d["verified"] == b["verified"]
+        assert d["p_lower"] == pytest.approx(b["p_lower"], abs=1e-3)
 
 
 def test_a_second_run_skips_every_finished_stage(lab):
