@@ -156,6 +156,8 @@ def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
     if marker.get("network") not in (None, state) and os.path.exists(out):
         os.replace(out, out + ".stale")  # the answers of an earlier network: decoded again
     if state["selected_epoch"] == 0:
+        if os.path.exists(out):
+            os.replace(out, out + ".stale")  # decoded before: the base verdicts stand for them
         write_json(layout.network_answers_marker, {"network": state, "base_head": True})
         say("Alg. 4 kept epoch 0 (no epoch admitted more than the base head): the network is the base model, so "
             "its answers are the answers stage's, judged by the same verifier; nothing to decode")

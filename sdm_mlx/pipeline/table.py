@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from typing import Sequence
 
 from .layout import Layout
 from .recipe import TEST_SPLITS, Recipe
@@ -88,7 +89,7 @@ def by_task_split(rows: list[dict], recipe: Recipe) -> dict:
     return out
 
 
-def network_verdicts(recipe: Recipe, layout: Layout, base: list[dict] = ()) -> list[dict]:
+def network_verdicts(recipe: Recipe, layout: Layout, base: Sequence[dict] = ()) -> list[dict]:
     """Verdict rows (stage ``network``) of ``sdm-mlx generate --head``'s answers to the held-out and shift rows; the
     ``base`` verdicts again when Alg. 4 kept epoch 0 (:func:`~.network_stages.base_head_kept`)."""
     from ..network.generation import parse_task_prediction
