@@ -1,7 +1,7 @@
 """Resuming ``network-train`` (Alg. 4, ``alg:sdm-network-training``) after its last finished epoch.
 
-After the verification layer is fitted and after every finished epoch (improving or not), rank 0
-writes ``<output>/resume/``, one artifact directory (kind ``sdm_network_resume``, replaced atomically
+After the verification layer is fitted, after every epoch's W_pos training and again after its calibration
+count (improving or not), rank 0 writes ``<output>/resume/``, one artifact directory (kind ``sdm_network_resume``, replaced atomically
 by :func:`sdm_mlx.storage.artifact.save_artifact`, so a ``kill -9`` leaves the previous state or the
 new one) holding everything the next epoch reads:
 
@@ -10,7 +10,10 @@ new one) holding everything the next epoch reads:
 * the fixed split of Alg. 4 — the training, calibration and y = 1 training rows — and the
   SHA-256 of the saved verification layer (``<output>/verifier/`` is loaded instead of fitted again);
 * the current W_pos (not only the kept one), the Adam state with its step count, the token
-  shuffle generator's state, the best count, the selected epoch and the metrics so far.
+  shuffle generator's state, the best count, the selected epoch and the metrics so far; between an
+  epoch's training and its count, the metrics also hold that epoch's row (:data:`TRAINED_EPOCH`), so a
+  run stopped during the count (a decoding pass of the calibration split, hours of a real model on a
+  CPU) resumes with the count, not with the epoch's training.
 
 Running the same command again continues from that state and ends with the result of an
 uninterrupted run (the per-epoch q, d are generated from the restored W_pos; nothing else carries
@@ -41,6 +44,8 @@ from .artifact import FORMAT_VERSION as NETWORK_FORMAT_VERSION
 KIND = "sdm_network_resume"
 VERSION = 1
 RESUME_DIR = "resume"
+#: the metrics key of an epoch whose W_pos is trained and saved and whose calibration count is still to come
+TRAINED_EPOCH = "trained_epoch"
 ROWS_FILE = "rows.json"
 #: settings that do not change what the epochs compute (``epochs`` is compared on its own; a state is written
 #: only after the admission check of ``require_admission`` passed; the host and MLX steps compute the same

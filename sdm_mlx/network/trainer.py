@@ -2,40 +2,31 @@
 
 Steps (DESIGN #17-21 fix what the paper leaves open):
 
-(a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)``
-    become verification rows (``sdm_mlx.llm.verification_data``: each row is a
-    positive with its own label's completion, or a constructed negative with
-    another label's).  Their force-decoded features (``sdm_mlx.llm.embed``:
-    concat(mean of final-norm states, state predicting the closing delimiter))
-    train an ``SDMEstimator`` (J rounds over pooled re-splits).  The split of its
-    selected round is D_tr* (support set) / D_ca* (calibration) for everything
-    below.  θ is frozen, so Alg. 4 line 11 (retraining the verifier) is skipped
-    (DESIGN #19).
-(b) **Token cache, once.**  For every y = 1 row of D_tr*: the frozen hidden
-    states at the positions predicting each completion token up to and
-    including the closing-delimiter token (at most ``max_length`` positions),
-    with targets ``token + |V|``.
-(c) **q, d before every epoch.**  Greedy joint decoding of the y = 1 training
-    prompts with the current heads; the verifier's q and d of each generated
-    output (support search without self-exclusion, *training* distance eCDFs)
+(a) **Verification layer, once.**  Task rows ``(id, label = y_task, document)`` become verification rows
+    (``sdm_mlx.llm.verification_data``: each row is a positive with its own label's completion, or a constructed
+    negative with another label's).  Their force-decoded features (``sdm_mlx.llm.embed``: concat(mean of final-norm
+    states, state predicting the closing delimiter)) train an ``SDMEstimator`` (J rounds over pooled re-splits).
+    The split of its selected round is D_tr* (support set) / D_ca* (calibration) for everything below.  θ is frozen,
+    so Alg. 4 line 11 (retraining the verifier) is skipped (DESIGN #19).
+(b) **Token cache, once.**  For every y = 1 row of D_tr*: the frozen hidden states at the positions predicting each
+    completion token up to and including the closing-delimiter token (at most ``max_length`` positions), with
+    targets ``token + |V|``.
+(c) **q, d before every epoch.**  Greedy joint decoding of the y = 1 training prompts with the current heads; the
+    verifier's q and d of each generated output (support search without self-exclusion, *training* distance eCDFs)
     are given to every token of that document.
-(d) **One epoch of W_pos**: Adam (bias-corrected; lr 1e-5 default), tokens
-    shuffled at token level (seeded), mini-batches of ``batch_size`` tokens, β
-    rising linearly per mini-batch from β_min to β_max (reset every epoch),
-    loss of ``eq:sdm-network-next-token-training-loss`` (:mod:`.loss`); a
-    compiled step and one ``mx.eval`` per step.
-(e) **Selection (DESIGN #20).**  Before training and after every epoch, greedy
-    decoding over all D_ca* prompts; count the documents admitted by p̂_lower
-    with verification prediction 1 AND a correct task answer parsed from the
-    generated JSON (parse failures are wrong).  An epoch is kept only if its
-    count is STRICTLY greater than the best so far (initially: the count before
-    fine-tuning, for which the saved network is the base head itself).
+(d) **One epoch of W_pos**: Adam (bias-corrected; lr 1e-5 default), tokens shuffled at token level (seeded),
+    mini-batches of ``batch_size`` tokens, β rising linearly per mini-batch from β_min to β_max (reset every epoch),
+    loss of ``eq:sdm-network-next-token-training-loss`` (:mod:`.loss`); a compiled step and one ``mx.eval`` per
+    step.
+(e) **Selection (DESIGN #20).**  Before training and after every epoch, greedy decoding over all D_ca* prompts;
+    count the documents admitted by p̂_lower with verification prediction 1 AND a correct task answer parsed from
+    the generated JSON (parse failures are wrong).  An epoch is kept only if its count is STRICTLY greater than the
+    best so far (initially: the count before fine-tuning, for which the saved network is the base head itself).
 
-Outputs under ``output_dir``: ``verifier/`` (the verification layer),
-``network/`` (the selected network, :mod:`.artifact`), ``metrics.json``
-(updated after every epoch), ``verification_rows.jsonl`` (the rows with
-their split) and ``resume/`` (what continuing after the last finished epoch
-needs, :mod:`.resume`).  Progress goes to stderr.
+Outputs under ``output_dir``: ``verifier/`` (the verification layer), ``network/`` (the selected network,
+:mod:`.artifact`), ``metrics.json`` (updated after every epoch), ``verification_rows.jsonl`` (the rows with their
+split) and ``resume/`` (what continuing needs: after an epoch's training and after its count, :mod:`.resume`).
+Progress goes to stderr.
 
 What is left here is Alg. 4's sequence; each step's work lives elsewhere: :mod:`.step` and :mod:`.loss` the W_pos
 step, :mod:`.rank_work` the embedding and decoding over the ranks, :mod:`.selection` the count of (e).
@@ -63,7 +54,7 @@ from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, read_network_config, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .rank_work import RankWork
-from .resume import Resumption, discard_state
+from .resume import TRAINED_EPOCH, Resumption, discard_state
 from .selection import VerifierAdmitsNothing, head_label, select_improved
 from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
@@ -240,8 +231,41 @@ class SDMNetworkTrainer(RankWork):
             f"{epoch - 1} (--restart starts over)", True)
 
     def run_epoch(self, epoch: int, run: EpochInputs, *, metrics: dict, best: int, selected: int) -> tuple[int, int]:
-        """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved."""
-        c, (est, pos_rows, cal_rows, cache, hidden, targets, step, optimizer) = self.config, run
+        """(d) one epoch of W_pos, then (e) the calibration count; saves the head if it improved.
+
+        The trained W_pos is saved before its count (a decoding pass of the whole calibration split: hours of a
+        real model on a CPU), so a run stopped during the count resumes with the count, its decode journal intact
+        (keyed by the head's checksum), instead of training the epoch again."""
+        c, est, cal_rows, optimizer = self.config, run.est, run.cal_rows, run.optimizer
+        row = metrics.pop(TRAINED_EPOCH, None)  # a resumed run: W_pos, Adam and the shuffle are that epoch's end
+        if row is None or row.get("epoch") != epoch:
+            row = self._train_epoch(epoch, run, metrics=metrics, best=best, selected=selected)
+        t_count = time.perf_counter()
+        cal = self.calibration_count(est, cal_rows, f"calibration-epoch{epoch}")
+        improved = select_improved(cal["count"], best)
+        if improved:
+            best, selected = cal["count"], epoch
+            self.save(self.verifier_path, selected, best, epoch)
+        row = {**row, "calibration": cal, "count": cal["count"], "selected": improved,
+               "epoch_seconds": row["train_seconds"] + time.perf_counter() - t_count}
+        metrics["epochs"].append(row)
+        metrics["selected_epoch"], metrics["best_count"] = selected, best
+        self.write_metrics(metrics)
+        self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=epoch, best=best, selected=selected,
+                             metrics=metrics)
+        self.discard_journals()
+        self.log(
+            f"epoch {epoch}/{c.epochs}: loss {row['loss']:.4f} (L {row['nll']:.4f}, R {row['reg']:.4f}, "
+            f"R' {row['reg_rescaled']:.4f}), beta {row['beta_first']:.4g}->{row['beta_last']:.4g}, "
+            f"count {cal['count']} (best {best}{', kept' if improved else ''}), "
+            f"{row['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
+        )
+        return best, selected
+
+    def _train_epoch(self, epoch: int, run: EpochInputs, *, metrics: dict, best: int, selected: int) -> dict:
+        """(c) the q, d of the y = 1 training documents, (d) W_pos's epoch over the token cache; saves the trained
+        state (epochs finished: ``epoch`` − 1, this epoch's row pending its count) and returns the epoch's row."""
+        c, (est, pos_rows, _, cache, hidden, targets, step, optimizer) = self.config, run
         t0 = time.perf_counter()
         # epoch 1 decodes before its first step: with the base head (W_pos restored or fresh, a copy of it)
         q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}", base_head=epoch == 1)
@@ -252,28 +276,12 @@ class SDMNetworkTrainer(RankWork):
                             MiniBatches(c.batch_size, c.beta_min, c.beta_max), rng=self.rng, progress=bar.update,
                             dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
-        cal = self.calibration_count(est, cal_rows, f"calibration-epoch{epoch}")
-        improved = select_improved(cal["count"], best)
-        if improved:
-            best, selected = cal["count"], epoch
-            self.save(self.verifier_path, selected, best, epoch)
         row = {"epoch": epoch, **m, "q_mean": float(q_doc.mean()) if len(q_doc) else None,
                "d_mean": float(d_doc.mean()) if len(d_doc) else None, "qd_seconds": t_qd,
-               "calibration": cal, "count": cal["count"], "selected": improved,
-               "epoch_seconds": time.perf_counter() - t0}
-        metrics["epochs"].append(row)
-        metrics["selected_epoch"], metrics["best_count"] = selected, best
-        self.write_metrics(metrics)
-        self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=epoch, best=best, selected=selected,
-                             metrics=metrics)
-        self.discard_journals()
-        self.log(
-            f"epoch {epoch}/{c.epochs}: loss {m['loss']:.4f} (L {m['nll']:.4f}, R {m['reg']:.4f}, "
-            f"R' {m['reg_rescaled']:.4f}), beta {m['beta_first']:.4g}->{m['beta_last']:.4g}, "
-            f"count {cal['count']} (best {best}{', kept' if improved else ''}), "
-            f"{m['tokens_per_s']:.0f} tok/s, {row['epoch_seconds']:.1f}s"
-        )
-        return best, selected
+               "train_seconds": time.perf_counter() - t0}
+        self.resumption.save(self.heads, self.rng, optimizer, epochs_completed=epoch - 1, best=best,
+                             selected=selected, metrics={**metrics, TRAINED_EPOCH: row})
+        return row
 
     def run(self) -> NetworkTrainResult:
         """Alg. 4 (``alg:sdm-network-training``): verifier once, then token epochs kept by DESIGN #20; continues
@@ -296,8 +304,11 @@ class SDMNetworkTrainer(RankWork):
             self.discard_journals()
         else:
             metrics, best, selected, done = self.resumption.restore(self.heads, self.rng, optimizer, self.network_path)
+            pending = (f"; epoch {done + 1}'s W_pos was trained before the stop, so only its calibration count runs"
+                       if (metrics.get(TRAINED_EPOCH) or {}).get("epoch") == done + 1 else "")
             log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {head_label(selected)}, "
-                f"count {best}); the verification layer and the finished epochs are not run again", self.dp.writer)
+                f"count {best}); the verification layer and the finished epochs are not run again{pending}",
+                self.dp.writer)
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
         else:

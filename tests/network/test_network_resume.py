@@ -33,10 +33,12 @@ KILLER = """
 import atexit, os, signal, sys
 import sdm_mlx.network.decode_journal as decode_journal
 import sdm_mlx.network.rank_work as rank_work
+import sdm_mlx.network.resume as resume
 import sdm_mlx.network.trainer as trainer
 name, calls = os.environ["KILL_AFTER"], []
-if "." in name:  # a method, e.g. DecodeJournal.add
-    module, name = getattr(decode_journal, name.split(".")[0]), name.split(".")[1]
+if "." in name:  # a method, e.g. DecodeJournal.add or Resumption.save
+    owner = decode_journal if hasattr(decode_journal, name.split(".")[0]) else resume
+    module, name = getattr(owner, name.split(".")[0]), name.split(".")[1]
 else:
     module = trainer if hasattr(trainer, name) else rank_work
 if os.environ.get("JOURNAL_CHUNK"):
@@ -151,6 +153,27 @@ def test_a_killed_run_continues_with_the_same_command_to_the_uninterrupted_resul
     assert "nothing to do" in done.stderr and "raise --epochs" in done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["selected_epoch"] == 2
     assert {p: os.stat(p).st_mtime_ns for p in stamps} == stamps
+
+
+def test_a_run_killed_during_an_epochs_count_resumes_with_the_count_not_the_training(tiny, tmp_path):
+    """Killed right after epoch 1's trained W_pos is saved (the third state written: after the verifier fit, after
+    the base count, after epoch 1's training): the state says 0 epochs finished and holds epoch 1's row; the same
+    command counts epoch 1 without training it again (2 epochs trained, not 3) and ends where the uninterrupted
+    run did."""
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out)
+    killed = sdm(args, killer=("Resumption.save", 3))
+    assert killed.returncode == -9, killed.stderr
+    saved = state(out)
+    assert saved.epochs_completed == 0 and saved.metrics["trained_epoch"]["epoch"] == 1
+    assert not saved.metrics["epochs"] and "count" not in saved.metrics["trained_epoch"]
+    again = sdm(args, killer=("train_epoch", 10**6))
+    assert again.returncode == 0, again.stderr
+    assert "KILLER calls 2" in again.stderr  # epochs 2 and 3 trained; epoch 1 only counted
+    assert "resuming after epoch 0 of 3" in again.stderr, again.stderr
+    assert "epoch 1's W_pos was trained before the stop, so only its calibration count runs" in again.stderr
+    assert_same_run(out, tiny["reference"])
+    assert "trained_epoch" not in metrics(out) and "trained_epoch" not in state(out).metrics
 
 
 @pytest.mark.slow  # two CLI trainings; the default tier resumes a run killed mid-epoch (test_a_killed_run_continues...)
