@@ -28,10 +28,7 @@ Subnormal floats are flushed to zero in the softmax p and the gradient (:func:`_
 |V| probabilities of a confident model underflow below 1.2e-38, and x86 CPUs compute on subnormal operands
 through slow microcode assists: with 30 % of the gradient's entries subnormal, the dW products took 40x as long
 (measured), and a real Alg. 4 epoch ran at 3.9 s per step instead of about 1 s.  Metal flushes them as well, and
-an entry that small moves W_pos by less than 1e-30 of a unit through Adam.  The gradient's entries below
-:data:`GRAD_FLOOR` and the first moments below :data:`MOMENT_FLOOR` are zeroed too: squared into v, or decaying
-by β₁ every step, they turned subnormal in the Adam pass, which then ran 18x slower per block (measured: a real
-epoch on Qwen2.5-1.5B fell to 6 tokens/s, 79 % of it in that pass).
+an entry that small moves W_pos by less than 1e-30 of a unit through Adam.
 
 The host arrays are the step's own during an epoch;
 :meth:`HostTrainStep.begin` copies W_pos and the Adam state out of the heads and the optimizer, and
@@ -83,17 +80,9 @@ def reference_weight(heads: SDMHeads) -> mx.array | None:
 TINY = np.float32(np.finfo(np.float32).tiny)
 
 
-#: gradient entries below this are set to zero before Adam: their squares (v) and their decaying first moments
-#: would be subnormal, and such an entry moves W_pos by less than 1e-7 of the learning rate (Adam's ε is 1e-8)
-GRAD_FLOOR = np.float32(1e-15)
-#: first moments below this are set to zero: decaying by β₁ each step they would turn subnormal
-MOMENT_FLOOR = np.float32(1e-20)
-
-
-def _flush_subnormal(x: np.ndarray, floor: np.float32 = TINY) -> np.ndarray:
-    """Set the entries of float32 ``x`` below ``floor`` in magnitude (default: the subnormal ones) to zero, in place
-    (see the module docstring); returns ``x``."""
-    np.copyto(x, np.float32(0.0), where=np.abs(x) < floor)
+def _flush_subnormal(x: np.ndarray) -> np.ndarray:
+    """Set the subnormal entries of float32 ``x`` to zero, in place (see the module docstring); returns ``x``."""
+    np.copyto(x, np.float32(0.0), where=np.abs(x) < TINY)
     return x
 
 
@@ -217,7 +206,7 @@ class HostTrainStep:
             coef = np.where(r_rows > 0, -g_reg * d.reshape(n) / np.where(r_rows > 0, r_rows, 1.0), 0.0)
             grad += coef.astype(np.float32)[:, None] * (md - p * s_rows[:, None])
         grad /= np.float32(n)
-        self._adam(_flush_subnormal(grad, GRAD_FLOOR), h)
+        self._adam(_flush_subnormal(grad), h)
         return total, nll, reg, reg_rescaled
 
     def _adam(self, grad: np.ndarray, h: np.ndarray) -> None:
@@ -250,8 +239,6 @@ class HostTrainStep:
             vb += t  # v_scaled = b2 v_scaled + g^2
             mb *= np.float32(b1)
             mb += g  # m = b1 m + (1 - b1) dW
-            np.abs(mb, out=t)
-            np.copyto(mb, np.float32(0.0), where=t < MOMENT_FLOOR)  # not left to decay into subnormals
             np.sqrt(vb, out=t)
             t += eps_c
             np.divide(mb, t, out=t)
