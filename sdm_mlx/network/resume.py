@@ -1,9 +1,9 @@
 """Resuming ``network-train`` (Alg. 4, ``alg:sdm-network-training``) after its last finished epoch.
 
 After the verification layer is fitted, after every epoch's W_pos training and again after its calibration
-count (improving or not), rank 0 writes ``<output>/resume/``, one artifact directory (kind ``sdm_network_resume``, replaced atomically
-by :func:`sdm_mlx.storage.artifact.save_artifact`, so a ``kill -9`` leaves the previous state or the
-new one) holding everything the next epoch reads:
+count (improving or not), rank 0 writes ``<output>/resume/``, one artifact directory (kind
+``sdm_network_resume``, replaced atomically by :func:`sdm_mlx.storage.artifact.save_artifact`, so a
+``kill -9`` leaves the previous state or the new one) holding everything the next epoch reads:
 
 * the settings fingerprint (:func:`settings_fingerprint`): every setting that shapes the result, the
   SHA-256 of every data file, the base model's files and the number of data-parallel ranks;

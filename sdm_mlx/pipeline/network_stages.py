@@ -136,10 +136,8 @@ def network_answers_done(recipe: Recipe, layout: Layout) -> bool:
     marker = read_json(layout.network_answers_marker) or {}
     if marker.get("network") != _network_state(layout):
         return False
-    if marker.get("base_head"):
-        return True
     want = sum(t.sizes[s] for t in recipe.tasks for s in TEST_SPLITS)
-    return count_rows(layout.network_answers) >= want
+    return bool(marker.get("base_head")) or count_rows(layout.network_answers) >= want
 
 
 def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
@@ -153,11 +151,10 @@ def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
     state = _network_state(layout)
     marker = read_json(layout.network_answers_marker) or {}
     out = layout.network_answers
-    if marker.get("network") not in (None, state) and os.path.exists(out):
-        os.replace(out, out + ".stale")  # the answers of an earlier network: decoded again
-    if state["selected_epoch"] == 0:
-        if os.path.exists(out):
-            os.replace(out, out + ".stale")  # decoded before: the base verdicts stand for them
+    base_head = state["selected_epoch"] == 0  # the base model: the base verdicts stand for its answers
+    if os.path.exists(out) and (base_head or marker.get("network") not in (None, state)):
+        os.replace(out, out + ".stale")  # the answers of an earlier network (decoded again unless base_head)
+    if base_head:
         write_json(layout.network_answers_marker, {"network": state, "base_head": True})
         say("Alg. 4 kept epoch 0 (no epoch admitted more than the base head): the network is the base model, so "
             "its answers are the answers stage's, judged by the same verifier; nothing to decode")
