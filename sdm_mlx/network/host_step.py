@@ -30,6 +30,14 @@ through slow microcode assists: with 30 % of the gradient's entries subnormal, t
 (measured), and a real Alg. 4 epoch ran at 3.9 s per step instead of about 1 s.  Metal flushes them as well, and
 an entry that small moves W_pos by less than 1e-30 of a unit through Adam.
 
+The dW + Adam pass is split between :data:`THREADS` threads, each its own contiguous vocabulary rows and its own
+scratch block, and each block product runs on its worker's thread (:func:`~sdm_mlx.runtime.blas.one_blas_thread`;
+NumPy releases the GIL inside each pass).  Left to OpenBLAS's two threads, the 1,187 small products per step each
+ended in a barrier: a real Alg. 4 epoch on a shared virtual machine (30-40 % steal time) ran at 4-6 tokens/s with
+three-quarters of its samples in OpenBLAS's thread handling, against 20 when the steal was low; the pass alone took
+9-14 s beside other work and 1.5 s on a quiet box, split between two threads 2.1 and 1.0-1.3 s (measured,
+``docs/performance.md``).
+
 The host arrays are the step's own during an epoch;
 :meth:`HostTrainStep.begin` copies W_pos and the Adam state out of the heads and the optimizer, and
 :meth:`HostTrainStep.end` puts them back, so everything between epochs (decoding, the resumable state, the
@@ -39,12 +47,15 @@ saved network) sees the MLX arrays as before.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
 from ..core.activation import Q_SOFTMAX
 from ..errors import InputError
+from ..runtime.blas import one_blas_thread
 from .heads import SDMHeads
 
 #: vocabulary rows of W_pos per dW + Adam block (128 x 1,536 float32 = 0.75 MB per array): on the quiet 2-core
@@ -52,6 +63,8 @@ from .heads import SDMHeads
 #: (under load) with 512; two threads over the blocks were slower (the passes are bound by the memory
 #: bandwidth, and BLAS competes for the same two cores)
 BLOCK_ROWS = 128
+#: threads of the dW + Adam pass, each its own vocabulary rows (at most the CPU count; measured on 2 cores)
+THREADS = min(2, os.cpu_count() or 1)
 
 
 def host_step_supported(heads: SDMHeads) -> bool:
@@ -105,6 +118,8 @@ class HostTrainStep:
         date at :meth:`end`.
     block_rows : int
         Vocabulary rows per dW + Adam block.
+    threads : int
+        Threads of the dW + Adam pass (1: the calling thread only).
 
     Attributes
     ----------
@@ -118,14 +133,17 @@ class HostTrainStep:
 
     host = True
 
-    def __init__(self, heads: SDMHeads, optimizer, *, block_rows: int = BLOCK_ROWS):
+    def __init__(self, heads: SDMHeads, optimizer, *, block_rows: int = BLOCK_ROWS, threads: int = THREADS):
         if not host_step_supported(heads):
             raise InputError("the host W_pos step needs a float32 reference head: pass reference_head='float32' "
                              "(--reference-head float32) for a quantised model, or use the MLX step")
         if block_rows < 1:
             raise InputError(f"block_rows must be >= 1, got {block_rows}")
-        self.heads, self.optimizer, self.block_rows = heads, optimizer, int(block_rows)
+        if threads < 1:
+            raise InputError(f"threads must be >= 1, got {threads}")
+        self.heads, self.optimizer, self.block_rows, self.threads = heads, optimizer, int(block_rows), int(threads)
         self.w_pos = self.m = self.v_scaled = None
+        self._pool = self._ranges = self._scratch = None
         self.steps = 0
 
     # -- between epochs: the MLX arrays own the state ---------------------------------------------
@@ -138,6 +156,13 @@ class HostTrainStep:
         self.v_scaled = np.array(state["v"], dtype=np.float32) if "v" in state else np.zeros_like(self.w_pos)
         self.v_scaled *= self._v_scale()
         self.steps = int(np.asarray(self.optimizer.state.get("step", mx.array(0, mx.uint64))).item())
+        vocab, dim = self.w_pos.shape
+        blocks = -(-vocab // self.block_rows)
+        workers = max(1, min(self.threads, blocks))
+        cut = [(blocks * i // workers) * self.block_rows for i in range(workers)] + [vocab]
+        self._ranges = list(zip(cut[:-1], cut[1:]))  # whole blocks per worker
+        self._scratch = [np.empty((self.block_rows, dim), dtype=np.float32) for _ in range(workers)]
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sdm-host-adam") if workers > 1 else None
 
     def end(self) -> None:
         """Put W_pos and the Adam state back into the heads and the optimizer (what MLX's step would leave)."""
@@ -149,6 +174,9 @@ class HostTrainStep:
         self.optimizer.state = state
         mx.eval(self.heads.pos.weight, self.optimizer.state)
         self.w_ref = self.w_pos = self.m = self.v_scaled = None
+        if self._pool is not None:
+            self._pool.shutdown()
+        self._pool = self._ranges = self._scratch = None
 
     def _v_scale(self) -> np.float32:
         """(1 - β₁)² / (1 - β₂): the factor of the host's ``v_scaled`` over Adam's ``v``."""
@@ -224,20 +252,31 @@ class HostTrainStep:
         c1 = lr / (1.0 - b1 ** self.steps)
         c2 = 1.0 / math.sqrt(1.0 - b2 ** self.steps)
         kappa = math.sqrt(1.0 - b2) / (1.0 - b1)  # √v = κ √v_scaled
-        eps_c = np.float32(float(opt.eps) / (c2 * kappa))
-        step_c = np.float32(c1 / (c2 * kappa))
+        consts = (np.float32(b1), np.float32(b2), np.float32(float(opt.eps) / (c2 * kappa)),
+                  np.float32(c1 / (c2 * kappa)))  # β₁, β₂, ε', step size
         grad = grad * np.float32(1.0 - b1)
-        w, m, v = self.w_pos, self.m, self.v_scaled
-        tmp = np.empty((self.block_rows, w.shape[1]), dtype=np.float32)
-        for j0 in range(0, w.shape[0], self.block_rows):
-            j1 = min(j0 + self.block_rows, w.shape[0])
+        with one_blas_thread():  # each worker's products on its own thread (module docstring)
+            if self._pool is None:
+                self._rows(0, *self._ranges[0], grad, h, consts)
+            else:
+                parts = [self._pool.submit(self._rows, i, j0, j1, grad, h, consts)
+                         for i, (j0, j1) in enumerate(self._ranges)]
+                for part in parts:
+                    part.result()
+
+    def _rows(self, worker: int, start: int, stop: int, grad: np.ndarray, h: np.ndarray, consts) -> None:
+        """The blocks of vocabulary rows [start, stop) of :meth:`_adam`, with ``worker``'s scratch block."""
+        b1, b2, eps_c, step_c = consts
+        w, m, v, tmp = self.w_pos, self.m, self.v_scaled, self._scratch[worker]
+        for j0 in range(start, stop, self.block_rows):
+            j1 = min(j0 + self.block_rows, stop)
             g = grad[:, j0:j1].T @ h  # this block of (1 - β₁) dW, [B, D]: never written whole
             t = tmp[: j1 - j0]
             mb, vb, wb = m[j0:j1], v[j0:j1], w[j0:j1]
             np.square(g, out=t)
-            vb *= np.float32(b2)
+            vb *= b2
             vb += t  # v_scaled = b2 v_scaled + g^2
-            mb *= np.float32(b1)
+            mb *= b1
             mb += g  # m = b1 m + (1 - b1) dW
             np.sqrt(vb, out=t)
             t += eps_c

@@ -17,13 +17,21 @@ own stream thread and from Python: serving the tiny test model to one client, th
 So the library is loaded with ``OPENBLAS_THREAD_TIMEOUT=4`` (2^4 cycles: a worker sleeps at once and is
 woken for the next product) unless the environment sets it.  A process started with ``LD_PRELOAD`` has
 read the variable already (export it yourself); ``import sdm_mlx`` still sets it for its child processes.
+
+Many small products in a row are another matter: each multi-threaded product ends in a barrier, and on a
+shared virtual machine a worker whose core the hypervisor has taken away (steal time) holds every other
+thread there.  :func:`one_blas_thread` runs products on the calling thread only, for code that splits its
+own work between threads (the W_pos step's dW blocks: 1,187 products of 128 x 50 x 1,536 per step took
+9-14 s beside other work where they take 1.5 s alone; one BLAS thread per worker, 1.0-2.1 s in both cases).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -34,6 +42,22 @@ OPENBLAS_CANDIDATES = (
 _loaded_in_process: str | None = None
 #: OpenBLAS's busy-wait after a job, as a power of two of CPU cycles (its default 28; see the module docstring)
 THREAD_TIMEOUT = "4"
+
+
+_controller = None
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Every BLAS loaded in the process (NumPy's, and the OpenBLAS serving MLX) computes on the calling thread
+    while the block runs (``threadpoolctl``; the thread counts are restored after).  See the module docstring."""
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()  # the libraries loaded by now; NumPy's is loaded with sdm_mlx
+    with _controller.limit(limits=1, user_api="blas"):
+        yield
 
 
 def find_openblas() -> str | None:

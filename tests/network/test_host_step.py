@@ -177,3 +177,45 @@ def test_subnormal_probabilities_and_gradients_are_flushed(qwen2, monkeypatch):
     out = ref(mx.array(h), mx.array(t.astype(np.int32)), mx.array(q), mx.array(d), mx.array(0.5, dtype=mx.float32))
     mx.eval(out)
     np.testing.assert_allclose(host_loss[:2], [float(v.item()) for v in out[:2]], rtol=1e-4)
+
+
+def test_the_adam_pass_split_between_threads_is_the_single_threaded_pass(qwen2, monkeypatch):
+    """The dW + Adam pass over three workers' row ranges (block edges inside none of them) gives the W_pos, m and v
+    of the pass on the calling thread, and every block product runs with BLAS on one thread, restored after the
+    step (the barrier of a multi-threaded product per block stalled whole epochs under steal time)."""
+    from threadpoolctl import threadpool_info
+
+    from sdm_mlx.network import host_step as H
+
+    model, _ = qwen2
+    seen_threads, workers = [], set()
+    rows = H.HostTrainStep._rows
+
+    def spy(self, worker, start, stop, *args):
+        seen_threads.extend(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+        workers.add(worker)
+        return rows(self, worker, start, stop, *args)
+
+    monkeypatch.setattr(H.HostTrainStep, "_rows", spy)
+    before = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    results = {}
+    for threads in (1, 3):
+        heads = SDMHeads(model)
+        opt = make_optimizer(1e-2)
+        step = HostTrainStep(heads, opt, block_rows=16, threads=threads)
+        step.begin()
+        assert len(step._ranges) == min(threads, -(-heads.vocab_size // 16))
+        assert all(j0 % 16 == 0 for j0, _ in step._ranges) and step._ranges[-1][1] == heads.vocab_size
+        for h, t, q, d in _batches(heads.vocab_size, heads.hidden_size, 3):
+            step(h, t, q, d, 0.5)
+        step.end()
+        assert step._pool is None  # end() stops the workers
+        state = opt.state["pos"]["weight"]
+        results[threads] = [np.array(a) for a in (heads.pos.weight, state["m"], state["v"])]
+    assert workers == {0, 1, 2}
+    assert seen_threads and set(seen_threads) == {1}
+    assert [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"] == before
+    for one, split in zip(results[1], results[3]):
+        np.testing.assert_allclose(split, one, rtol=1e-6, atol=1e-12)
+    with pytest.raises(InputError, match="threads"):
+        HostTrainStep(SDMHeads(model), make_optimizer(1e-2), threads=0)
