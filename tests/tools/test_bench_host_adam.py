@@ -37,7 +37,7 @@ def test_a_run_reports_each_mode_with_the_cpu_shares_and_the_ratios(tmp_path, ca
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["before", "threads1", "threads2"] * 2
     for r in report["rows"]:
-        assert r["step_s"] > 0 and r["pass_s"] > 0 and r["load_average"] >= 0
+        assert r["step_s"] > 0 and r["pass_s"] > 0 and r["load_average"] >= 0 and r["rss_mb"] > 0
         assert abs(r["cpu_user"] + r["cpu_system"] + r["cpu_idle"] + r["cpu_steal"] - 1) < 1e-6 or r["cpu_user"] == 0
     assert report["speedup_over_before"]["before"] == {"step_s": 1.0, "pass_s": 1.0}
     assert set(report["median"]) == {"before", "threads1", "threads2"}

@@ -16,8 +16,10 @@ and the ratios of the medians to ``before``, all from this one run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
+import resource
 import sys
 import time
 
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 import sdm_mlx  # noqa: E402,F401  (before mlx: OpenBLAS on Linux)
+import mlx.core as mx  # noqa: E402
 from bench_network import SIZES, _head_only_model  # noqa: E402
 from sdm_mlx.network.heads import SDMHeads  # noqa: E402
 from sdm_mlx.network.host_step import HostTrainStep  # noqa: E402
@@ -104,9 +107,23 @@ def measure(mode: str, model, batches, steps: int) -> dict:
     wall = (time.perf_counter() - t0) / steps
     dc = cpu_times() - c0
     step.end()
+    del step._adam  # the timing wrapper refers to the step: without this, every measurement's W_pos, m and v
+    del step, heads  # (3 x |V| x D float32) would wait for the cycle collector, and a qwen15 run ran out of memory
+    gc.collect()
+    mx.clear_cache()
     share = dc / dc.sum() if dc.sum() > 0 else dc
     return {"mode": mode, "step_s": wall, "pass_s": float(np.median(pass_s)), "load_average": os.getloadavg()[0],
-            "cpu_user": share[0], "cpu_system": share[1], "cpu_idle": share[2], "cpu_steal": share[3]}
+            "cpu_user": share[0], "cpu_system": share[1], "cpu_idle": share[2], "cpu_steal": share[3],
+            "rss_mb": rss_mb()}
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux /proc), else its peak (ru_maxrss)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main(argv=None) -> int:
@@ -137,7 +154,7 @@ def main(argv=None) -> int:
             row["repeat"] = r
             rows.append(row)
             print(f"{mode:9} repeat {r}: step {row['step_s']:.2f} s, pass {row['pass_s']:.2f} s  (load "
-                  f"{row['load_average']:.2f}, steal {100 * row['cpu_steal']:.0f} %)", file=sys.stderr, flush=True)
+                  f"{row['load_average']:.2f}, steal {100 * row['cpu_steal']:.0f} %, RSS {row['rss_mb']:.0f} MB)", file=sys.stderr, flush=True)
     med = {m: {k: float(np.median([x[k] for x in rows if x["mode"] == m])) for k in ("step_s", "pass_s")}
            for m in args.modes}
     ratios = ({m: {k: med["before"][k] / med[m][k] for k in ("step_s", "pass_s")} for m in args.modes}
