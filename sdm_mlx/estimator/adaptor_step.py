@@ -27,7 +27,6 @@ the MLX step's up to float rounding (tested to agree: ``tests/estimator/test_tra
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -35,13 +34,14 @@ import numpy as np
 
 from ..core.activation import Q_SOFTMAX
 from ..core.adaptor import ExemplarAdaptor
+from ..runtime.blas import PASS_THREADS, block_ranges
 
 #: Bytes of one array's row block in the Adam pass (g, m, v, W_g and a scratch block stay in the 2 MB L2 cache
 #: of the 2-core test box: 256 KB measured faster than 64 KB and 1 MB, docs/performance.md).
 BLOCK_BYTES = 256 * 1024
 
 #: Threads of the Adam pass (each its own rows of W_g); at most the CPU count.
-THREADS = min(2, os.cpu_count() or 1)
+THREADS = PASS_THREADS
 
 _NAMES = ("projection.weight", "projection.bias", "classifier.weight", "classifier.bias")
 
@@ -104,8 +104,7 @@ class HostAdaptorStep:
                           np.empty((self.block_rows, dim), dtype=np.float32),
                           np.empty((self.block_rows, self.classes + 1), dtype=np.float32))
                          for _ in range(self.threads)]
-        cut = [(blocks * i // self.threads) * self.block_rows for i in range(self.threads)] + [m]
-        self._halves = list(zip(cut[:-1], cut[1:]))
+        self._halves = block_ranges(m, self.block_rows, self.threads)
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self.fold_w = self.p[:, : self.classes].T @ self.w_g  # A = W' W_g [C, D]
         self._fold_bias()

@@ -47,7 +47,6 @@ saved network) sees the MLX arrays as before.
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -55,7 +54,7 @@ import numpy as np
 
 from ..core.activation import Q_SOFTMAX
 from ..errors import InputError
-from ..runtime.blas import one_blas_thread
+from ..runtime.blas import PASS_THREADS, block_ranges, one_blas_thread
 from .heads import SDMHeads
 
 #: vocabulary rows of W_pos per dW + Adam block (128 x 1,536 float32 = 0.75 MB per array): on the quiet 2-core
@@ -63,8 +62,8 @@ from .heads import SDMHeads
 #: (under load) with 512; two threads over the blocks were slower (the passes are bound by the memory
 #: bandwidth, and BLAS competes for the same two cores)
 BLOCK_ROWS = 128
-#: threads of the dW + Adam pass, each its own vocabulary rows (at most the CPU count; measured on 2 cores)
-THREADS = min(2, os.cpu_count() or 1)
+#: threads of the dW + Adam pass, each its own vocabulary rows (measured on 2 cores)
+THREADS = PASS_THREADS
 
 
 def host_step_supported(heads: SDMHeads) -> bool:
@@ -157,10 +156,8 @@ class HostTrainStep:
         self.v_scaled *= self._v_scale()
         self.steps = int(np.asarray(self.optimizer.state.get("step", mx.array(0, mx.uint64))).item())
         vocab, dim = self.w_pos.shape
-        blocks = -(-vocab // self.block_rows)
-        workers = max(1, min(self.threads, blocks))
-        cut = [(blocks * i // workers) * self.block_rows for i in range(workers)] + [vocab]
-        self._ranges = list(zip(cut[:-1], cut[1:]))  # whole blocks per worker
+        self._ranges = block_ranges(vocab, self.block_rows, self.threads)  # whole blocks per worker
+        workers = len(self._ranges)
         self._scratch = [np.empty((self.block_rows, dim), dtype=np.float32) for _ in range(workers)]
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sdm-host-adam") if workers > 1 else None
 
@@ -245,16 +242,7 @@ class HostTrainStep:
         + g²``; the update ``c₁ m / (c₂ √v + ε)`` is then ``(c₁ / (c₂ κ)) m / (√v_scaled + ε / (c₂ κ))`` with
         κ = √(1 - β₂) / (1 - β₁): ten passes over the block, which stays in cache, and W_pos, m and v are read
         and written once per step."""
-        opt = self.optimizer
-        self.steps += 1
-        b1, b2 = (float(b) for b in opt.betas)
-        lr = float(np.asarray(opt.learning_rate).item())
-        c1 = lr / (1.0 - b1 ** self.steps)
-        c2 = 1.0 / math.sqrt(1.0 - b2 ** self.steps)
-        kappa = math.sqrt(1.0 - b2) / (1.0 - b1)  # √v = κ √v_scaled
-        consts = (np.float32(b1), np.float32(b2), np.float32(float(opt.eps) / (c2 * kappa)),
-                  np.float32(c1 / (c2 * kappa)))  # β₁, β₂, ε', step size
-        grad = grad * np.float32(1.0 - b1)
+        grad, consts = self._adam_constants(grad)
         with one_blas_thread():  # each worker's products on its own thread (module docstring)
             if self._pool is None:
                 self._rows(0, *self._ranges[0], grad, h, consts)
@@ -263,6 +251,20 @@ class HostTrainStep:
                          for i, (j0, j1) in enumerate(self._ranges)]
                 for part in parts:
                     part.result()
+
+    def _adam_constants(self, grad: np.ndarray) -> tuple[np.ndarray, tuple]:
+        """Count this update and return ``((1 - β₁) grad, (β₁, β₂, ε', step size))`` for :meth:`_rows` (see
+        :meth:`_adam`)."""
+        opt = self.optimizer
+        self.steps += 1
+        b1, b2 = (float(b) for b in opt.betas)
+        lr = float(np.asarray(opt.learning_rate).item())
+        c1 = lr / (1.0 - b1 ** self.steps)
+        c2 = 1.0 / math.sqrt(1.0 - b2 ** self.steps)
+        kappa = math.sqrt(1.0 - b2) / (1.0 - b1)  # √v = κ √v_scaled
+        consts = (np.float32(b1), np.float32(b2), np.float32(float(opt.eps) / (c2 * kappa)),
+                  np.float32(c1 / (c2 * kappa)))
+        return grad * np.float32(1.0 - b1), consts
 
     def _rows(self, worker: int, start: int, stop: int, grad: np.ndarray, h: np.ndarray, consts) -> None:
         """The blocks of vocabulary rows [start, stop) of :meth:`_adam`, with ``worker``'s scratch block."""

@@ -44,7 +44,20 @@ _loaded_in_process: str | None = None
 THREAD_TIMEOUT = "4"
 
 
+#: Threads of the host's row-block passes (the estimator's and the W_pos step's Adam): at most the CPU count; two
+#: measured fastest on the 2-core box (docs/performance.md)
+PASS_THREADS = min(2, os.cpu_count() or 1)
+
 _controller = None
+
+
+def block_ranges(rows: int, block_rows: int, workers: int) -> list[tuple[int, int]]:
+    """``workers`` contiguous ``(start, stop)`` ranges over ``rows`` rows, each of whole ``block_rows`` blocks (the
+    last range ends at ``rows``), for a pass split between threads that each take their own rows."""
+    blocks = -(-rows // block_rows)
+    workers = max(1, min(workers, blocks))
+    cut = [(blocks * i // workers) * block_rows for i in range(workers)] + [rows]
+    return list(zip(cut[:-1], cut[1:]))
 
 
 @contextlib.contextmanager

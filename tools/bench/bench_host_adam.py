@@ -39,35 +39,15 @@ from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 
 class PassBefore(HostTrainStep):
-    """The dW + Adam pass as it was before e8af06a: one thread, the BLAS's own threads inside each block product."""
+    """The dW + Adam pass as it was before e8af06a: the step's block loop on the calling thread alone, with the
+    BLAS's own threads inside each block product (no :func:`~sdm_mlx.runtime.blas.one_blas_thread`)."""
+
+    def __init__(self, heads, optimizer):
+        super().__init__(heads, optimizer, threads=1)
 
     def _adam(self, grad, h):
-        opt = self.optimizer
-        self.steps += 1
-        b1, b2 = (float(b) for b in opt.betas)
-        lr = float(np.asarray(opt.learning_rate).item())
-        c1 = lr / (1.0 - b1 ** self.steps)
-        c2 = 1.0 / (1.0 - b2 ** self.steps) ** 0.5
-        kappa = (1.0 - b2) ** 0.5 / (1.0 - b1)
-        eps_c, step_c = np.float32(float(opt.eps) / (c2 * kappa)), np.float32(c1 / (c2 * kappa))
-        grad = grad * np.float32(1.0 - b1)
-        w, m, v = self.w_pos, self.m, self.v_scaled
-        tmp = np.empty((self.block_rows, w.shape[1]), dtype=np.float32)
-        for j0 in range(0, w.shape[0], self.block_rows):
-            j1 = min(j0 + self.block_rows, w.shape[0])
-            g = grad[:, j0:j1].T @ h
-            t = tmp[: j1 - j0]
-            mb, vb, wb = m[j0:j1], v[j0:j1], w[j0:j1]
-            np.square(g, out=t)
-            vb *= np.float32(b2)
-            vb += t
-            mb *= np.float32(b1)
-            mb += g
-            np.sqrt(vb, out=t)
-            t += eps_c
-            np.divide(mb, t, out=t)
-            t *= step_c
-            wb -= t
+        grad, consts = self._adam_constants(grad)
+        self._rows(0, 0, self.w_pos.shape[0], grad, h, consts)
 
 
 def cpu_times() -> np.ndarray:
