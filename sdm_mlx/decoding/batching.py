@@ -204,7 +204,7 @@ class DecodeEngine:
     def _keep_states(self, h, rows) -> None:
         """Append each of ``rows``' state (``h[i]``, after feeding its pick) to the rows that want features."""
         for i in rows:
-            if self.rows[i].req.features:
+            if self.rows[i].req.keeps_states:
                 self.rows[i].states.append(h[i : i + 1])
 
     def _all_argmax(self) -> bool:
@@ -274,7 +274,7 @@ class DecodeEngine:
 
     def _new_row(self, req: DecodeRequest, t0: float, cached: int, states) -> _Row:
         row = _Row(req=req, sampler=RowSampler(req.sampling, self.vocab, self.xtc_special), t0=t0, cached=cached)
-        if req.features:
+        if req.keeps_states:
             row.states.append(states)
         if req.sampling.logprobs:
             row.logprobs = []
@@ -442,4 +442,8 @@ class DecodeEngine:
             dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n,
                                               parts=row.req.feature_parts).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
+        if row.req.keep_decisions and reason in ("delimiter", "eos", "max_tokens"):
+            # the prompt's P states, then one per fed token: the picks came from the last prompt state onwards
+            P, n_dec = len(row.req.prompt_ids), len(tokens) + (reason == "eos")
+            dec.decisions = np.array(mx.concatenate(row.states, axis=0)[P - 1 : P - 1 + n_dec], dtype=np.float32)
         return dec

@@ -32,6 +32,12 @@ class DecodeRequest:
     on_text: Callable[[str], None] | None = None
     cancel: Callable[[], bool] | None = None
     on_tokens: Callable[[str, list], None] | None = None
+    keep_decisions: bool = False
+
+    @property
+    def keeps_states(self) -> bool:
+        """Whether the engine keeps this request's final-norm states (for its features or its decisions)."""
+        return self.features or self.keep_decisions
 
 
 @dataclass
@@ -43,6 +49,11 @@ class Decoded:
     ``feature_info`` = ``{"n_kept", "delimiter_index", "missing_delimiter", "truncated"}``.
     ``logprobs``: with ``sampling.logprobs``, one ``{"token", "id", "logprob"[, "top_logprobs"]}`` per token;
     ``token`` is the text the token adds to ``text`` (:class:`~.streaming.TokenPieces`: the tokens join to it).
+    ``decisions``: with ``keep_decisions=True``, float32 ``[n, D]``, the final-norm state that picked each token
+    (the last prompt position's, then the state after feeding each token): one per generated token, and one more
+    for the end-of-sequence token when the decoding stopped on it (None for a ``stop`` or ``cancelled`` decoding).
+    With the trunk frozen, a head whose picks from these states are the same tokens decodes the same answer
+    (:mod:`sdm_mlx.network.base_decodings`).
     """
 
     prompt_ids: list
@@ -56,6 +67,7 @@ class Decoded:
     first_token_seconds: float | None = None
     cached_prompt_tokens: int = 0
     error: BaseException | None = None  # raised by the request's on_text / on_tokens (the row was stopped)
+    decisions: object = None
 
 
 def check_request(req: DecodeRequest) -> None:

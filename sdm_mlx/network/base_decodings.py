@@ -13,7 +13,22 @@ A base-decodings file is an ``.npz`` of
 * ``texts``: the generated text of each;
 * ``features``: float32 ``[N, len(feature_parts) * D]``, the verifier input of each decoding
   (:func:`sdm_mlx.network.generation.greedy_generate`'s, :data:`sdm_mlx.llm.pooling.FEATURE_PARTS` order);
-* ``feature_parts``: the pooled parts the features concatenate.
+* ``feature_parts``: the pooled parts the features concatenate;
+
+and, optionally, what replays a decoding under a trained head (:meth:`BaseDecodings.replayed`):
+
+* ``token_ids`` / ``token_offsets``: the generated token ids of each decoding (flat int64, and ``[N + 1]`` offsets);
+* ``stop_reasons``: why each stopped (``""`` for a decoding without decisions);
+* ``decisions`` / ``decision_offsets``: the final-norm states that picked each token (:attr:`Decoded.decisions
+  <sdm_mlx.decoding.decode_types.Decoded>`; flat float32 ``[S, D]`` and ``[N + 1]`` offsets; a decoding may have none);
+* ``decode_settings``: JSON ``{max_new_tokens, delimiter, stop_at_delimiter, max_length}`` of the decodings.
+
+**Replay.**  The trunk is frozen: W_pos changes which token a state picks, never the states of a given token
+sequence.  So if a head's joint picks from a decoding's decision states are that decoding's own tokens (and an
+end-of-sequence token where it stopped on one), greedy decoding with that head makes exactly this decoding: the same
+text, stop and features.  Alg. 4's passes after a W_pos step take those decodings from the file and decode only the
+prompts whose answer the head changes; the check costs one product of the decision states with both heads
+(``2 · S · D · 2|V|`` flops, minutes for thousands of prompts, where decoding them takes hours on a CPU).
 
 :func:`save_base_decodings` writes one atomically; :class:`BaseDecodings` reads and checks it, and gives each pass
 its decodings (:meth:`BaseDecodings.decodings`) in the parts the pass pools.  The trainer decodes one of them
@@ -23,6 +38,7 @@ refused rather than mixed in.
 
 from __future__ import annotations
 
+import json
 import zipfile
 from typing import Sequence
 
@@ -37,21 +53,51 @@ from .decode_journal import prompt_key
 
 #: The arrays of a base-decodings file.
 ARRAYS = ("prompts", "texts", "features", "feature_parts")
+#: The arrays that replay the decodings under a trained head (optional; all or none).
+REPLAY_ARRAYS = ("token_ids", "token_offsets", "stop_reasons", "decisions", "decision_offsets", "decode_settings")
+#: The decode settings that must be the replaying pass's.
+REPLAY_SETTINGS = ("max_new_tokens", "delimiter", "stop_at_delimiter", "max_length")
+#: Decision states whose picks are computed in one product (a [rows, 2|V|] float32 block: ~300 MB for Qwen2.5).
+REPLAY_ROWS = 256
 #: How far a decoding made again may be from the given one (relative to its largest feature) and still be the same.
 FEATURE_TOLERANCE = 1e-3
 
 
 def save_base_decodings(path: str, prompts: Sequence[str], texts: Sequence[str], features: np.ndarray,
-                        feature_parts: Sequence[str]) -> None:
-    """Write a base-decodings file (see the module docstring) atomically."""
+                        feature_parts: Sequence[str], *, replay: dict | None = None) -> None:
+    """Write a base-decodings file (see the module docstring) atomically.
+
+    ``replay``: what replays the decodings (:meth:`BaseDecodings.replayed`): ``{"token_ids": [ids per decoding],
+    "stop_reasons": [...], "decisions": [float32 [n, D] or None per decoding], "settings": {REPLAY_SETTINGS}}``."""
     features = np.asarray(features, dtype=np.float32)
     if not (len(prompts) == len(texts) == len(features)):
         raise InputError(f"base decodings: {len(prompts)} prompts, {len(texts)} texts and {len(features)} feature "
                          "rows (one of each per decoding)")
+    extra = {} if replay is None else _replay_arrays(len(prompts), features.shape[-1] if features.size else 0, replay)
     with atomic_write(path, binary=True) as f:
         np.savez(f, prompts=np.array(list(prompts), dtype=str), texts=np.array(list(texts), dtype=str),
                  features=features.reshape(len(prompts), -1),
-                 feature_parts=np.array(list(check_feature_parts(feature_parts)), dtype=str))
+                 feature_parts=np.array(list(check_feature_parts(feature_parts)), dtype=str), **extra)
+
+
+def _replay_arrays(n: int, width: int, replay: dict) -> dict:
+    tokens, reasons, decisions = replay["token_ids"], replay["stop_reasons"], replay["decisions"]
+    if not (len(tokens) == len(reasons) == len(decisions) == n):
+        raise InputError(f"base decodings: replay data for {len(tokens)}, {len(reasons)}, {len(decisions)} decodings "
+                         f"of {n}")
+    settings = {k: replay["settings"][k] for k in REPLAY_SETTINGS}
+    dims = {np.asarray(d).shape[-1] for d in decisions if d is not None and len(d)}
+    if len(dims) > 1:
+        raise InputError(f"base decodings: decision states of widths {sorted(dims)}")
+    dim = dims.pop() if dims else 0
+    kept = [np.zeros((0, dim), np.float32) if d is None else np.asarray(d, np.float32).reshape(-1, dim)
+            for d in decisions]
+    return {"token_ids": np.array([t for ts in tokens for t in ts], dtype=np.int64),
+            "token_offsets": np.cumsum([0] + [len(ts) for ts in tokens]).astype(np.int64),
+            "stop_reasons": np.array([r if d is not None else "" for r, d in zip(reasons, decisions)], dtype=str),
+            "decisions": np.concatenate(kept) if kept else np.zeros((0, dim), np.float32),
+            "decision_offsets": np.cumsum([0] + [len(d) for d in kept]).astype(np.int64),
+            "decode_settings": np.array(json.dumps(settings, sort_keys=True))}
 
 
 class BaseDecodings:
@@ -74,7 +120,7 @@ class BaseDecodings:
     def __init__(self, path: str, tokenizer):
         try:
             with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in ARRAYS if k in z.files}
+                arrays = {k: z[k] for k in ARRAYS + REPLAY_ARRAYS if k in z.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise InputError(f"base_decodings {path} is not a readable .npz ({type(e).__name__}): write it with "
                              "save_base_decodings, or remove base_decodings to decode every prompt") from None
@@ -90,6 +136,11 @@ class BaseDecodings:
                              f"shape {features.shape}: one text and one feature row per prompt")
         self.feature_parts = check_feature_parts(parts)
         self.path, self._features = path, features
+        self._replay = {k: arrays[k] for k in REPLAY_ARRAYS if k in arrays} if REPLAY_ARRAYS[0] in arrays else None
+        if self._replay is not None and len(self._replay) < len(REPLAY_ARRAYS):
+            raise InputError(f"base_decodings {path} has only some of the replay arrays {REPLAY_ARRAYS}: write it "
+                             "again with save_base_decodings")
+        self._tokenizer = tokenizer
         self._prompt_ids = [_embed.encode(tokenizer, p) for p in prompts]
         self._texts = texts
         self._row = {}
@@ -98,6 +149,60 @@ class BaseDecodings:
 
     def __len__(self) -> int:
         return len(self._row)
+
+    @property
+    def replayable(self) -> int:
+        """How many of the decodings carry their decision states (0: the file cannot replay)."""
+        if self._replay is None:
+            return 0
+        return int((np.diff(self._replay["decision_offsets"]) > 0).sum())
+
+    def replayed(self, heads, settings, keys=None) -> dict[str, Decoded]:
+        """``{prompt_key: Decoded}`` of the decodings that greedy joint decoding with ``heads`` (an
+        :class:`~sdm_mlx.network.heads.SDMHeads`) under ``settings`` (a
+        :class:`~sdm_mlx.network.generation.DecodeSettings`) makes again (see Replay in the module docstring), with
+        ``stop_reason`` ``"replayed"`` and the features in ``settings.feature_parts``; ``keys``: only these prompts.
+        A file without decision states, or recorded under other decode settings, replays nothing."""
+        import mlx.core as mx
+
+        from ..llm.embed import eos_token_ids
+
+        if self._replay is None:
+            return {}
+        r = self._replay
+        recorded = json.loads(str(r["decode_settings"]))
+        if any(recorded.get(k) != getattr(settings, k) for k in REPLAY_SETTINGS):
+            return {}
+        tok_off, dec_off, reasons = r["token_offsets"], r["decision_offsets"], r["stop_reasons"]
+        rows = []
+        for key, i in self._row.items():
+            if keys is not None and key not in keys:
+                continue
+            n_tok, n_dec, why = int(tok_off[i + 1] - tok_off[i]), int(dec_off[i + 1] - dec_off[i]), str(reasons[i])
+            stops_here = {"delimiter": n_tok <= settings.max_new_tokens, "eos": n_tok < settings.max_new_tokens,
+                          "max_tokens": n_tok == settings.max_new_tokens}.get(why, False)
+            if stops_here and n_dec == n_tok + (why == "eos") and n_dec:
+                rows.append(i)
+        if not rows:
+            return {}
+        states = np.concatenate([r["decisions"][dec_off[i]:dec_off[i + 1]] for i in rows])
+        picks = np.concatenate([np.array(heads.next_tokens(mx.array(states[a:a + REPLAY_ROWS])))
+                                for a in range(0, len(states), REPLAY_ROWS)])
+        eos = np.array(sorted(eos_token_ids(self._tokenizer)), dtype=np.int64)
+        cols = part_columns(self.feature_parts, check_feature_parts(settings.feature_parts), self._features.shape[1],
+                            f"base_decodings {self.path}", "write the file with the features of every part the "
+                            "verification layer pools")
+        out, at = {}, 0
+        for i in rows:
+            n_dec = int(dec_off[i + 1] - dec_off[i])
+            got, at = picks[at:at + n_dec], at + n_dec
+            want = r["token_ids"][tok_off[i]:tok_off[i + 1]]
+            same = np.array_equal(got[:len(want)], want) and (len(got) == len(want) or bool(np.isin(got[-1], eos)))
+            if same:
+                out[prompt_key(self._prompt_ids[i])] = Decoded(
+                    prompt_ids=self._prompt_ids[i], token_ids=[int(t) for t in want], text=self._texts[i],
+                    stop_reason="replayed", seconds=0.0, features=self._features[i:i + 1, cols])
+        return out
 
     def decodings(self, feature_parts: Sequence[str]) -> dict[str, Decoded]:
         """``{prompt_key: Decoded}`` with the features pooled as ``feature_parts`` (a pass's verifier's parts)."""

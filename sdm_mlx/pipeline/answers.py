@@ -96,10 +96,11 @@ class AnswerSettings(NamedTuple):
     feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS
 
 
-def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings) -> list[dict]:
+def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings, decisions=None) -> list[dict]:
     """One batch: output rows with the answer, its parse and the decode-time features.  ``engine`` is the
     package's batched decoder (:class:`sdm_mlx.decoding.DecodeEngine`, plain greedy, the shared prompt prefix
-    prefilled once by its prefix cache): the tokens and features ``sdm-mlx generate`` computes."""
+    prefilled once by its prefix cache): the tokens and features ``sdm-mlx generate`` computes.  ``decisions``: a
+    :class:`~.decisions.DecisionStore` that keeps the batch's decision states (written before the rows return)."""
     from ..decoding import DecodeRequest
     from ..llm import embed as _embed
     from ..network.generation import parse_task_prediction
@@ -107,7 +108,10 @@ def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSetting
     system, template, completions, max_tokens, _, feature_parts = settings
     prompts = [_embed.chat_text(tokenizer, r["document"], system=system, prompt_template=template) for r in rows]
     ids = [_embed.encode(tokenizer, p) for p in prompts]
-    decs = engine.run([DecodeRequest(i, max_tokens, features=True, feature_parts=tuple(feature_parts)) for i in ids])
+    decs = engine.run([DecodeRequest(i, max_tokens, features=True, feature_parts=tuple(feature_parts),
+                                     keep_decisions=decisions is not None) for i in ids])
+    if decisions is not None:
+        decisions.add([r["id"] for r in rows], decs)
     result = []
     for r, i, dec in zip(rows, ids, decs):
         text = tokenizer.decode(dec.token_ids)
@@ -164,9 +168,11 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
     returns ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
 
     Decoded by a new :class:`~sdm_mlx.decoding.DecodeEngine` with a prefix cache.  ``prefix_stats``: also write
-    ``output + ".prefix.npz"`` (:func:`write_prefix_stats`)."""
+    ``output + ".prefix.npz"`` (:func:`write_prefix_stats`).  The decision states of every decoding are kept in
+    ``output + ".decisions/"`` (:mod:`.decisions`: Alg. 4 replays them under a trained head)."""
     from ..decoding import DecodeEngine, PrefixCache
     from ..llm.pooling import check_feature_parts
+    from .decisions import DecisionStore, decode_settings as decision_settings
 
     settings = settings._replace(feature_parts=check_feature_parts(settings.feature_parts))
     system, template, batch_size = settings.system, settings.template, settings.batch_size
@@ -180,10 +186,11 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
     if prefix_stats and not os.path.exists(output + ".prefix.npz"):
         write_prefix_stats(output + ".prefix.npz", model, tokenizer, rows, system=system, template=template)
     engine = DecodeEngine(model, tokenizer, max_batch=batch_size, prefix_cache=PrefixCache())
+    store = DecisionStore(output, decision_settings(engine, settings.max_tokens))
     t0 = time.time()
     with open(output, "a", encoding="utf-8") as f:
         for b0 in range(0, len(todo), batch_size):  # one batch per flush: a stopped run loses at most one batch
-            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], settings)
+            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], settings, store)
             for row in out:
                 f.write(json.dumps(row) + "\n")
             f.flush()

@@ -1,0 +1,69 @@
+"""The decision states of the answers stage's decodings, kept beside its rows for Alg. 4's replay.
+
+The answers stage decodes every prompt greedily with the base model.  With each batch it keeps, in
+``<answers file>.decisions/``, the final-norm states that picked each answer token
+(:attr:`sdm_mlx.decoding.decode_types.Decoded.decisions`), the tokens and why the decoding stopped.  The network
+stage hands them to ``network-train`` in its base-decodings file, so that Alg. 4's calibration count after a W_pos
+step decodes only the prompts whose answer the new head changes (:meth:`sdm_mlx.network.base_decodings.BaseDecodings.
+replayed`).  A row without decisions (decoded before they were kept) is decoded as before.
+
+The store is a :class:`~sdm_mlx.storage.journal.ChunkJournal` keyed by the decode settings: a chunk is written
+atomically before its batch's rows are appended to the answers file, so every row in the file whose chunk was written
+has its decisions; rows of a stopped batch are decoded again and their later chunk wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from ..storage.journal import ChunkJournal
+
+#: The decision store's directory beside an answers file.
+SUFFIX = ".decisions"
+
+
+class DecisionStore:
+    """The decisions of the decodings written to the answers file ``output`` under ``settings`` (the
+    :data:`sdm_mlx.network.base_decodings.REPLAY_SETTINGS` of the decoding; a store of other settings is discarded
+    when this one first writes)."""
+
+    def __init__(self, output: str, settings: dict):
+        self.settings = dict(settings)
+        self._journal = ChunkJournal(output + SUFFIX, {"answers": os.path.basename(output), **self.settings})
+
+    def add(self, ids: Sequence[str], decoded: Sequence) -> None:
+        """Keep the decisions of one batch (``decoded``: the engine's :class:`Decoded` of each id)."""
+        keep = [(i, d) for i, d in zip(ids, decoded) if d.decisions is not None]
+        if not keep:
+            return
+        states = [np.asarray(d.decisions, np.float32) for _, d in keep]
+        self._journal.write(
+            f"{self._journal.count():06d}", ids=np.array(json.dumps([i for i, _ in keep])),
+            token_ids=np.array([t for _, d in keep for t in d.token_ids], dtype=np.int64),
+            token_offsets=np.cumsum([0] + [len(d.token_ids) for _, d in keep]).astype(np.int64),
+            stop_reasons=np.array([d.stop_reason for _, d in keep], dtype=str),
+            decisions=np.concatenate(states), decision_offsets=np.cumsum([0] + [len(s) for s in states]).astype(np.int64))
+
+    def read(self, wanted=None) -> dict[str, tuple[list, str, np.ndarray]]:
+        """``{id: (token_ids, stop_reason, decisions [n, D])}`` of the kept decodings (``wanted``: only these ids;
+        a later chunk's decoding of an id replaces an earlier one)."""
+        out = {}
+        for arrays in self._journal.chunks().values():
+            ids = json.loads(str(arrays["ids"]))
+            tok, dec = arrays["token_offsets"], arrays["decision_offsets"]
+            for k, i in enumerate(ids):
+                if wanted is None or i in wanted:
+                    out[i] = ([int(t) for t in arrays["token_ids"][tok[k]:tok[k + 1]]], str(arrays["stop_reasons"][k]),
+                              arrays["decisions"][dec[k]:dec[k + 1]])
+        return out
+
+
+def decode_settings(engine, max_tokens: int) -> dict:
+    """The replay settings of the answers stage's greedy decoding by ``engine`` (a
+    :class:`~sdm_mlx.decoding.DecodeEngine`) with at most ``max_tokens`` tokens, stopped at the delimiter."""
+    return {"max_new_tokens": int(max_tokens), "delimiter": engine.delimiter, "stop_at_delimiter": True,
+            "max_length": int(engine.max_length)}
