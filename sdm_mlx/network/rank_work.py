@@ -19,7 +19,7 @@ from ..storage.files import strict
 from ..storage.journal import ChunkJournal
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
-from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals
+from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals, prompt_key
 from .selection import count_verified, sum_counts
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
@@ -66,7 +66,8 @@ class RankWork:
         """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
         ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
         c, settings = self.config, self.decode_settings(verifier)
-        journal = self.given_in_front(journal, settings) if base_head else journal
+        journal = (self.given_in_front(journal, settings) if base_head
+                   else self.replayed_in_front(journal, settings, rows))
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
                                    progress=bar.update, journal=journal)
@@ -90,6 +91,19 @@ class RankWork:
                      f"decoded again, {differ} of them differently)")
         return GivenDecodings(known, journal)
 
+    def replayed_in_front(self, journal: DecodeJournal | None, settings: DecodeSettings, rows: Sequence[dict]):
+        """``journal`` with the base decodings of ``rows``' prompts that the current heads make again (replayed from
+        their decision states, :meth:`~.base_decodings.BaseDecodings.replayed`) in front of it, else ``journal``
+        itself: a pass after a W_pos step decodes only the prompts whose answer the step changed."""
+        base = self.base_decodings
+        if base is None or not base.replayable or not rows:
+            return journal
+        keys = {prompt_key(_embed.encode(self.tokenizer, r["prompt"])) for r in rows}
+        known = base.replayed(self.heads, settings, keys=keys)
+        self.log(f"{len(known)} of {len(keys)} prompts: the current W_pos picks the base decoding's every token "
+                 f"(replayed from the decision states in {base.path}); the other {len(keys) - len(known)} are decoded")
+        return GivenDecodings(known, journal) if known else journal
+
     def journal(self, purpose: str) -> DecodeJournal:
         """This rank's :class:`~.decode_journal.DecodeJournal` of one decoding pass (``purpose``, e.g.
         ``calibration-epoch2``), keyed by the current W_pos (its checksum), the verification layer, the base model
@@ -112,8 +126,8 @@ class RankWork:
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         settings = self.decode_settings(est)
         journal = self.journal(purpose)
-        if base_head:
-            journal = self.given_in_front(journal, settings)
+        journal = (self.given_in_front(journal, settings) if base_head
+                   else self.replayed_in_front(journal, settings, part))
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
                                 verbose=c.verbose, journal=journal) if part else None
         if not self.dp.active:

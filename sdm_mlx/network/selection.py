@@ -69,6 +69,7 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
         "parse_failures": int((task_pred[has_task] < 0).sum()),
         "documents": len(rows),
         "given": sum(g.stop_reason == "given" for g in gens),  # decodings taken from the base decodings
+        "replayed": sum(g.stop_reason == "replayed" for g in gens),  # base decodings this head makes again
         "seconds": time.perf_counter() - t0,
         "example": gens[0].text if gens else None,
     }

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..storage.journal import ChunkJournal
+from ..storage.journal import KEY_FILE, ChunkJournal
 
 #: The decision store's directory beside an answers file.
 SUFFIX = ".decisions"
@@ -34,6 +34,18 @@ class DecisionStore:
     def __init__(self, output: str, settings: dict):
         self.settings = dict(settings)
         self._journal = ChunkJournal(output + SUFFIX, {"answers": os.path.basename(output), **self.settings})
+
+    @classmethod
+    def open(cls, output: str) -> "DecisionStore | None":
+        """The store beside the answers file ``output`` under the settings it was written with (None: none kept)."""
+        try:
+            with open(os.path.join(output + SUFFIX, KEY_FILE), encoding="utf-8") as f:
+                key = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(key, dict) or key.get("answers") != os.path.basename(output):
+            return None
+        return cls(output, {k: v for k, v in key.items() if k != "answers"})
 
     def add(self, ids: Sequence[str], decoded: Sequence) -> None:
         """Keep the decisions of one batch (``decoded``: the engine's :class:`Decoded` of each id)."""

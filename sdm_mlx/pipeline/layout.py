@@ -82,6 +82,7 @@ class Layout:
     network_marker = property(lambda self: self._p("network", "done.json"))
     network_answers_marker = property(lambda self: self._p("network", "answers.done.json"))
 
+    network_replayed = property(lambda self: self._p("network", "answers.replayed.json"))
     network_prompts = property(lambda self: self._p("network", "prompts.jsonl"))
     network_answers = property(lambda self: self._p("network", "answers.jsonl"))
 

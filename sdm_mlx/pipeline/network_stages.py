@@ -4,6 +4,7 @@ the held-out and shift rows)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from ..errors import InputError
@@ -55,8 +56,29 @@ def network_rows(recipe: Recipe, layout: Layout) -> tuple[list[dict], dict]:
             out.append({"id": i, "task": t.name, "prompt": m["prompt"], "completion": m["completion"],
                         "label": int(m["label"]), "task_label": int(m["task_label"])})
     base = {"prompts": [out[k]["prompt"] for k in own], "texts": [out[k]["completion"] for k in own],
-            "features": X[own], "feature_parts": plan.parts}
+            "features": X[own], "feature_parts": plan.parts,
+            "replay": _replay(layout, [meta[k] for k in own], plan.tasks)}
     return out, base
+
+
+def _replay(layout: Layout, own: list[dict], tasks) -> dict | None:
+    """The decision states the answers stage kept for the own rows ``own`` (:mod:`.decisions`), in the form
+    :func:`~sdm_mlx.network.base_decodings.save_base_decodings` takes; None when it kept none (or under
+    different settings for different tasks)."""
+    from .decisions import DecisionStore
+
+    kept, settings = {}, set()
+    for t in tasks:
+        wanted = {m["id"] for m in own if m["task"] == t}
+        store = DecisionStore.open(layout.answers(t, "pool"))
+        if store is not None:
+            settings.add(json.dumps(store.settings, sort_keys=True))
+            kept.update({(t, i): v for i, v in store.read(wanted).items()})
+    if not kept or len(settings) != 1:
+        return None
+    got = [kept.get((m["task"], m["id"])) for m in own]
+    return {"token_ids": [g[0] if g else [] for g in got], "stop_reasons": [g[1] if g else "" for g in got],
+            "decisions": [g[2] if g else None for g in got], "settings": json.loads(settings.pop())}
 
 
 def run_network(recipe: Recipe, layout: Layout) -> dict:
@@ -137,7 +159,73 @@ def network_answers_done(recipe: Recipe, layout: Layout) -> bool:
     if marker.get("network") != _network_state(layout):
         return False
     want = sum(t.sizes[s] for t in recipe.tasks for s in TEST_SPLITS)
-    return bool(marker.get("base_head")) or count_rows(layout.network_answers) >= want
+    return bool(marker.get("base_head")) or count_rows(layout.network_answers) + len(replayed_ids(layout)) >= want
+
+
+def replayed_ids(layout: Layout) -> set:
+    """The ``<task>/<id>`` of the held-out and shift prompts whose answer the kept network decodes exactly as the
+    base model did (replayed from the answers stage's decision states by ``network_answers``): their network
+    verdicts are their base verdicts.  Empty unless written for the current network."""
+    saved = read_json(layout.network_replayed) or {}
+    return set(saved.get("ids") or []) if saved.get("network") == _network_state(layout) else set()
+
+
+def _replay_test_prompts(recipe: Recipe, layout: Layout, prompts: list[dict]) -> set:
+    """``<task>/<id>`` of the ``prompts`` (:func:`network_prompts`) whose base decoding the kept network makes again
+    (:meth:`~sdm_mlx.network.base_decodings.BaseDecodings.replayed` over the decision states the answers stage
+    kept; the network is loaded here and released before ``generate`` runs)."""
+    import gc
+    import tempfile
+
+    import mlx.core as mx
+    import numpy as np
+
+    from ..llm import embed as _embed
+    from ..network.artifact import load_network
+    from ..network.base_decodings import save_base_decodings, BaseDecodings
+    from ..network.decode_journal import prompt_key
+    from ..network.generation import DecodeSettings
+    from .answers import read_rows
+    from .decisions import DecisionStore
+
+    rows, kept, settings = [], {}, set()
+    for t in recipe.tasks:
+        for s in TEST_SPLITS:
+            store = DecisionStore.open(layout.answers(t.name, s)) if t.sizes.get(s) else None
+            if store is None:
+                continue
+            settings.add(json.dumps(store.settings, sort_keys=True))
+            found = store.read()
+            for r in read_rows(layout.answers(t.name, s)):
+                if r["id"] in found:
+                    rows.append((t, r))
+                    kept[(t.name, r["id"])] = found[r["id"]]
+    if not rows or len(settings) != 1:
+        return set()
+    net = load_network(os.path.join(layout.network_run, "network"), load_verifier=False)
+    tok = net.tokenizer
+    doc = {p["id"]: p["document"] for p in prompts}
+    ids = [f"{t.name}/{r['id']}" for t, r in rows]
+    texts = [_embed.chat_text(tok, doc[i], system=recipe.system, prompt_template="{document}") for i in ids]
+    recorded = json.loads(settings.pop())
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(layout.network_answers)) as tmp:
+        path = os.path.join(tmp, "test_decodings.npz")
+        save_base_decodings(path, texts, [r["text"] for _, r in rows],
+                            np.zeros((len(rows), 1), np.float32), ["last"],
+                            replay={"token_ids": [kept[(t.name, r["id"])][0] for t, r in rows],
+                                    "stop_reasons": [kept[(t.name, r["id"])][1] for t, r in rows],
+                                    "decisions": [kept[(t.name, r["id"])][2] for t, r in rows],
+                                    "settings": recorded})
+        base = BaseDecodings(path, tok)
+        decode = DecodeSettings(max_new_tokens=recipe.max_tokens, delimiter=recorded["delimiter"],
+                                max_length=recorded["max_length"], feature_parts=("last",))
+        same = base.replayed(net.heads, decode)
+    by_key = {prompt_key(_embed.encode(tok, x)): i for x, i in zip(texts, ids)}
+    out = {by_key[k] for k in same if k in by_key}
+    del net, base, tok
+    gc.collect()
+    mx.clear_cache()
+    return out
 
 
 def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
@@ -160,8 +248,15 @@ def run_network_answers(recipe: Recipe, layout: Layout) -> dict:
             "its answers are the answers stage's, judged by the same verifier; nothing to decode")
         return {"rows": 0, "tokens": 0}
     prompts = network_prompts(recipe, layout)
+    replayed = replayed_ids(layout)
+    if not os.path.exists(layout.network_replayed) or read_json(layout.network_replayed).get("network") != state:
+        replayed = _replay_test_prompts(recipe, layout, prompts)
+        write_json(layout.network_replayed, {"network": state, "ids": sorted(replayed)})
+        say(f"{len(replayed)} of {len(prompts)} prompts: the kept network picks the base model's every answer token "
+            "(replayed from the answers stage's decision states), so their verdicts are the base verdicts")
+    prompts = [p for p in prompts if p["id"] not in replayed]
     before = count_rows(out)
-    total = {"rows": 0, "tokens": 0}
+    total = {"rows": 0, "tokens": 0, "replayed": len(replayed)}
     if before < len(prompts):
         write_jsonl(layout.network_prompts, prompts)
         say(f"{len(prompts) - before} of {len(prompts)} prompts to answer")

@@ -93,11 +93,12 @@ def network_verdicts(recipe: Recipe, layout: Layout, base: Sequence[dict] = ()) 
     """Verdict rows (stage ``network``) of ``sdm-mlx generate --head``'s answers to the held-out and shift rows; the
     ``base`` verdicts again when Alg. 4 kept epoch 0 (:func:`~.network_stages.base_head_kept`)."""
     from ..network.generation import parse_task_prediction
-    from .network_stages import base_head_kept
+    from .network_stages import base_head_kept, replayed_ids
 
     if base_head_kept(layout):
         return [{**r, "stage": "network"} for r in base]
-    out = []
+    same = replayed_ids(layout)  # answers the network decodes as the base model did: the base verdicts stand
+    out = [{**r, "stage": "network"} for r in base if f"{r['task']}/{r['id']}" in same]
     answers = {r["id"]: r for r in _read(layout.network_answers)}
     for t in recipe.tasks:
         gen = {i[len(t.name) + 1:]: r for i, r in answers.items() if str(i).startswith(t.name + "/")}
@@ -107,7 +108,7 @@ def network_verdicts(recipe: Recipe, layout: Layout, base: Sequence[dict] = ()) 
         for split in TEST_SPLITS:
             for d in _read(layout.data(t.name, split)) if t.sizes.get(split) else []:
                 g = gen.get(str(d["id"]))
-                if g is None:
+                if g is None or f"{t.name}/{d['id']}" in same:
                     continue
                 answer = parse_task_prediction(g.get("answer") or "", comps)
                 last = (g.get("attempts") or [{}])[-1].get("verifier") or {}

@@ -401,6 +401,36 @@ def test_a_run_killed_in_the_middle_of_a_count_decodes_only_the_prompts_it_had_n
     assert not (out / "decode_journal").exists() or not any((out / "decode_journal").iterdir())
 
 
+def test_base_decodings_with_decisions_are_replayed_after_each_w_pos_step(tiny, tmp_path):
+    """A base-decodings file with the decision states (as the pipeline's answers stage keeps them): after every W_pos
+    step the calibration count takes the decodings the trained head makes again (replayed) and decodes the rest; the
+    run ends where the reference did (within the counts' rounding tolerance)."""
+    from sdm_mlx.decoding import DecodeEngine, DecodeRequest, PrefixCache
+    from sdm_mlx.llm.embed import encode, load_model
+    from sdm_mlx.network.base_decodings import save_base_decodings
+    from sdm_mlx.pipeline.decisions import decode_settings
+
+    ref = tiny["reference"]
+    prompts = sorted({json.loads(line)["prompt"] for line in open(ref / "verification_rows.jsonl")})
+    model, tok = load_model(tiny["built"]["model"])
+    engine = DecodeEngine(model, tok, max_batch=64, prefix_cache=PrefixCache())
+    decs = engine.run([DecodeRequest(encode(tok, p), 12, features=True, feature_parts=("mean", "last"),
+                                     keep_decisions=True) for p in prompts])
+    save_base_decodings(str(tmp_path / "base.npz"), prompts, [d.text for d in decs],
+                        np.concatenate([d.features for d in decs]), ("mean", "last"),
+                        replay={"token_ids": [d.token_ids for d in decs], "stop_reasons": [d.stop_reason for d in decs],
+                                "decisions": [d.decisions for d in decs], "settings": decode_settings(engine, 12)})
+    out = tmp_path / "out"
+    r = sdm(train_args(tiny["built"], out, "--base-decodings", str(tmp_path / "base.npz")))
+    assert r.returncode == 0, r.stderr
+    m, reference = metrics(out), metrics(ref)
+    assert m["initial"]["given"] == m["initial"]["documents"] > 0
+    replayed = [e["calibration"]["replayed"] for e in m["epochs"]]
+    assert all(e["calibration"]["given"] == 0 for e in m["epochs"]) and sum(replayed) > 0, replayed
+    assert all(0 <= n <= e["calibration"]["documents"] for n, e in zip(replayed, m["epochs"]))
+    assert_same_counts_and_selection(m, reference)
+
+
 def test_given_base_decodings_stand_in_for_the_passes_at_the_base_head(tiny, tmp_path):
     """``--base-decodings``: the base model's own decodings of the rows' prompts (as sdm-mlx pipeline writes them
     from its answers stage) serve the count before fine-tuning and epoch 1's q, d; the run ends where the reference

@@ -77,7 +77,11 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
     # the base head's count took the answers stage's own answers (a few decoded again to check them)
     with np.load(out / "network" / "base_decodings.npz") as base:
         assert len(base["prompts"]) == 2 * L.POOL and list(base["feature_parts"]) == ["mean", "last"]
+        # with the decision states the answers stage kept for every pool answer (a trained head replays them)
+        assert (np.diff(base["decision_offsets"]) > 0).all() and base["decisions"].shape[1] == 64
     assert metrics["initial"]["given"] == metrics["initial"]["documents"] > 0
+    cal = metrics["epochs"][0]["calibration"]
+    assert cal["given"] == 0 and 0 <= cal["replayed"] <= cal["documents"]  # what W_pos decodes as before
     done = json.loads((out / "network" / "answers.done.json").read_text())
     if metrics["selected_epoch"] == 0:  # the base head kept: nothing decoded (see the next test)
         assert done["base_head"] and not (out / "network" / "answers.jsonl").exists()
@@ -158,6 +162,66 @@ def _generate_with_the_base_head_answers_as_the_answers_stage(out, base):
         b = base[(d["task"], d["id"])]
         assert d["answer"] == b["answer"] and d["verified"] == b["verified"]
         assert d["p_lower"] == pytest.approx(b["p_lower"], abs=1e-3)
+
+
+def test_network_answers_replay_the_answers_a_network_keeps_and_decode_the_rest(lab):
+    """A kept network whose W_pos changes some of the test answers (the lab's head plus noise): network_answers
+    replays the others from the answers stage's decision states (their verdicts are the base verdicts) and decodes
+    only the changed ones; every verdict is the one ``generate --head`` gives when it decodes every prompt."""
+    import mlx.core as mx
+
+    from sdm_mlx.network.artifact import load_network, save_network
+    from sdm_mlx.pipeline.layout import Layout
+    from sdm_mlx.pipeline.network_stages import _replay_test_prompts, network_prompts, replayed_ids, run_network_answers
+    from sdm_mlx.pipeline.stages import load_run_recipe
+    from sdm_mlx.pipeline.table import network_verdicts
+
+    out = lab["out"]
+    recipe = load_run_recipe(str(out))
+    check = out / "replaycheck"
+    (check / "network" / "run").mkdir(parents=True)
+    for d in ("data", "answers", "verifiers"):
+        (check / d).symlink_to(out / d)
+    (check / "network" / "done.json").write_text((out / "network" / "done.json").read_text())
+    (check / "network" / "run" / "metrics.json").write_text(json.dumps(
+        {"finished": True, "epochs_completed": recipe.network.epochs, "selected_epoch": 1}))
+    layout = Layout(str(check))
+    prompts = network_prompts(recipe, layout)
+    net = load_network(out / "network" / "run" / "network", load_verifier=False)
+    w0 = np.array(net.heads.pos.weight)
+    noise = np.random.default_rng(1).standard_normal(w0.shape).astype(np.float32) * float(np.abs(w0).mean())
+    for scale in 2.0 ** np.arange(-3, 7):
+        net.heads.pos.weight = mx.array(w0 + scale * noise)
+        save_network(check / "network" / "run" / "network", net.heads, net.config["base_model"],
+                     out / "verifiers" / recipe.primary_verifier(), net.settings, overwrite=True)
+        n_same = len(_replay_test_prompts(recipe, layout, prompts))
+        if 0 < n_same < len(prompts):
+            break
+    assert 0 < n_same < len(prompts)  # some answers changed, some not
+    base = [{**r, "stage": "base"} for r in _rows(out / "verdicts.jsonl") if r["stage"] == "base"]
+    done = run_network_answers(recipe, layout)
+    assert done["replayed"] == n_same == len(replayed_ids(layout))
+    assert len(_rows(layout.network_answers)) == len(prompts) - n_same  # only the changed answers were decoded
+    got = {(r["task"], r["id"]): r for r in network_verdicts(recipe, layout, base)}
+    assert len(got) == len(prompts)
+    # the reference: generate --head decodes every prompt with the same network
+    ref = out / "replayref"
+    (ref / "network").mkdir(parents=True)
+    (ref / "data").symlink_to(out / "data")
+    (ref / "network" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    r = _cli("generate", "--head", check / "network" / "run" / "network", "--verifier",
+             out / "verifiers" / recipe.primary_verifier(), "--system", recipe.system or "", "--prompt-template",
+             "{document}", "--max-tokens", recipe.max_tokens, "--input", ref / "network" / "prompts.jsonl",
+             "--output", ref / "network" / "answers.jsonl", "--on-reject", "return", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = {(x["task"], x["id"]): x for x in network_verdicts(recipe, Layout(str(ref)))}
+    assert set(want) == set(got)
+    for k, w in want.items():
+        g = got[k]
+        assert (g["answer"], g["correct"], g["verified"]) == (w["answer"], w["correct"], w["verified"]), k
+        assert (g["p_lower"] is None) == (w["p_lower"] is None)
+        if w["p_lower"] is not None:
+            assert g["p_lower"] == pytest.approx(w["p_lower"], abs=1e-3)
 
 
 def test_a_second_run_skips_every_finished_stage(lab):
