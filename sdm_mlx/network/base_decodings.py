@@ -23,7 +23,7 @@ and, optionally, what replays a decoding under a trained head (:meth:`BaseDecodi
   <sdm_mlx.decoding.decode_types.Decoded>`; flat float32 ``[S, D]`` and ``[N + 1]`` offsets; a decoding may have none);
 * ``decode_settings``: JSON ``{max_new_tokens, delimiter, stop_at_delimiter, max_length}`` of the decodings.
 
-**Replay.**  The trunk is frozen: W_pos changes which token a state picks, never the states of a given token
+**Replay** (DESIGN #26).  The trunk is frozen (DESIGN #19): W_pos changes which token a state picks, never the states of a given token
 sequence.  So if a head's joint picks from a decoding's decision states are that decoding's own tokens (and an
 end-of-sequence token where it stopped on one), greedy decoding with that head makes exactly this decoding: the same
 text, stop and features.  Alg. 4's passes after a W_pos step take those decodings from the file and decode only the
@@ -156,6 +156,22 @@ class BaseDecodings:
         if self._replay is None:
             return 0
         return int((np.diff(self._replay["decision_offsets"]) > 0).sum())
+
+    def completion_states(self, prompt: str, completion: str):
+        """``(token ids of prompt + answer, position of the first decision, decision states [n, D])`` of the
+        base decoding of ``prompt`` when its text is ``completion`` and it kept its decisions (the states that
+        predict the answer's tokens: what Alg. 4's token cache would compute for that y = 1 document), else None."""
+        if self._replay is None:
+            return None
+        i = self._row.get(prompt_key(_embed.encode(self._tokenizer, prompt)))
+        if i is None or self._texts[i] != completion:
+            return None
+        r = self._replay
+        a, b = int(r["decision_offsets"][i]), int(r["decision_offsets"][i + 1])
+        if b == a:
+            return None
+        ids = list(self._prompt_ids[i]) + [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
+        return ids, len(self._prompt_ids[i]) - 1, r["decisions"][a:b]
 
     def replayed(self, heads, settings, keys=None) -> dict[str, Decoded]:
         """``{prompt_key: Decoded}`` of the decodings that greedy joint decoding with ``heads`` (an

@@ -160,19 +160,35 @@ class RankWork:
                 self.log(f"reusing the token cache of {len(pos_rows)} y=1 training documents ({len(saved)} tokens) "
                          f"saved in {store}")
                 return saved
+        given = self._given_completion_states(pos_rows)
         journal = None if store is None else ChunkJournal(
-            f"{store.rstrip(os.sep)}.partial.rank{self.dp.rank}", {**key, "rank": self.dp.rank, "ranks": self.dp.size})
-        cache = self._build_token_cache(pos_rows, journal)
+            f"{store.rstrip(os.sep)}.partial.rank{self.dp.rank}",
+            {**key, "rank": self.dp.rank, "ranks": self.dp.size,
+             "given": [i for i, g in enumerate(given or ()) if g is not None]})
+        cache = self._build_token_cache(pos_rows, journal, given)
         if store is not None and self.dp.writer:
             save_token_cache(store, cache, key)
         if journal is not None:
             journal.discard()  # the cache is whole (and saved by the writer): its parts are not needed again
         return cache
 
-    def _build_token_cache(self, pos_rows: Sequence[dict], journal=None) -> TokenCache:
+    def _given_completion_states(self, pos_rows: Sequence[dict]) -> list | None:
+        """Per y = 1 row, the base decoding's decision states when its completion is the base model's own answer
+        (:meth:`~.base_decodings.BaseDecodings.completion_states`); None without base decodings or with several
+        ranks (each rank then runs its part, as before)."""
+        base = self.base_decodings
+        if base is None or not base.replayable or self.dp.active:
+            return None
+        given = [base.completion_states(r["prompt"], r["completion"]) for r in pos_rows]
+        n = sum(g is not None for g in given)
+        self.log(f"{n} of {len(pos_rows)} y=1 training documents are the base model's own decodings: their "
+                 f"completion states are the decision states in {base.path}")
+        return given
+
+    def _build_token_cache(self, pos_rows: Sequence[dict], journal=None, given=None) -> TokenCache:
         c = self.config
         if not self.dp.active:
-            return build_token_cache(self.heads, self.tokenizer, pos_rows, c, journal=journal)
+            return build_token_cache(self.heads, self.tokenizer, pos_rows, c, journal=journal, given=given)
         planned = [completion_token_positions(self.tokenizer, r["prompt"], r["completion"], c.delimiter,
                                               c.max_length) for r in pos_rows]
         need = [max(pos) + 1 if pos else 0 for _, pos, _ in planned]  # token_hidden_states' sort key

@@ -190,7 +190,7 @@ TOKEN_CACHE_CHUNK_DOCS = 256
 
 
 def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: NetworkConfig, *, prefix_ids=None,
-                      journal=None) -> TokenCache:
+                      journal=None, given: Sequence | None = None) -> TokenCache:
     """The :class:`TokenCache` of y = 1 rows (``prompt`` + ``completion``), the completion tokens picked by the
     ``config``'s ``delimiter`` and ``max_length``, ``embed_batch_size`` rows per forward pass (``verbose``: a
     progress bar); their shared token prefix runs once (``prefix_ids``: see
@@ -198,7 +198,11 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: 
 
     ``journal``: a :class:`~sdm_mlx.storage.journal.ChunkJournal` keyed by these rows
     (:func:`token_cache_key`): the states are computed :data:`TOKEN_CACHE_CHUNK_DOCS` documents at a time, each
-    part written to it as it finishes and read from it when a stopped build is started again."""
+    part written to it as it finishes and read from it when a stopped build is started again.
+
+    ``given``: per row None or ``(token ids, first position, states)``, the decision states of the base model's own
+    decoding of that very prompt + completion (:meth:`~.base_decodings.BaseDecodings.completion_states`): a row whose
+    token ids and positions they cover takes its states from them instead of running the model (DESIGN #26)."""
     delimiter, max_length, batch_size, verbose = (config.delimiter, config.max_length, config.embed_batch_size,
                                                   config.verbose)
     seqs, poss, tgts, docs, skipped = [], [], [], [], []
@@ -210,20 +214,55 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: 
         poss.append(pos)
         tgts.extend(tg)
         docs.extend([i] * len(pos))
+    known = _given_states(seqs, poss, given)
+    run = [i for i in range(len(rows)) if i not in known]
     if journal is not None and prefix_ids is None:  # every part shares the whole set's prefix, as one pass would
-        prefix_ids = shared_prefix(seqs, poss)
+        prefix_ids = shared_prefix([seqs[i] for i in run], [poss[i] for i in run])
     with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
+        bar.update(len(known))
+        args = ([seqs[i] for i in run], [poss[i] for i in run])
         if journal is None:
-            hidden = token_hidden_states(heads.model, seqs, poss, batch_size=batch_size, progress=bar.update,
-                                         prefix_ids=prefix_ids)
+            ran = token_hidden_states(heads.model, *args, batch_size=batch_size, progress=bar.update,
+                                      prefix_ids=prefix_ids) if run else None
         else:
-            hidden = _journaled_states(heads, seqs, poss, journal, batch_size=batch_size, progress=bar.update,
-                                           prefix_ids=prefix_ids)
+            ran = _journaled_states(heads, *args, journal, batch_size=batch_size, progress=bar.update,
+                                    prefix_ids=prefix_ids)
+    hidden = _in_row_order(len(rows), poss, known, run, ran, heads.hidden_size)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
     if skipped and verbose:
         log(f"{len(skipped)} y=1 training document(s) have their completion beyond max_length {max_length} "
             f"and give no training tokens (e.g. ids {skipped[:5]})")
     return TokenCache(hidden=hidden, targets=targets, doc=np.asarray(docs, dtype=np.int64), skipped=skipped)
+
+
+def _given_states(seqs, poss, given) -> dict:
+    """``{row: states [len(positions), D]}`` of the rows whose ``given`` decision states cover their token ids and
+    positions (the decision at ``first + k`` is the state at that position)."""
+    out = {}
+    for i, g in enumerate(given or ()):
+        if g is None or not poss[i]:
+            continue
+        ids, first, states = g
+        n = len(poss[i])
+        if (list(poss[i]) == list(range(first, first + n)) and n <= len(states)
+                and list(seqs[i][:poss[i][-1] + 2]) == list(ids[:poss[i][-1] + 2])):
+            out[i] = np.asarray(states[:n], dtype=np.float32)
+    return out
+
+
+def _in_row_order(n: int, poss, known: dict, run: list, ran, width: int) -> np.ndarray:
+    """The states of every row in row order: the given ones and those of ``run`` (concatenated in ``ran``)."""
+    parts, at, computed = [], 0, {}
+    for i in run:
+        computed[i] = (at, at + len(poss[i]))
+        at += len(poss[i])
+    for i in range(n):
+        if i in known:
+            parts.append(known[i])
+        elif poss[i]:
+            a, b = computed[i]
+            parts.append(ran[a:b])
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros((0, width), dtype=np.float32)
 
 
 def _journaled_states(heads: SDMHeads, seqs, poss, journal, *, batch_size: int, progress,

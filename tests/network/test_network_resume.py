@@ -9,6 +9,7 @@ command must end with the uninterrupted run's W_pos, Adam state, per-epoch losse
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -421,14 +422,38 @@ def test_base_decodings_with_decisions_are_replayed_after_each_w_pos_step(tiny, 
                         replay={"token_ids": [d.token_ids for d in decs], "stop_reasons": [d.stop_reason for d in decs],
                                 "decisions": [d.decisions for d in decs], "settings": decode_settings(engine, 12)})
     out = tmp_path / "out"
-    r = sdm(train_args(tiny["built"], out, "--base-decodings", str(tmp_path / "base.npz")))
+    args = [a for a in train_args(tiny["built"], out, "--base-decodings", str(tmp_path / "base.npz")) if a != "--quiet"]
+    r = sdm(args)
     assert r.returncode == 0, r.stderr
+    # the token cache took the own right answers' states from the decisions
+    given = re.search(r"(\d+) of (\d+) y=1 training documents are the base model's own decodings", r.stderr)
+    assert given and 0 < int(given.group(1)) <= int(given.group(2)), r.stderr[-3000:]
     m, reference = metrics(out), metrics(ref)
     assert m["initial"]["given"] == m["initial"]["documents"] > 0
     replayed = [e["calibration"]["replayed"] for e in m["epochs"]]
     assert all(e["calibration"]["given"] == 0 for e in m["epochs"]) and sum(replayed) > 0, replayed
     assert all(0 <= n <= e["calibration"]["documents"] for n, e in zip(replayed, m["epochs"]))
     assert_same_counts_and_selection(m, reference)
+    # the decision states are the states the token cache computes for those documents
+    from types import SimpleNamespace
+
+    from sdm_mlx.network import SDMHeads
+    from sdm_mlx.network.base_decodings import BaseDecodings
+    from sdm_mlx.network.training_data import build_token_cache
+
+    base = BaseDecodings(str(tmp_path / "base.npz"), tok)
+    rows = [{"id": str(k), "prompt": p, "completion": d.text} for k, (p, d) in enumerate(zip(prompts, decs))
+            if d.stop_reason == "delimiter"]
+    assert len(rows) >= 4
+    cfg = SimpleNamespace(delimiter="}", max_length=500, embed_batch_size=8, verbose=False)
+    given = [base.completion_states(r["prompt"], r["completion"]) for r in rows]
+    assert all(g is not None for g in given)
+    heads = SDMHeads(model)
+    ran = build_token_cache(heads, tok, rows, cfg)
+    took = build_token_cache(heads, tok, rows, cfg, given=given[:len(rows) // 2] + [None] * (len(rows) - len(rows) // 2))
+    np.testing.assert_array_equal(took.targets, ran.targets)
+    np.testing.assert_array_equal(took.doc, ran.doc)
+    np.testing.assert_allclose(took.hidden, ran.hidden, rtol=1e-4, atol=1e-4)
 
 
 def test_given_base_decodings_stand_in_for_the_passes_at_the_base_head(tiny, tmp_path):

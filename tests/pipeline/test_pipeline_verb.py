@@ -224,6 +224,22 @@ def test_network_answers_replay_the_answers_a_network_keeps_and_decode_the_rest(
             assert g["p_lower"] == pytest.approx(w["p_lower"], abs=1e-3)
 
 
+def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
+    """tools/bench/bench_replay.py on the lab's run: both modes measured with the CPU shares; the base head decodes
+    the answers stage's texts again and replays every prompt."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "bench_replay.py"), str(lab["out"]),
+                        "--task", "arithmetic", "--n", "6", "--repeats", "1", "--json", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert {x["mode"] for x in rep["rows"]} == {"decode", "replay"} and rep["decode_over_replay"] > 0
+    assert all({"load_average", "cpu_steal", "rss_mb"} <= set(x) for x in rep["rows"])
+    assert rep["agreement"] == {"decoded_texts_equal": 6, "replayed": 6, "of": 6}
+
+
 def test_a_second_run_skips_every_finished_stage(lab):
     out = lab["out"]
     before = json.loads((out / "stages.json").read_text())
