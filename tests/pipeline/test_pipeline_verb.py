@@ -81,7 +81,8 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
         assert (np.diff(base["decision_offsets"]) > 0).all() and base["decisions"].shape[1] == 64
     assert metrics["initial"]["given"] == metrics["initial"]["documents"] > 0
     cal = metrics["epochs"][0]["calibration"]
-    assert cal["given"] == 0 and 0 <= cal["replayed"] <= cal["documents"]  # what W_pos decodes as before
+    # the answers the trained W_pos decodes as the base model did are replayed (28 of 40 when written), not decoded
+    assert cal["given"] == 0 and 0 < cal["replayed"] <= cal["documents"]
     done = json.loads((out / "network" / "answers.done.json").read_text())
     if metrics["selected_epoch"] == 0:  # the base head kept: nothing decoded (see the next test)
         assert done["base_head"] and not (out / "network" / "answers.jsonl").exists()
