@@ -76,6 +76,7 @@ class _Row:
     logprobs: list | None = None
     first: float | None = None
     stream: AnswerStream | None = None
+    prompt_kv: list | None = None
 
 
 class DecodeEngine:
@@ -344,11 +345,16 @@ class DecodeEngine:
         rows, last = [], []
         for i, (req, n) in enumerate(zip(reqs, lens)):
             states = h[i, :n] if prefix_states is None else mx.concatenate([prefix_states, h[i, :n]], axis=0)
-            if self.prefix_cache is not None:
+            kv_i = None
+            if self.prefix_cache is not None or req.keep_prompt:
                 pad = width - n
                 kv_i = [(c.keys[i : i + 1, :, pad:], c.values[i : i + 1, :, pad:]) for c in cache]
+            if self.prefix_cache is not None:
                 self.prefix_cache.offer(req.prompt_ids, kv_i, states, cached=start)
             rows.append(self._new_row(req, t0, start, states))
+            if req.keep_prompt:  # a copy of the prompt's positions: the batch's buffers move on with the decoding
+                P = len(req.prompt_ids)
+                rows[-1].prompt_kv = [(mx.contiguous(k[..., :P, :]), mx.contiguous(v[..., :P, :])) for k, v in kv_i]
             last.append(h[i, n - 1 : n])
         return rows, cache, mx.concatenate(last, axis=0)
 
@@ -442,6 +448,9 @@ class DecodeEngine:
             dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n,
                                               parts=row.req.feature_parts).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
+        if row.prompt_kv is not None:
+            P = len(row.req.prompt_ids)
+            dec.prompt_cache = (row.prompt_kv, mx.concatenate(row.states, axis=0)[:P])
         if row.req.keep_decisions and reason in ("delimiter", "eos", "max_tokens"):
             # the prompt's P states, then one per fed token: the picks came from the last prompt state onwards
             P, n_dec = len(row.req.prompt_ids), len(tokens) + (reason == "eos")

@@ -33,11 +33,12 @@ class DecodeRequest:
     cancel: Callable[[], bool] | None = None
     on_tokens: Callable[[str, list], None] | None = None
     keep_decisions: bool = False
+    keep_prompt: bool = False
 
     @property
     def keeps_states(self) -> bool:
         """Whether the engine keeps this request's final-norm states (for its features or its decisions)."""
-        return self.features or self.keep_decisions
+        return self.features or self.keep_decisions or self.keep_prompt
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Decoded:
     for the end-of-sequence token when the decoding stopped on it (None for a ``stop`` or ``cancelled`` decoding).
     With the trunk frozen, a head whose picks from these states are the same tokens decodes the same answer
     (:mod:`sdm_mlx.network.base_decodings`).
+    ``prompt_cache``: with ``keep_prompt=True`` (and the engine's batched prefill), the prompt's keys and values per
+    layer (``[1, H, P, d]``) and its final-norm states ``[P, D]``: another completion of the same prompt runs only its
+    own tokens (:func:`sdm_mlx.decoding.continuation.continuation_features`).
     """
 
     prompt_ids: list
@@ -68,6 +72,7 @@ class Decoded:
     cached_prompt_tokens: int = 0
     error: BaseException | None = None  # raised by the request's on_text / on_tokens (the row was stopped)
     decisions: object = None
+    prompt_cache: object = None  # with keep_prompt=True: ([(keys, values)] per layer, final-norm states [P, D])
 
 
 def check_request(req: DecodeRequest) -> None:

@@ -96,11 +96,15 @@ class AnswerSettings(NamedTuple):
     feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS
 
 
-def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings, decisions=None) -> list[dict]:
+def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings, decisions=None,
+                forced=None) -> list[dict]:
     """One batch: output rows with the answer, its parse and the decode-time features.  ``engine`` is the
     package's batched decoder (:class:`sdm_mlx.decoding.DecodeEngine`, plain greedy, the shared prompt prefix
     prefilled once by its prefix cache): the tokens and features ``sdm-mlx generate`` computes.  ``decisions``: a
-    :class:`~.decisions.DecisionStore` that keeps the batch's decision states (written before the rows return)."""
+    :class:`~.decisions.DecisionStore` that keeps the batch's decision states (written before the rows return).
+    ``forced``: ``(completion_of, store)``: ``completion_of(output row)`` gives the row's constructed negative (or
+    None), whose force-decoded features are computed from the kept prompt and kept in the
+    :class:`~.decisions.ForcedFeatures` ``store`` (:func:`forced_from_kept_prompts`)."""
     from ..decoding import DecodeRequest
     from ..llm import embed as _embed
     from ..network.generation import parse_task_prediction
@@ -109,7 +113,8 @@ def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSetting
     prompts = [_embed.chat_text(tokenizer, r["document"], system=system, prompt_template=template) for r in rows]
     ids = [_embed.encode(tokenizer, p) for p in prompts]
     decs = engine.run([DecodeRequest(i, max_tokens, features=True, feature_parts=tuple(feature_parts),
-                                     keep_decisions=decisions is not None) for i in ids])
+                                     keep_decisions=decisions is not None, keep_prompt=forced is not None)
+                       for i in ids])
     if decisions is not None:
         decisions.add([r["id"] for r in rows], decs)
     result = []
@@ -123,7 +128,43 @@ def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSetting
             "embedding_source": "llm-hidden-states", "feature_parts": list(feature_parts),
             "embedding": [float(x) for x in np.asarray(dec.features).ravel()],
         })
+    if forced is not None:
+        completion_of, store = forced
+        forced_from_kept_prompts(engine.model, tokenizer, prompts, decs, [completion_of(r) for r in result], store)
     return result
+
+
+def forced_from_kept_prompts(model, tokenizer, prompts: Sequence[str], decs: Sequence, completions: Sequence,
+                             store) -> int:
+    """Keep in ``store`` (a :class:`~.decisions.ForcedFeatures`) the force-decoded features of ``prompts[i] +
+    completions[i]`` computed from the prompt kept by ``decs[i]`` (only the completion's tokens run; pooled as
+    ``embed_forced`` pools them); a row without a completion, or whose ``prompt + completion`` does not encode as the
+    prompt's tokens followed by more, is left to the forced stage.  Returns how many were kept."""
+    from ..decoding.continuation import continuation_features
+    from ..errors import InputError as _InputError
+    from ..llm import embed as _embed
+    from .decisions import pair_key
+
+    keep, conts, kept_n = [], [], []
+    for i, (p, d, c) in enumerate(zip(prompts, decs, completions)):
+        if c is None or d.prompt_cache is None:
+            continue
+        try:
+            n = int(_embed.prompt_completion_kept_lengths(tokenizer, [p], [c])[0])
+        except _InputError:
+            continue
+        full, P = _embed.encode(tokenizer, p + c), len(d.prompt_ids)
+        if full[:P] == list(d.prompt_ids) and P < n <= len(full):
+            keep.append(i)
+            conts.append(full[P:])
+            kept_n.append(n)
+    if keep:
+        feats = continuation_features(model, [decs[i].prompt_cache for i in keep], conts, kept_n,
+                                      tuple(store.feature_parts))
+        store.add([pair_key(prompts[i], completions[i]) for i in keep], feats)
+    for d in decs:
+        d.prompt_cache = None  # the batch's prompt keys and values are not needed again
+    return len(keep)
 
 
 def shared_prefix_stats(model, tokenizer, prompts) -> dict:
@@ -163,16 +204,19 @@ def _log_default(message: str) -> None:
 
 
 def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings: AnswerSettings, *,
-                   prefix_stats: bool = True, log: Callable[[str], None] = _log_default, label: str = "") -> dict:
+                   prefix_stats: bool = True, log: Callable[[str], None] = _log_default, label: str = "",
+                   forced_completion: Callable[[dict], str | None] | None = None) -> dict:
     """Append the own-answer row of every row of ``rows`` not yet in ``output``, asked and kept as ``settings`` say;
     returns ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
 
     Decoded by a new :class:`~sdm_mlx.decoding.DecodeEngine` with a prefix cache.  ``prefix_stats``: also write
     ``output + ".prefix.npz"`` (:func:`write_prefix_stats`).  The decision states of every decoding are kept in
-    ``output + ".decisions/"`` (:mod:`.decisions`: Alg. 4 replays them under a trained head)."""
+    ``output + ".decisions/"`` (:mod:`.decisions`: Alg. 4 replays them under a trained head).
+    ``forced_completion(output row)``: the row's constructed negative (or None); its force-decoded features are
+    computed from the kept prompt and kept in ``output + ".forced/"`` for the forced stage (:mod:`.decisions`)."""
     from ..decoding import DecodeEngine, PrefixCache
     from ..llm.pooling import check_feature_parts
-    from .decisions import DecisionStore, decode_settings as decision_settings
+    from .decisions import DecisionStore, ForcedFeatures, decode_settings as decision_settings
 
     settings = settings._replace(feature_parts=check_feature_parts(settings.feature_parts))
     system, template, batch_size = settings.system, settings.template, settings.batch_size
@@ -187,10 +231,12 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
         write_prefix_stats(output + ".prefix.npz", model, tokenizer, rows, system=system, template=template)
     engine = DecodeEngine(model, tokenizer, max_batch=batch_size, prefix_cache=PrefixCache())
     store = DecisionStore(output, decision_settings(engine, settings.max_tokens))
+    forced = (None if forced_completion is None
+              else (forced_completion, ForcedFeatures(output, settings.feature_parts)))
     t0 = time.time()
     with open(output, "a", encoding="utf-8") as f:
         for b0 in range(0, len(todo), batch_size):  # one batch per flush: a stopped run loses at most one batch
-            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], settings, store)
+            out = decode_rows(engine, tokenizer, todo[b0: b0 + batch_size], settings, store, forced)
             for row in out:
                 f.write(json.dumps(row) + "\n")
             f.flush()
@@ -209,11 +255,13 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
 
 def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_size: int = 16,
                  feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, log: Callable[[str], None] = _log_default,
-                 label: str = "") -> dict:
+                 label: str = "", known: dict | None = None) -> dict:
     """Append the force-decoded features of every verification row (``id, prompt, completion, ...``) not yet in
     ``output`` (the row with ``embedding_source``, ``feature_parts`` and ``embedding`` added); returns
     ``{rows, tokens, seconds}`` of this call.  The whole file's shared prompt prefix (rows do not depend on the
-    batch) runs once per batch; rows go longest first; every batch is flushed."""
+    batch) runs once per batch; rows go longest first; every batch is flushed.  ``known``: features already
+    computed by the answers stage (:class:`~.decisions.ForcedFeatures`, by :func:`~.decisions.pair_key`): those rows
+    are written with them, without running the model."""
     from ..llm import embed as _embed
     from ..llm.pooling import check_feature_parts
 
@@ -223,6 +271,23 @@ def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_s
     name = label or os.path.basename(output)
     log(f"{name}: {len(rows) - len(todo)} rows already in {output}; {len(todo)} to embed")
     stats = {"rows": 0, "tokens": 0, "seconds": 0.0}
+    if known:
+        from .decisions import pair_key
+
+        given = [(r, known.get(pair_key(r["prompt"], r["completion"]))) for r in todo]
+        given = [(r, e) for r, e in given if e is not None]
+        if given:
+            with open(output, "a", encoding="utf-8") as f:
+                for r, e in given:
+                    f.write(json.dumps({**r, "embedding_source": "llm-hidden-states",
+                                        "feature_parts": list(feature_parts),
+                                        "embedding": [float(x) for x in e]}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            done = {r["id"] for r, _ in given}
+            todo = [r for r in todo if r["id"] not in done]
+            log(f"{name}: {len(given)} rows' features were computed by the answers stage (the completion run after "
+                f"the kept prompt); {len(todo)} to embed")
     if not todo:
         return stats
     seqs = [_embed.encode(tokenizer, r["prompt"] + r["completion"]) for r in rows]

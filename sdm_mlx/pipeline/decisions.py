@@ -1,4 +1,5 @@
-"""The decision states of the answers stage's decodings, kept beside its rows for Alg. 4's replay.
+"""What the answers stage keeps beside its rows for later stages: the decision states of its decodings (Alg. 4's
+replay) and the features of its constructed negatives (the forced stage).
 
 The answers stage decodes every prompt greedily with the base model.  With each batch it keeps, in
 ``<answers file>.decisions/``, the final-norm states that picked each answer token
@@ -10,10 +11,18 @@ replayed`).  A row without decisions (decoded before they were kept) is decoded 
 The store is a :class:`~sdm_mlx.storage.journal.ChunkJournal` keyed by the decode settings: a chunk is written
 atomically before its batch's rows are appended to the answers file, so every row in the file whose chunk was written
 has its decisions; rows of a stopped batch are decoded again and their later chunk wins.
+
+With ``forced_completions: flip`` the answers stage also runs each pool answer's constructed negative (the own answer
+inverted in its own layout) right after the answer, from the prompt's kept keys and values
+(:func:`sdm_mlx.decoding.continuation.continuation_features`): only its dozen tokens run, not the prompt again.  The
+features go to a :class:`ForcedFeatures` store (``<answers file>.forced/``), keyed by the SHA-1 of ``prompt +
+completion``; the forced stage takes a row's features from it when its prompt and completion are those, and embeds
+the others as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Sequence
@@ -79,3 +88,35 @@ def decode_settings(engine, max_tokens: int) -> dict:
     :class:`~sdm_mlx.decoding.DecodeEngine`) with at most ``max_tokens`` tokens, stopped at the delimiter."""
     return {"max_new_tokens": int(max_tokens), "delimiter": engine.delimiter, "stop_at_delimiter": True,
             "max_length": int(engine.max_length)}
+
+
+#: The forced-features store's directory beside an answers file.
+FORCED_SUFFIX = ".forced"
+
+
+def pair_key(prompt: str, completion: str) -> str:
+    """A force-decoded row's identity in a :class:`ForcedFeatures` store: SHA-1 of ``prompt + completion``."""
+    return hashlib.sha1((prompt + "\x00" + completion).encode("utf-8")).hexdigest()
+
+
+class ForcedFeatures:
+    """Features of force-decoded ``prompt + completion`` pairs computed by the answers stage beside the answers file
+    ``output``, pooled as ``feature_parts`` (a store of other parts is discarded when this one first writes)."""
+
+    def __init__(self, output: str, feature_parts: Sequence[str]):
+        self.feature_parts = list(feature_parts)
+        self._journal = ChunkJournal(output + FORCED_SUFFIX, {"answers": os.path.basename(output),
+                                                             "feature_parts": self.feature_parts})
+
+    def add(self, keys: Sequence[str], features: np.ndarray) -> None:
+        if len(keys):
+            self._journal.write(f"{self._journal.count():06d}", keys=np.array(json.dumps(list(keys))),
+                                features=np.asarray(features, dtype=np.float32))
+
+    def read(self) -> dict[str, np.ndarray]:
+        """``{pair_key: features}`` (a later chunk's row replaces an earlier one)."""
+        out = {}
+        for arrays in self._journal.chunks().values():
+            for k, key in enumerate(json.loads(str(arrays["keys"]))):
+                out[key] = arrays["features"][k]
+        return out

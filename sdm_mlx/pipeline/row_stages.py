@@ -130,10 +130,29 @@ def run_answers(recipe: Recipe, layout: Layout) -> dict:
             model, tokenizer = _embed.load_model(recipe.model)
         settings = AnswerSettings(recipe.system, t.template(), t.answer_completions(), max_tokens=recipe.max_tokens,
                                   batch_size=recipe.generation_batch_size, feature_parts=recipe.record_features)
-        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), settings, log=say, label=f"{t.name}/{s}")
+        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), settings, log=say, label=f"{t.name}/{s}",
+                            forced_completion=_flip_of(recipe, t) if s == "pool" else None)
         for k in total:
             total[k] += st[k]
     return total
+
+
+def _flip_of(recipe: Recipe, task):
+    """With ``forced_completions: flip`` and forced rows in use: the constructed negative of an own pool answer as
+    :func:`write_flip_rows` writes it (the answer inverted in its own layout; None for an unparsable answer, whose
+    negative depends on every answer), computed by the answers stage from the kept prompt; else None."""
+    from ..llm.answers import answer_in_layout
+    from .verifiers import needs_forced
+
+    if recipe.verifier.forced_completions != "flip" or not needs_forced(recipe):
+        return None
+    comps = task.answer_completions()
+
+    def flip(row: dict):
+        label = int(row["answer_label"])
+        return answer_in_layout(row["text"], comps, 1 - label) if label in (0, 1) else None
+
+    return flip
 
 
 # -- forced rows ------------------------------------------------------------------------------------------------
@@ -253,6 +272,7 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
     from ..llm import embed as _embed
     from ..storage.files import make_dirs, write_json
     from .answers import embed_forced, read_rows
+    from .decisions import ForcedFeatures
 
     say = stage_log("forced")
     check_model(recipe)
@@ -284,9 +304,10 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
         if model is None:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model, head=False)
+        known = ForcedFeatures(layout.answers(t.name, "pool"), recipe.record_features).read()
         st = embed_forced(model, tokenizer, read_rows(layout.forced_rows(t.name)), layout.forced(t.name),
                           batch_size=recipe.embed_batch_size, feature_parts=recipe.record_features, log=say,
-                          label=f"{t.name}/forced")
+                          label=f"{t.name}/forced", known=known)
         for k in total:
             total[k] += st[k]
     return total

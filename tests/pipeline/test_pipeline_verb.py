@@ -241,6 +241,39 @@ def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
     assert rep["agreement"] == {"decoded_texts_equal": 6, "replayed": 6, "of": 6}
 
 
+def test_flip_negatives_are_run_after_the_kept_prompt_in_the_answers_stage(lab, tmp_path):
+    """``forced_completions: flip``: the answers stage runs each pool answer's constructed negative from the prompt it
+    kept (only the completion's tokens), and the forced stage takes those features instead of embedding the rows:
+    they are the force-decoded features ``prompt_completion_features`` computes from scratch."""
+    import re
+
+    from sdm_mlx.llm.embed import load_model, prompt_completion_features
+
+    mapping = L.recipe(str(tmp_path), lab["model"], lab["csv"], lab["tweets"], network=False)
+    mapping["verifier"] = {**mapping["verifier"], "forced_completions": "flip", "row_sets": ["own+forced"],
+                           "primary": "own+forced", "features": ["mean,last"], "per_task": "none"}
+    recipe = L.write_recipe(str(tmp_path / "flip.yaml"), mapping)
+    for stage in ("data,answers", "forced"):
+        r = _cli("pipeline", "-c", recipe, "--only", stage)
+        assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    took = {}
+    for task in ("sentiment", "arithmetic"):
+        m = re.search(rf"{task}/forced: (\d+) rows' features were computed by the answers stage", r.stderr)
+        assert m, r.stderr[-3000:]
+        took[task] = int(m.group(1))
+        answers = _rows(out / "answers" / f"{task}_pool.jsonl")
+        parsable = sum(a["answer_label"] in (0, 1) for a in answers)
+        assert 0 < took[task] <= parsable
+        forced = _rows(out / "forced" / f"{task}_pool.jsonl")
+        assert len(forced) == L.POOL
+        model, tok = load_model(lab["model"])
+        sample = forced[:: max(1, len(forced) // 8)]
+        want = prompt_completion_features(model, tok, [f["prompt"] for f in sample], [f["completion"] for f in sample],
+                                          parts=("max", "mean", "last"), batch_size=4).embeddings
+        np.testing.assert_allclose(np.array([f["embedding"] for f in sample]), want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_second_run_skips_every_finished_stage(lab):
     out = lab["out"]
     before = json.loads((out / "stages.json").read_text())
