@@ -241,6 +241,21 @@ def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
     assert rep["agreement"] == {"decoded_texts_equal": 6, "replayed": 6, "of": 6}
 
 
+def test_bench_forced_measures_both_ways_on_a_run(lab, tmp_path):
+    """tools/bench/bench_forced.py on the lab's run: both ways measured with the CPU shares, the same features."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "bench_forced.py"), str(lab["out"]),
+                        "--task", "arithmetic", "--n", "6", "--repeats", "1", "--json", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert {x["mode"] for x in rep["measurements"]} == {"scratch", "continuation"} and rep["rows"] == 6
+    assert all({"load_average", "cpu_steal", "rss_mb"} <= set(x) for x in rep["measurements"])
+    assert rep["max_relative_difference"] < 1e-4 and rep["tokens_continuation"] < rep["tokens_scratch"]
+
+
 def test_flip_negatives_are_run_after_the_kept_prompt_in_the_answers_stage(lab, tmp_path):
     """``forced_completions: flip``: the answers stage runs each pool answer's constructed negative from the prompt it
     kept (only the completion's tokens), and the forced stage takes those features instead of embedding the rows:
