@@ -141,7 +141,6 @@ def forced_from_kept_prompts(model, tokenizer, prompts: Sequence[str], decs: Seq
     ``embed_forced`` pools them); a row without a completion, or whose ``prompt + completion`` does not encode as the
     prompt's tokens followed by more, is left to the forced stage.  Returns how many were kept."""
     from ..decoding.continuation import continuation_features
-    from ..errors import InputError as _InputError
     from ..llm import embed as _embed
     from .decisions import pair_key
 
@@ -151,7 +150,7 @@ def forced_from_kept_prompts(model, tokenizer, prompts: Sequence[str], decs: Seq
             continue
         try:
             n = int(_embed.prompt_completion_kept_lengths(tokenizer, [p], [c])[0])
-        except _InputError:
+        except InputError:  # no closing delimiter: the forced stage says so for its row
             continue
         full, P = _embed.encode(tokenizer, p + c), len(d.prompt_ids)
         if full[:P] == list(d.prompt_ids) and P < n <= len(full):
