@@ -128,7 +128,10 @@ def network_selection(layout: Layout) -> dict | None:
     with open(layout.network_metrics, encoding="utf-8") as f:
         m = json.load(f)
     return {"initial_count": (m.get("initial") or {}).get("count"),
-            "epochs": [{k: e.get(k) for k in ("epoch", "count", "loss", "tokens", "tokens_per_s", "epoch_seconds")}
+            "epochs": [{**{k: e.get(k) for k in ("epoch", "count", "loss", "tokens", "tokens_per_s", "epoch_seconds")},
+                        # the count's prompts replayed from the base decodings (networks.md) and their total
+                        "replayed": (e.get("calibration") or {}).get("replayed"),
+                        "documents": (e.get("calibration") or {}).get("documents")}
                        for e in m.get("epochs", [])],
             "selected_epoch": m.get("selected_epoch"), "finished": m.get("finished"),
             "epochs_completed": m.get("epochs_completed"), "stopped": m.get("stopped")}
@@ -186,7 +189,10 @@ def markdown(table: dict) -> str:
                   f"before training{'; after each epoch: ' + counts if counts else ''}; kept: epoch "
                   f"{sel['selected_epoch']} (finished: {sel['finished']})."
                   + (" Epoch 0 is the base head: the network is the base model, and its rows are the base rows."
-                     if sel["selected_epoch"] == 0 else "")]
+                     if sel["selected_epoch"] == 0 else "")
+                  + "".join(f" Epoch {e['epoch']}'s count replayed {e['replayed']} of its {e['documents']} prompts "
+                            "(answers the epoch did not change) and decoded the rest."
+                            for e in sel["epochs"] if e.get("replayed") is not None)]
     if table.get("stages"):
         lines += ["", "## Cost per stage (last run)", "",
                   "| stage | wall s | rows | rows/s | tokens/s | peak RSS GB | load |", "|---|---|---|---|---|---|---|"]

@@ -81,6 +81,9 @@ def test_every_stage_runs_and_writes_its_outputs(lab):
         assert (np.diff(base["decision_offsets"]) > 0).all() and base["decisions"].shape[1] == 64
     assert metrics["initial"]["given"] == metrics["initial"]["documents"] > 0
     cal = metrics["epochs"][0]["calibration"]
+    table = json.loads((out / "table.json").read_text())
+    assert {k: table["network"]["selection"]["epochs"][0][k] for k in ("replayed", "documents")} == \
+        {k: cal[k] for k in ("replayed", "documents")}
     # the answers the trained W_pos decodes as the base model did are replayed (28 of 40 when written), not decoded
     assert cal["given"] == 0 and 0 < cal["replayed"] <= cal["documents"]
     done = json.loads((out / "network" / "answers.done.json").read_text())
