@@ -50,8 +50,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
-
 from ..llm import embed as _embed
 from ..errors import InputError
 from ..llm.answers import is_closed
@@ -59,6 +57,7 @@ from ..llm.model import model_dims
 from .batch_plan import decodes_in_batches, plain_kv_caches, prefill_batches
 from .prompt_cache import PrefixCache, common_prefix_length
 from .decode_types import STOP_REASONS, Decoded, DecodeRequest, check_request
+from .kept import attach_kept, prompt_kv
 from .sampling import RowSampler, token_logprobs
 from .streaming import AnswerStream, cut_at_stop, first_stop
 
@@ -352,9 +351,7 @@ class DecodeEngine:
             if self.prefix_cache is not None:
                 self.prefix_cache.offer(req.prompt_ids, kv_i, states, cached=start)
             rows.append(self._new_row(req, t0, start, states))
-            if req.keep_prompt:  # a copy of the prompt's positions: the batch's buffers move on with the decoding
-                P = len(req.prompt_ids)
-                rows[-1].prompt_kv = [(mx.contiguous(k[..., :P, :]), mx.contiguous(v[..., :P, :])) for k, v in kv_i]
+            rows[-1].prompt_kv = prompt_kv(kv_i, len(req.prompt_ids)) if req.keep_prompt else None
             last.append(h[i, n - 1 : n])
         return rows, cache, mx.concatenate(last, axis=0)
 
@@ -441,18 +438,13 @@ class DecodeEngine:
                       logprobs=None if row.logprobs is None else row.logprobs[: len(tokens)],
                       first_token_seconds=row.first, cached_prompt_tokens=row.cached,
                       error=None if row.stream is None else row.stream.error)
+        states = mx.concatenate(row.states, axis=0) if row.states else None
         if row.req.features:
             n, info = _embed.generated_n_kept(self.tokenizer, len(row.req.prompt_ids), tokens,
                                               delimiter=self.delimiter, max_length=self.max_length,
                                               on_missing="prompt")
-            dec.features = _embed.pool_hidden(mx.concatenate(row.states, axis=0), n,
-                                              parts=row.req.feature_parts).reshape(1, -1)
+            dec.features = _embed.pool_hidden(states, n, parts=row.req.feature_parts).reshape(1, -1)
             dec.feature_info = {"n_kept": int(n), **info}
-        if row.prompt_kv is not None:
-            P = len(row.req.prompt_ids)
-            dec.prompt_cache = (row.prompt_kv, mx.concatenate(row.states, axis=0)[:P])
-        if row.req.keep_decisions and reason in ("delimiter", "eos", "max_tokens"):
-            # the prompt's P states, then one per fed token: the picks came from the last prompt state onwards
-            P, n_dec = len(row.req.prompt_ids), len(tokens) + (reason == "eos")
-            dec.decisions = np.array(mx.concatenate(row.states, axis=0)[P - 1 : P - 1 + n_dec], dtype=np.float32)
+        if states is not None:
+            attach_kept(dec, row.req, states, row.prompt_kv, reason)
         return dec

@@ -94,6 +94,9 @@ class AnswerSettings(NamedTuple):
     max_tokens: int = 32
     batch_size: int = 16
     feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS
+    #: ``negative_of(output row)``: the row's constructed negative (or None), run after the kept prompt
+    #: (:func:`forced_from_kept_prompts`); None: no negatives here
+    negative_of: Callable[[dict], str | None] | None = None
 
 
 def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSettings, decisions=None,
@@ -109,7 +112,7 @@ def decode_rows(engine, tokenizer, rows: Sequence[dict], settings: AnswerSetting
     from ..llm import embed as _embed
     from ..network.generation import parse_task_prediction
 
-    system, template, completions, max_tokens, _, feature_parts = settings
+    system, template, completions, max_tokens, _, feature_parts, _ = settings
     prompts = [_embed.chat_text(tokenizer, r["document"], system=system, prompt_template=template) for r in rows]
     ids = [_embed.encode(tokenizer, p) for p in prompts]
     decs = engine.run([DecodeRequest(i, max_tokens, features=True, feature_parts=tuple(feature_parts),
@@ -203,16 +206,15 @@ def _log_default(message: str) -> None:
 
 
 def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings: AnswerSettings, *,
-                   prefix_stats: bool = True, log: Callable[[str], None] = _log_default, label: str = "",
-                   forced_completion: Callable[[dict], str | None] | None = None) -> dict:
+                   prefix_stats: bool = True, log: Callable[[str], None] = _log_default, label: str = "") -> dict:
     """Append the own-answer row of every row of ``rows`` not yet in ``output``, asked and kept as ``settings`` say;
     returns ``{rows, tokens, generated_tokens, seconds}`` of this call (the rows decoded now, not those found).
 
     Decoded by a new :class:`~sdm_mlx.decoding.DecodeEngine` with a prefix cache.  ``prefix_stats``: also write
     ``output + ".prefix.npz"`` (:func:`write_prefix_stats`).  The decision states of every decoding are kept in
     ``output + ".decisions/"`` (:mod:`.decisions`: Alg. 4 replays them under a trained head).
-    ``forced_completion(output row)``: the row's constructed negative (or None); its force-decoded features are
-    computed from the kept prompt and kept in ``output + ".forced/"`` for the forced stage (:mod:`.decisions`)."""
+    With ``settings.negative_of``, each row's constructed negative is run after its kept prompt, and its features are
+    kept in ``output + ".forced/"`` for the forced stage (:mod:`.decisions`)."""
     from ..decoding import DecodeEngine, PrefixCache
     from ..llm.pooling import check_feature_parts
     from .decisions import DecisionStore, ForcedFeatures, decode_settings as decision_settings
@@ -230,8 +232,8 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
         write_prefix_stats(output + ".prefix.npz", model, tokenizer, rows, system=system, template=template)
     engine = DecodeEngine(model, tokenizer, max_batch=batch_size, prefix_cache=PrefixCache())
     store = DecisionStore(output, decision_settings(engine, settings.max_tokens))
-    forced = (None if forced_completion is None
-              else (forced_completion, ForcedFeatures(output, settings.feature_parts)))
+    forced = (None if settings.negative_of is None
+              else (settings.negative_of, ForcedFeatures(output, settings.feature_parts)))
     t0 = time.time()
     with open(output, "a", encoding="utf-8") as f:
         for b0 in range(0, len(todo), batch_size):  # one batch per flush: a stopped run loses at most one batch
@@ -254,13 +256,13 @@ def decode_answers(model, tokenizer, rows: Sequence[dict], output: str, settings
 
 def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_size: int = 16,
                  feature_parts: Sequence[str] = DEFAULT_FEATURE_PARTS, log: Callable[[str], None] = _log_default,
-                 label: str = "", known: dict | None = None) -> dict:
+                 label: str = "") -> dict:
     """Append the force-decoded features of every verification row (``id, prompt, completion, ...``) not yet in
     ``output`` (the row with ``embedding_source``, ``feature_parts`` and ``embedding`` added); returns
     ``{rows, tokens, seconds}`` of this call.  The whole file's shared prompt prefix (rows do not depend on the
-    batch) runs once per batch; rows go longest first; every batch is flushed.  ``known``: features already
-    computed by the answers stage (:class:`~.decisions.ForcedFeatures`, by :func:`~.decisions.pair_key`): those rows
-    are written with them, without running the model."""
+    batch) runs once per batch; rows go longest first; every batch is flushed.  A row that already carries its
+    ``embedding`` (computed by the answers stage: :class:`~.decisions.ForcedFeatures`) is written as it is, without
+    running the model."""
     from ..llm import embed as _embed
     from ..llm.pooling import check_feature_parts
 
@@ -270,23 +272,16 @@ def embed_forced(model, tokenizer, rows: Sequence[dict], output: str, *, batch_s
     name = label or os.path.basename(output)
     log(f"{name}: {len(rows) - len(todo)} rows already in {output}; {len(todo)} to embed")
     stats = {"rows": 0, "tokens": 0, "seconds": 0.0}
-    if known:
-        from .decisions import pair_key
-
-        given = [(r, known.get(pair_key(r["prompt"], r["completion"]))) for r in todo]
-        given = [(r, e) for r, e in given if e is not None]
-        if given:
-            with open(output, "a", encoding="utf-8") as f:
-                for r, e in given:
-                    f.write(json.dumps({**r, "embedding_source": "llm-hidden-states",
-                                        "feature_parts": list(feature_parts),
-                                        "embedding": [float(x) for x in e]}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            done = {r["id"] for r, _ in given}
-            todo = [r for r in todo if r["id"] not in done]
-            log(f"{name}: {len(given)} rows' features were computed by the answers stage (the completion run after "
-                f"the kept prompt); {len(todo)} to embed")
+    given = [r for r in todo if r.get("embedding") is not None]
+    if given:
+        with open(output, "a", encoding="utf-8") as f:
+            for r in given:
+                f.write(json.dumps({**r, "embedding": [float(x) for x in r["embedding"]]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        todo = [r for r in todo if r.get("embedding") is None]
+        log(f"{name}: {len(given)} rows' features were computed by the answers stage (the completion run after "
+            f"the kept prompt); {len(todo)} to embed")
     if not todo:
         return stats
     seqs = [_embed.encode(tokenizer, r["prompt"] + r["completion"]) for r in rows]

@@ -129,9 +129,9 @@ def run_answers(recipe: Recipe, layout: Layout) -> dict:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model)
         settings = AnswerSettings(recipe.system, t.template(), t.answer_completions(), max_tokens=recipe.max_tokens,
-                                  batch_size=recipe.generation_batch_size, feature_parts=recipe.record_features)
-        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), settings, log=say, label=f"{t.name}/{s}",
-                            forced_completion=_flip_of(recipe, t) if s == "pool" else None)
+                                  batch_size=recipe.generation_batch_size, feature_parts=recipe.record_features,
+                                  negative_of=_flip_of(recipe, t) if s == "pool" else None)
+        st = decode_answers(model, tokenizer, rows, layout.answers(t.name, s), settings, log=say, label=f"{t.name}/{s}")
         for k in total:
             total[k] += st[k]
     return total
@@ -153,6 +153,15 @@ def _flip_of(recipe: Recipe, task):
         return answer_in_layout(row["text"], comps, 1 - label) if label in (0, 1) else None
 
     return flip
+
+
+def _with_known(row: dict, known: dict, parts) -> dict:
+    """``row`` with the features the answers stage computed for its prompt and completion, when it did."""
+    from .decisions import pair_key
+
+    e = known.get(pair_key(row["prompt"], row["completion"]))
+    return row if e is None else {**row, "embedding_source": "llm-hidden-states", "feature_parts": list(parts),
+                                  "embedding": e}
 
 
 # -- forced rows ------------------------------------------------------------------------------------------------
@@ -305,9 +314,9 @@ def run_forced(recipe: Recipe, layout: Layout) -> dict:
             say(f"loading {recipe.model}")
             model, tokenizer = _embed.load_model(recipe.model, head=False)
         known = ForcedFeatures(layout.answers(t.name, "pool"), recipe.record_features).read()
-        st = embed_forced(model, tokenizer, read_rows(layout.forced_rows(t.name)), layout.forced(t.name),
-                          batch_size=recipe.embed_batch_size, feature_parts=recipe.record_features, log=say,
-                          label=f"{t.name}/forced", known=known)
+        rows = [_with_known(r, known, recipe.record_features) for r in read_rows(layout.forced_rows(t.name))]
+        st = embed_forced(model, tokenizer, rows, layout.forced(t.name), batch_size=recipe.embed_batch_size,
+                          feature_parts=recipe.record_features, log=say, label=f"{t.name}/forced")
         for k in total:
             total[k] += st[k]
     return total

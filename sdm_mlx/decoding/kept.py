@@ -1,0 +1,30 @@
+"""What a decoding keeps for later passes, on request: the states that picked its tokens (``keep_decisions``: Alg. 4
+replays them under a trained head, :mod:`sdm_mlx.network.base_decodings`) and its prompt's keys, values and states
+(``keep_prompt``: another completion of the prompt runs only its own tokens, :mod:`.continuation`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: The stops after which the decisions describe the whole decoding (a ``stop`` string cuts tokens, ``cancelled`` none).
+DECIDED = ("delimiter", "eos", "max_tokens")
+
+
+def prompt_kv(kv_row: list, n_prompt: int) -> list:
+    """A copy of the first ``n_prompt`` positions of one row's per-layer ``(keys, values)`` (the batch's buffers move
+    on with the decoding)."""
+    import mlx.core as mx
+
+    return [(mx.contiguous(k[..., :n_prompt, :]), mx.contiguous(v[..., :n_prompt, :])) for k, v in kv_row]
+
+
+def attach_kept(dec, req, states, kv, reason: str) -> None:
+    """Set ``dec.prompt_cache`` (with ``kv``, the row's :func:`prompt_kv`) and ``dec.decisions`` as ``req`` asks, from
+    the row's final-norm ``states`` (``[P + fed tokens, D]``: the prompt's, then one per fed token; the picks came from
+    the last prompt state onwards, plus one for an end-of-sequence pick)."""
+    P = len(req.prompt_ids)
+    if kv is not None:
+        dec.prompt_cache = (kv, states[:P])
+    if req.keep_decisions and reason in DECIDED:
+        n_dec = len(dec.token_ids) + (reason == "eos")
+        dec.decisions = np.array(states[P - 1 : P - 1 + n_dec], dtype=np.float32)
