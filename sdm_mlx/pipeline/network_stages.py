@@ -65,20 +65,29 @@ def _replay(layout: Layout, own: list[dict], tasks) -> dict | None:
     """The decision states the answers stage kept for the own rows ``own`` (:mod:`.decisions`), in the form
     :func:`~sdm_mlx.network.base_decodings.save_base_decodings` takes; None when it kept none (or under
     different settings for different tasks)."""
-    from .decisions import DecisionStore
-
-    kept, settings = {}, set()
-    for t in tasks:
-        wanted = {m["id"] for m in own if m["task"] == t}
-        store = DecisionStore.open(layout.answers(t, "pool"))
-        if store is not None:
-            settings.add(json.dumps(store.settings, sort_keys=True))
-            kept.update({(t, i): v for i, v in store.read(wanted).items()})
-    if not kept or len(settings) != 1:
+    kept, settings = _kept_decisions(layout, [(t, "pool", {m["id"] for m in own if m["task"] == t}) for t in tasks])
+    if not kept:
         return None
     got = [kept.get((m["task"], m["id"])) for m in own]
     return {"token_ids": [g[0] if g else [] for g in got], "stop_reasons": [g[1] if g else "" for g in got],
-            "decisions": [g[2] if g else None for g in got], "settings": json.loads(settings.pop())}
+            "decisions": [g[2] if g else None for g in got], "settings": settings}
+
+
+def _kept_decisions(layout: Layout, jobs) -> tuple[dict, dict | None]:
+    """``({(task, id): (token ids, stop reason, decisions)}, their decode settings)`` that the answers stage kept for
+    ``jobs`` (``(task, split, wanted ids or None)``); nothing when none were kept, or when they were kept under
+    different settings for different files (they could not be replayed under one)."""
+    from .decisions import DecisionStore
+
+    kept, settings = {}, set()
+    for task, split, wanted in jobs:
+        store = DecisionStore.open(layout.answers(task, split))
+        if store is not None:
+            settings.add(json.dumps(store.settings, sort_keys=True))
+            kept.update({(task, i): v for i, v in store.read(wanted).items()})
+    if not kept or len(settings) != 1:
+        return {}, None
+    return kept, json.loads(settings.pop())
 
 
 def run_network(recipe: Recipe, layout: Layout) -> dict:
@@ -186,28 +195,17 @@ def _replay_test_prompts(recipe: Recipe, layout: Layout, prompts: list[dict]) ->
     from ..network.decode_journal import prompt_key
     from ..network.generation import DecodeSettings
     from .answers import read_rows
-    from .decisions import DecisionStore
 
-    rows, kept, settings = [], {}, set()
-    for t in recipe.tasks:
-        for s in TEST_SPLITS:
-            store = DecisionStore.open(layout.answers(t.name, s)) if t.sizes.get(s) else None
-            if store is None:
-                continue
-            settings.add(json.dumps(store.settings, sort_keys=True))
-            found = store.read()
-            for r in read_rows(layout.answers(t.name, s)):
-                if r["id"] in found:
-                    rows.append((t, r))
-                    kept[(t.name, r["id"])] = found[r["id"]]
-    if not rows or len(settings) != 1:
+    tests = [(t, s) for t in recipe.tasks for s in TEST_SPLITS if t.sizes.get(s)]
+    kept, recorded = _kept_decisions(layout, [(t.name, s, None) for t, s in tests])
+    rows = [(t, r) for t, s in tests for r in read_rows(layout.answers(t.name, s)) if (t.name, r["id"]) in kept]
+    if not rows:
         return set()
     net = load_network(os.path.join(layout.network_run, "network"), load_verifier=False)
     tok = net.tokenizer
     doc = {p["id"]: p["document"] for p in prompts}
     ids = [f"{t.name}/{r['id']}" for t, r in rows]
     texts = [_embed.chat_text(tok, doc[i], system=recipe.system, prompt_template="{document}") for i in ids]
-    recorded = json.loads(settings.pop())
     with tempfile.TemporaryDirectory(dir=os.path.dirname(layout.network_answers)) as tmp:
         path = os.path.join(tmp, "test_decodings.npz")
         save_base_decodings(path, texts, [r["text"] for _, r in rows],

@@ -228,17 +228,22 @@ def test_network_answers_replay_the_answers_a_network_keeps_and_decode_the_rest(
             assert g["p_lower"] == pytest.approx(w["p_lower"], abs=1e-3)
 
 
-def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
-    """tools/bench/bench_replay.py on the lab's run: both modes measured with the CPU shares; the base head decodes
-    the answers stage's texts again and replays every prompt."""
+def _bench(script, lab, tmp_path) -> dict:
+    """The JSON report of ``tools/bench/<script>`` on 6 of the lab run's arithmetic rows, one repeat."""
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "bench_replay.py"), str(lab["out"]),
-                        "--task", "arithmetic", "--n", "6", "--repeats", "1", "--json", str(tmp_path / "r.json")],
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", script), str(lab["out"]), "--task",
+                        "arithmetic", "--n", "6", "--repeats", "1", "--json", str(tmp_path / "r.json")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads((tmp_path / "r.json").read_text())
+    return json.loads((tmp_path / "r.json").read_text())
+
+
+def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
+    """tools/bench/bench_replay.py on the lab's run: both modes measured with the CPU shares; the base head decodes
+    the answers stage's texts again and replays every prompt."""
+    rep = _bench("bench_replay.py", lab, tmp_path)
     assert {x["mode"] for x in rep["rows"]} == {"decode", "replay"} and rep["decode_over_replay"] > 0
     assert all({"load_average", "cpu_steal", "rss_mb"} <= set(x) for x in rep["rows"])
     assert rep["agreement"] == {"decoded_texts_equal": 6, "replayed": 6, "of": 6}
@@ -246,14 +251,7 @@ def test_bench_replay_measures_both_modes_on_a_run(lab, tmp_path):
 
 def test_bench_forced_measures_both_ways_on_a_run(lab, tmp_path):
     """tools/bench/bench_forced.py on the lab's run: both ways measured with the CPU shares, the same features."""
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "bench_forced.py"), str(lab["out"]),
-                        "--task", "arithmetic", "--n", "6", "--repeats", "1", "--json", str(tmp_path / "r.json")],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.loads((tmp_path / "r.json").read_text())
+    rep = _bench("bench_forced.py", lab, tmp_path)
     assert {x["mode"] for x in rep["measurements"]} == {"scratch", "continuation"} and rep["rows"] == 6
     assert all({"load_average", "cpu_steal", "rss_mb"} <= set(x) for x in rep["measurements"])
     assert rep["max_relative_difference"] < 1e-4 and rep["tokens_continuation"] < rep["tokens_scratch"]

@@ -6,6 +6,7 @@ describes."""
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -57,3 +58,45 @@ def load_bench_model(model: str | None, size: str):
         path = make_tiny_model(tmp, "phi3", overrides=SIZES[size])
         loaded = load_model(path)
     return (*loaded, f"random phi3 ({size})")
+
+
+def cpu_times():
+    """The machine's cumulative CPU times (user + nice, system, idle + iowait, steal) from /proc/stat, or zeros."""
+    import numpy as np
+
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return np.zeros(4)
+    return np.array([v[0] + v[1], v[2], v[3] + v[4], v[7]], dtype=float)
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux /proc), else its peak (ru_maxrss)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def conditions(c0) -> dict:
+    """What a measurement that started at the CPU times ``c0`` ran beside: the load average, the CPU's user / system /
+    idle / steal shares since ``c0`` (steal: the hypervisor's), and this process's RSS."""
+    dc = cpu_times() - c0
+    share = dc / dc.sum() if dc.sum() > 0 else dc
+    return {"load_average": os.getloadavg()[0], "cpu_user": share[0], "cpu_system": share[1], "cpu_idle": share[2],
+            "cpu_steal": share[3], "rss_mb": rss_mb()}
+
+
+def timed(mode: str, repeat: int, fn, per: int):
+    """``(fn(), row)``: one measurement of ``fn`` as a report row (seconds, per-item seconds over ``per`` items,
+    :func:`conditions`), also said on stderr."""
+    c0, t0 = cpu_times(), time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    row = {"mode": mode, "repeat": repeat, "seconds": dt, "per_item_s": dt / max(per, 1), **conditions(c0)}
+    print(f"{mode:12} repeat {repeat}: {dt:.1f} s, {row['per_item_s']:.3f} s each (load {row['load_average']:.2f}, "
+          f"steal {100 * row['cpu_steal']:.0f} %, RSS {row['rss_mb']:.0f} MB)", file=sys.stderr, flush=True)
+    return out, row

@@ -25,7 +25,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 import sdm_mlx  # noqa: E402,F401  (before mlx: OpenBLAS on Linux)
-from bench_host_adam import cpu_times, rss_mb  # noqa: E402
+from bench_common import timed  # noqa: E402
 from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 
@@ -86,16 +85,8 @@ def main(argv=None) -> int:
     rows, feats = [], {}
     for rep in range(args.repeats):
         for mode, fn in modes.items():
-            c0, t0 = cpu_times(), time.perf_counter()
-            feats[mode] = fn()
-            dt, dc = time.perf_counter() - t0, cpu_times() - c0
-            sh = dc / max(dc.sum(), 1e-9)
-            rows.append({"mode": mode, "repeat": rep, "seconds": dt, "per_row_s": dt / len(prompts),
-                         "load_average": os.getloadavg()[0], "cpu_user": sh[0], "cpu_system": sh[1], "cpu_idle": sh[2],
-                         "cpu_steal": sh[3], "rss_mb": rss_mb()})
-            print(f"{mode:12} repeat {rep}: {dt:.1f} s, {dt / len(prompts):.3f} s/row (load "
-                  f"{rows[-1]['load_average']:.2f}, steal {100 * sh[3]:.0f} %, RSS {rows[-1]['rss_mb']:.0f} MB)",
-                  file=sys.stderr, flush=True)
+            feats[mode], row = timed(mode, rep, fn, len(prompts))
+            rows.append(row)
     med = {m: float(np.median([x["seconds"] for x in rows if x["mode"] == m])) for m in modes}
     diff = float(np.abs(feats["scratch"] - feats["continuation"]).max() / max(np.abs(feats["scratch"]).max(), 1e-30))
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "blas": describe_blas()},

@@ -19,7 +19,6 @@ import argparse
 import gc
 import os
 import platform
-import resource
 import sys
 import time
 
@@ -31,6 +30,7 @@ sys.path.insert(0, HERE)
 
 import sdm_mlx  # noqa: E402,F401  (before mlx: OpenBLAS on Linux)
 import mlx.core as mx  # noqa: E402
+from bench_common import conditions, cpu_times, rss_mb  # noqa: E402
 from bench_network import SIZES, _head_only_model  # noqa: E402
 from sdm_mlx.network.heads import SDMHeads  # noqa: E402
 from sdm_mlx.network.host_step import HostTrainStep  # noqa: E402
@@ -48,16 +48,6 @@ class PassBefore(HostTrainStep):
     def _adam(self, grad, h):
         grad, consts = self._adam_constants(grad)
         self._rows(0, 0, self.w_pos.shape[0], grad, h, consts)
-
-
-def cpu_times() -> np.ndarray:
-    """The machine's cumulative CPU times (user + nice, system, idle + iowait, steal) from /proc/stat, or zeros."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return np.zeros(4)
-    return np.array([v[0] + v[1], v[2], v[3] + v[4], v[7]], dtype=float)
 
 
 def make_step(mode: str, heads, opt):
@@ -85,25 +75,14 @@ def measure(mode: str, model, batches, steps: int) -> dict:
     for b in range(1, steps + 1):
         step(*batches[b], 0.05)
     wall = (time.perf_counter() - t0) / steps
-    dc = cpu_times() - c0
+    seen = conditions(c0)
     step.end()
     del step._adam  # the timing wrapper refers to the step: without this, every measurement's W_pos, m and v
     del step, heads  # (3 x |V| x D float32) would wait for the cycle collector, and a qwen15 run ran out of memory
     gc.collect()
     mx.clear_cache()
-    share = dc / dc.sum() if dc.sum() > 0 else dc
-    return {"mode": mode, "step_s": wall, "pass_s": float(np.median(pass_s)), "load_average": os.getloadavg()[0],
-            "cpu_user": share[0], "cpu_system": share[1], "cpu_idle": share[2], "cpu_steal": share[3],
-            "rss_mb": rss_mb()}
-
-
-def rss_mb() -> float:
-    """This process's resident memory now (Linux /proc), else its peak (ru_maxrss)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"mode": mode, "step_s": wall, "pass_s": float(np.median(pass_s)), **seen,
+            "rss_mb": rss_mb()}  # after the measurement's arrays are freed
 
 
 def main(argv=None) -> int:

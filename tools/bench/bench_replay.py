@@ -25,7 +25,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 import sdm_mlx  # noqa: E402,F401  (before mlx: OpenBLAS on Linux)
-from bench_host_adam import cpu_times, rss_mb  # noqa: E402
+from bench_common import timed  # noqa: E402
 from sdm_mlx.runtime.blas import describe_blas  # noqa: E402
 
 
@@ -97,21 +96,12 @@ def main(argv=None) -> int:
         measured, agree = [], {}
         for rep in range(args.repeats):
             for mode, fn in modes.items():
-                c0, t0 = cpu_times(), time.perf_counter()
-                out = fn()
-                dt, dc = time.perf_counter() - t0, cpu_times() - c0
-                shares = dc / max(dc.sum(), 1e-9)
-                row = {"mode": mode, "repeat": rep, "seconds": dt, "per_prompt_s": dt / len(prompts),
-                       "load_average": os.getloadavg()[0], "cpu_user": shares[0], "cpu_system": shares[1],
-                       "cpu_idle": shares[2], "cpu_steal": shares[3], "rss_mb": rss_mb()}
+                out, row = timed(mode, rep, fn, len(prompts))
                 if mode == "decode":
                     agree["decoded_texts_equal"] = sum(o.text == r["text"] for o, r in zip(out, rows))
                 else:
                     agree["replayed"] = len(out)
                 measured.append(row)
-                print(f"{mode:7} repeat {rep}: {dt:.1f} s, {row['per_prompt_s']:.3f} s/prompt (load "
-                      f"{row['load_average']:.2f}, steal {100 * row['cpu_steal']:.0f} %, RSS {row['rss_mb']:.0f} MB)",
-                      file=sys.stderr, flush=True)
                 del out
     med = {m: float(np.median([x["seconds"] for x in measured if x["mode"] == m])) for m in modes}
     states = int(sum(len(kept[r["id"]][2]) for r in rows))
