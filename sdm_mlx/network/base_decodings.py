@@ -21,7 +21,10 @@ and, optionally, what replays a decoding under a trained head (:meth:`BaseDecodi
 * ``stop_reasons``: why each stopped (``""`` for a decoding without decisions);
 * ``decisions`` / ``decision_offsets``: the final-norm states that picked each token (:attr:`Decoded.decisions
   <sdm_mlx.decoding.decode_types.Decoded>`; flat float32 ``[S, D]`` and ``[N + 1]`` offsets; a decoding may have none);
-* ``decode_settings``: JSON ``{max_new_tokens, delimiter, stop_at_delimiter, max_length}`` of the decodings.
+* ``decode_settings``: JSON ``{max_new_tokens, delimiter, stop_at_delimiter, max_length}`` of the decodings;
+
+and, optionally, ``prompt_token_ids`` / ``prompt_offsets``: the prompts as token ids (flat int64, ``[N + 1]`` offsets),
+for decodings made from token ids (matched by these instead of by encoding ``prompts``).
 
 **Replay** (DESIGN #26).  The trunk is frozen (DESIGN #19): W_pos changes which token a state picks, never the states of a given token
 sequence.  So if a head's joint picks from a decoding's decision states are that decoding's own tokens (and an
@@ -30,7 +33,9 @@ text, stop and features.  Alg. 4's passes after a W_pos step take those decoding
 prompts whose answer the head changes; the check costs one product of the decision states with both heads
 (``2 · S · D · 2|V|`` flops, minutes for thousands of prompts, where decoding them takes hours on a CPU).
 
-:func:`save_base_decodings` writes one atomically; :class:`BaseDecodings` reads and checks it, and gives each pass
+:func:`save_base_decodings` writes one atomically (:func:`decoded_arrays`: the arrays of the engine's
+:class:`~sdm_mlx.decoding.decode_types.Decoded`); :class:`BaseDecodings` reads and checks it (or the same arrays
+in memory, :meth:`BaseDecodings.from_arrays`), and gives each pass
 its decodings (:meth:`BaseDecodings.decodings`) in the parts the pass pools.  The trainer decodes one of them
 again before using them (:meth:`BaseDecodings.check_against`), so a file of another model, prompt or setting is
 refused rather than mixed in.
@@ -53,6 +58,8 @@ from .decode_journal import prompt_key
 
 #: The arrays of a base-decodings file.
 ARRAYS = ("prompts", "texts", "features", "feature_parts")
+#: The token ids of the prompts (optional, both or none): decodings made from token ids are matched by these.
+PROMPT_ID_ARRAYS = ("prompt_token_ids", "prompt_offsets")
 #: The arrays that replay the decodings under a trained head (optional; all or none).
 REPLAY_ARRAYS = ("token_ids", "token_offsets", "stop_reasons", "decisions", "decision_offsets", "decode_settings")
 #: The decode settings that must be the replaying pass's.
@@ -63,21 +70,52 @@ REPLAY_ROWS = 256
 FEATURE_TOLERANCE = 1e-3
 
 
-def save_base_decodings(path: str, prompts: Sequence[str], texts: Sequence[str], features: np.ndarray,
-                        feature_parts: Sequence[str], *, replay: dict | None = None) -> None:
-    """Write a base-decodings file (see the module docstring) atomically.
+def base_decoding_arrays(prompts: Sequence[str], texts: Sequence[str], features: np.ndarray,
+                         feature_parts: Sequence[str], *, replay: dict | None = None,
+                         prompt_ids: Sequence[Sequence[int]] | None = None) -> dict:
+    """The arrays of a base-decodings file (see the module docstring), checked: what
+    :func:`save_base_decodings` writes and :meth:`BaseDecodings.from_arrays` reads without a file.
 
     ``replay``: what replays the decodings (:meth:`BaseDecodings.replayed`): ``{"token_ids": [ids per decoding],
-    "stop_reasons": [...], "decisions": [float32 [n, D] or None per decoding], "settings": {REPLAY_SETTINGS}}``."""
+    "stop_reasons": [...], "decisions": [float32 [n, D] or None per decoding], "settings": {REPLAY_SETTINGS}}``.
+    ``prompt_ids``: the token ids of each prompt, when the decodings were made from token ids (they are then
+    matched by these, not by encoding ``prompts``)."""
     features = np.asarray(features, dtype=np.float32)
     if not (len(prompts) == len(texts) == len(features)):
         raise InputError(f"base decodings: {len(prompts)} prompts, {len(texts)} texts and {len(features)} feature "
                          "rows (one of each per decoding)")
     extra = {} if replay is None else _replay_arrays(len(prompts), features.shape[-1] if features.size else 0, replay)
+    if prompt_ids is not None:
+        if len(prompt_ids) != len(prompts):
+            raise InputError(f"base decodings: {len(prompt_ids)} token-id prompts for {len(prompts)} decodings")
+        extra["prompt_token_ids"] = np.array([t for ids in prompt_ids for t in ids], dtype=np.int64)
+        extra["prompt_offsets"] = np.cumsum([0] + [len(ids) for ids in prompt_ids]).astype(np.int64)
+    return {"prompts": np.array(list(prompts), dtype=str), "texts": np.array(list(texts), dtype=str),
+            "features": features.reshape(len(prompts), -1),
+            "feature_parts": np.array(list(check_feature_parts(feature_parts)), dtype=str), **extra}
+
+
+def save_base_decodings(path: str, prompts: Sequence[str], texts: Sequence[str], features: np.ndarray,
+                        feature_parts: Sequence[str], *, replay: dict | None = None,
+                        prompt_ids: Sequence[Sequence[int]] | None = None) -> None:
+    """Write a base-decodings file (see the module docstring) atomically; the arguments as
+    :func:`base_decoding_arrays`'s."""
+    arrays = base_decoding_arrays(prompts, texts, features, feature_parts, replay=replay, prompt_ids=prompt_ids)
     with atomic_write(path, binary=True) as f:
-        np.savez(f, prompts=np.array(list(prompts), dtype=str), texts=np.array(list(texts), dtype=str),
-                 features=features.reshape(len(prompts), -1),
-                 feature_parts=np.array(list(check_feature_parts(feature_parts)), dtype=str), **extra)
+        np.savez(f, **arrays)
+
+
+def decoded_arrays(decoded: Sequence[Decoded], feature_parts: Sequence[str], settings: dict, tokenizer) -> dict:
+    """:func:`base_decoding_arrays` of the engine's decodings ``decoded`` (each with its features, pooled as
+    ``feature_parts``, and its prompt's token ids; ``decisions`` where kept), decoded under the replay ``settings``
+    (:data:`REPLAY_SETTINGS`); the prompts' text is their ids decoded by ``tokenizer`` (they are matched by ids)."""
+    feats = [np.asarray(d.features, np.float32).reshape(1, -1) for d in decoded]
+    return base_decoding_arrays(
+        [tokenizer.decode(list(d.prompt_ids)) for d in decoded], [d.text for d in decoded],
+        np.concatenate(feats) if feats else np.zeros((0, 0), np.float32), feature_parts,
+        prompt_ids=[list(d.prompt_ids) for d in decoded],
+        replay={"token_ids": [list(d.token_ids) for d in decoded], "stop_reasons": [d.stop_reason for d in decoded],
+                "decisions": [d.decisions for d in decoded], "settings": settings})
 
 
 def _replay_arrays(n: int, width: int, replay: dict) -> dict:
@@ -120,10 +158,21 @@ class BaseDecodings:
     def __init__(self, path: str, tokenizer):
         try:
             with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in ARRAYS + REPLAY_ARRAYS if k in z.files}
+                arrays = {k: z[k] for k in ARRAYS + REPLAY_ARRAYS + PROMPT_ID_ARRAYS if k in z.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise InputError(f"base_decodings {path} is not a readable .npz ({type(e).__name__}): write it with "
                              "save_base_decodings, or remove base_decodings to decode every prompt") from None
+        self._set(arrays, tokenizer, path)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict, tokenizer, name: str = "(in memory)") -> "BaseDecodings":
+        """The decodings of ``arrays`` (:func:`base_decoding_arrays`) without a file; ``name`` stands for the path
+        in messages."""
+        out = cls.__new__(cls)
+        out._set(arrays, tokenizer, name)
+        return out
+
+    def _set(self, arrays: dict, tokenizer, path: str) -> None:
         missing = [k for k in ARRAYS if k not in arrays]
         if missing:
             raise InputError(f"base_decodings {path} lacks the array(s) {missing}: write it with "
@@ -141,7 +190,13 @@ class BaseDecodings:
             raise InputError(f"base_decodings {path} has only some of the replay arrays {REPLAY_ARRAYS}: write it "
                              "again with save_base_decodings")
         self._tokenizer = tokenizer
-        self._prompt_ids = [_embed.encode(tokenizer, p) for p in prompts]
+        if all(k in arrays for k in PROMPT_ID_ARRAYS):
+            flat, off = arrays["prompt_token_ids"], arrays["prompt_offsets"]
+            if len(off) != len(prompts) + 1:
+                raise InputError(f"base_decodings {path}: prompt_offsets of {len(off)} for {len(prompts)} prompts")
+            self._prompt_ids = [[int(t) for t in flat[off[i]:off[i + 1]]] for i in range(len(prompts))]
+        else:
+            self._prompt_ids = [_embed.encode(tokenizer, p) for p in prompts]
         self._texts = texts
         self._row = {}
         for i, ids in enumerate(self._prompt_ids):
@@ -218,6 +273,20 @@ class BaseDecodings:
                 out[prompt_key(self._prompt_ids[i])] = Decoded(
                     prompt_ids=self._prompt_ids[i], token_ids=[int(t) for t in want], text=self._texts[i],
                     stop_reason="replayed", seconds=0.0, features=self._features[i:i + 1, cols])
+        return out
+
+    def all_decoded(self) -> list[Decoded]:
+        """Every decoding of the file as the engine's :class:`Decoded` (features as recorded, decision states where
+        kept), in file order: what :func:`decoded_arrays` takes to write them again."""
+        r, out = self._replay, []
+        for i, ids in enumerate(self._prompt_ids):
+            tokens, why, states = [], "given", None
+            if r is not None:
+                tokens = [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
+                a, b = int(r["decision_offsets"][i]), int(r["decision_offsets"][i + 1])
+                why, states = str(r["stop_reasons"][i]) or "given", (r["decisions"][a:b] if b > a else None)
+            out.append(Decoded(prompt_ids=list(ids), token_ids=tokens, text=self._texts[i], stop_reason=why,
+                               seconds=0.0, features=self._features[i:i + 1], decisions=states))
         return out
 
     def decodings(self, feature_parts: Sequence[str]) -> dict[str, Decoded]:

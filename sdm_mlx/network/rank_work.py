@@ -19,8 +19,10 @@ from ..storage.files import strict
 from ..storage.journal import ChunkJournal
 from ..runtime.callbacks import progress_bar as Progress
 from .data_parallel import weight_checksum
+from .base_decodings import REPLAY_SETTINGS, BaseDecodings
 from .decode_journal import JOURNAL_DIR, DecodeJournal, GivenDecodings, discard_journals, prompt_key
 from .selection import count_verified, sum_counts
+from .own_decodings import OwnDecodings
 from .generation import DecodeSettings, decode_batch_size, generation_features, greedy_generate, prompt_lengths
 from .resume import model_fingerprint
 from .training_data import (TokenCache, build_token_cache, completion_token_positions, load_token_cache,
@@ -34,8 +36,27 @@ CHECKED_PROMPTS = 4
 class RankWork:
     """Force-decoded features, greedy generations and the token cache of rows, each rank its part (gathered).
 
-    The trainer sets ``base_decodings`` (a :class:`~.base_decodings.BaseDecodings` or None) and
-    ``_base_decodings_checked``."""
+    The trainer calls :meth:`init_base_decodings` once."""
+
+    def init_base_decodings(self) -> None:
+        """``base_decodings``: the given file (``config.base_decodings``), else the decodings this run kept at the
+        base head (:mod:`.own_decodings`; ``own_decodings`` keeps them, None when a file is given)."""
+        c = self.config
+        self.own_decodings = None
+        if c.base_decodings:
+            self.base_decodings = BaseDecodings(os.path.expanduser(c.base_decodings), self.tokenizer)
+        else:
+            settings = self.decode_settings()
+            self.own_decodings = OwnDecodings(self.out, self.dp.rank, {
+                "model": model_fingerprint(c.model),
+                "settings": {k: getattr(settings, k) for k in REPLAY_SETTINGS}}, self.tokenizer)
+            self.base_decodings = self.own_decodings.load()
+        self._base_decodings_checked = self.own_decodings is not None  # its own decodings need no check
+
+    def keep_base_decodings(self, decoded, settings: DecodeSettings) -> None:
+        """Keep ``decoded`` (a pass at the base head, under ``settings``) with the run's own base decodings."""
+        if self.own_decodings is not None and decoded:
+            self.base_decodings = self.own_decodings.keep(decoded, settings.feature_parts, settings)
 
     def features_of(self, rows: Sequence[dict], desc: str,
                     feature_parts=_embed.DEFAULT_FEATURE_PARTS) -> np.ndarray:
@@ -66,11 +87,15 @@ class RankWork:
         """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
         ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
         c, settings = self.config, self.decode_settings(verifier)
+        keep = base_head and self.own_decodings is not None
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, rows))
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
-            return greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
-                                   progress=bar.update, journal=journal)
+            gens = greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
+                                   progress=bar.update, journal=journal, keep_decisions=keep)
+        if keep:
+            self.keep_base_decodings(gens, settings)
+        return gens
 
     def given_in_front(self, journal: DecodeJournal | None, settings: DecodeSettings):
         """``journal`` with the base model's given decodings (``config.base_decodings``, :mod:`.base_decodings`) in
@@ -125,11 +150,14 @@ class RankWork:
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         settings = self.decode_settings(est)
-        journal = self.journal(purpose)
+        keep = base_head and self.own_decodings is not None
+        journal = own = self.journal(purpose)
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, part))
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
-                                verbose=c.verbose, journal=journal) if part else None
+                                verbose=c.verbose, journal=journal, keep_decisions=keep) if part else None
+        if keep:
+            self.keep_base_decodings(list(own.done().values()), settings)
         if not self.dp.active:
             return counts
         return sum_counts(self.dp, counts)

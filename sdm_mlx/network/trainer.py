@@ -61,7 +61,6 @@ from .training_data import (TokenCache, build_verification_rows, completion_toke
                             TOKEN_CACHE_DIR, corrected_rows, model_answer_rows)
 from .generation import generation_features
 from .heads import SDMHeads
-from .base_decodings import BaseDecodings
 from ..errors import InputError
 
 
@@ -134,10 +133,7 @@ class SDMNetworkTrainer(RankWork):
             estimator_factory = SDMEstimator
         self.estimator_factory = estimator_factory
         self.completions = config.resolved_completions()
-        #: the base model's given decodings (:mod:`.base_decodings`), used by the passes at the base head
-        self.base_decodings = (BaseDecodings(os.path.expanduser(config.base_decodings), tokenizer)
-                               if config.base_decodings else None)
-        self._base_decodings_checked = False
+        self.init_base_decodings()  # the base model's decodings, given or kept by this run (RankWork)
         self.network_path = os.path.join(self.out, "network")
         self.verifier_path = os.path.join(self.out, "verifier")
         self.metrics_path = os.path.join(self.out, "metrics.json")

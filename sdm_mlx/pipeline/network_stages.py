@@ -184,14 +184,13 @@ def _replay_test_prompts(recipe: Recipe, layout: Layout, prompts: list[dict]) ->
     (:meth:`~sdm_mlx.network.base_decodings.BaseDecodings.replayed` over the decision states the answers stage
     kept; the network is loaded here and released before ``generate`` runs)."""
     import gc
-    import tempfile
 
     import mlx.core as mx
     import numpy as np
 
     from ..llm import embed as _embed
     from ..network.artifact import load_network
-    from ..network.base_decodings import save_base_decodings, BaseDecodings
+    from ..network.base_decodings import BaseDecodings, base_decoding_arrays
     from ..network.decode_journal import prompt_key
     from ..network.generation import DecodeSettings
     from .answers import read_rows
@@ -206,18 +205,15 @@ def _replay_test_prompts(recipe: Recipe, layout: Layout, prompts: list[dict]) ->
     doc = {p["id"]: p["document"] for p in prompts}
     ids = [f"{t.name}/{r['id']}" for t, r in rows]
     texts = [_embed.chat_text(tok, doc[i], system=recipe.system, prompt_template="{document}") for i in ids]
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(layout.network_answers)) as tmp:
-        path = os.path.join(tmp, "test_decodings.npz")
-        save_base_decodings(path, texts, [r["text"] for _, r in rows],
-                            np.zeros((len(rows), 1), np.float32), ["last"],
-                            replay={"token_ids": [kept[(t.name, r["id"])][0] for t, r in rows],
-                                    "stop_reasons": [kept[(t.name, r["id"])][1] for t, r in rows],
-                                    "decisions": [kept[(t.name, r["id"])][2] for t, r in rows],
-                                    "settings": recorded})
-        base = BaseDecodings(path, tok)
-        decode = DecodeSettings(max_new_tokens=recipe.max_tokens, delimiter=recorded["delimiter"],
-                                max_length=recorded["max_length"], feature_parts=("last",))
-        same = base.replayed(net.heads, decode)
+    base = BaseDecodings.from_arrays(base_decoding_arrays(
+        texts, [r["text"] for _, r in rows], np.zeros((len(rows), 1), np.float32), ["last"],
+        replay={"token_ids": [kept[(t.name, r["id"])][0] for t, r in rows],
+                "stop_reasons": [kept[(t.name, r["id"])][1] for t, r in rows],
+                "decisions": [kept[(t.name, r["id"])][2] for t, r in rows], "settings": recorded}), tok,
+        "(the answers stage's decisions of the test prompts)")
+    decode = DecodeSettings(max_new_tokens=recipe.max_tokens, delimiter=recorded["delimiter"],
+                            max_length=recorded["max_length"], feature_parts=("last",))
+    same = base.replayed(net.heads, decode)
     by_key = {prompt_key(_embed.encode(tok, x)): i for x, i in zip(texts, ids)}
     out = {by_key[k] for k in same if k in by_key}
     del net, base, tok

@@ -51,7 +51,7 @@ def test_network_train_cli_smoke(tiny_phi3_path, tmp_path, capsys):
     out = tmp_path / "out"
     assert (out / ".sdm_mlx_run.json").is_file()  # (and the hidden lock of the replaced resume/ state)
     assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == [
-        "metrics.json", "network", "resume", "token_cache", "verification_rows.jsonl", "verifier"]
+        "base_decodings.rank0.npz", "metrics.json", "network", "resume", "token_cache", "verification_rows.jsonl", "verifier"]
     assert sorted(os.listdir(out / "network")) == ["network_config.json", "positive_head.safetensors", "verifier"]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["learning_rate"] == 0.01 and metrics["epochs"][0]["tokens"] > 0

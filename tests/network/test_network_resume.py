@@ -58,6 +58,20 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+#: ``python -c NO_OWN_DECODINGS <sdm-mlx args>``: the CLI of a run that keeps no base decodings of its own (every
+#: pass decodes every prompt, as before sdm_mlx/network/own_decodings.py)
+NO_OWN_DECODINGS = """
+import sys
+import sdm_mlx.network.rank_work as rank_work
+def none(self):
+    self.own_decodings = self.base_decodings = None
+    self._base_decodings_checked = False
+rank_work.RankWork.init_base_decodings = none
+from sdm_mlx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model and task, and the uninterrupted 3-epoch reference run."""
@@ -484,3 +498,24 @@ def test_given_base_decodings_stand_in_for_the_passes_at_the_base_head(tiny, tmp
     bad = sdm(train_args(tiny["built"], tmp_path / "bad", "--base-decodings", str(tmp_path / "other.npz"),
                          "--verifier", str(ref / "verifier")))
     assert bad.returncode == 2 and "does not hold this model's greedy decodings" in bad.stderr, bad.stderr
+
+
+def test_a_run_given_no_base_decodings_replays_its_own_after_each_w_pos_step(tiny, tmp_path):
+    """Without --base-decodings the run keeps its base-head decodings with their decision states
+    (``base_decodings.rank0.npz``, sdm_mlx/network/own_decodings.py): epoch 1's q, d take those of the prompts the
+    base count decoded, and the count after every W_pos step replays the ones the trained head makes again.  A run
+    that keeps none decodes every prompt and ends at the same counts and selection (within their rounding
+    tolerance)."""
+    ref = tiny["reference"]
+    m = metrics(ref)
+    assert (ref / "base_decodings.rank0.npz").is_file()
+    assert m["initial"]["given"] == 0  # the base count decoded (nothing was given yet)
+    replayed = [e["calibration"]["replayed"] for e in m["epochs"]]
+    assert sum(replayed) > 0 and all(0 <= n <= e["calibration"]["documents"] for n, e in zip(replayed, m["epochs"]))
+    out = tmp_path / "decoded"
+    r = subprocess.run([PY, "-c", NO_OWN_DECODINGS, *train_args(tiny["built"], out)], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "base_decodings.rank0.npz").exists()
+    assert all(e["calibration"]["replayed"] == 0 for e in metrics(out)["epochs"])
+    assert_same_counts_and_selection(m, metrics(out))

@@ -125,3 +125,43 @@ def test_other_settings_or_a_file_without_decisions_replay_nothing(recorded, tmp
     assert BaseDecodings(plain, tok).replayable == 0 and BaseDecodings(plain, tok).replayed(heads, SETTINGS) == {}
     only = {k: v for k, v in base.replayed(heads, SETTINGS, keys=set()).items()}
     assert only == {}
+
+
+def test_a_run_keeps_its_own_base_decodings_through_its_journals(recorded, tmp_path):
+    """network-train without a base-decodings file (sdm_mlx/network/own_decodings.py): a pass at the base head
+    journals its decodings with their decision states, and the run keeps them in its own file, one decoding per
+    prompt across passes; that file replays them as the answers stage's does, and one of another model or
+    setting is not used."""
+    from sdm_mlx.network.decode_journal import DecodeJournal, prompt_key
+    from sdm_mlx.network.own_decodings import OwnDecodings
+
+    model, tok, prompts, decs, base = recorded
+    heads = SDMHeads(model)
+    journal = DecodeJournal(str(tmp_path / "journal"), {"purpose": "calibration-epoch0"})
+    journal.add([prompt_key(d.prompt_ids) for d in decs[:5]], decs[:5])
+    back = journal.done()
+    for d in decs[:5]:
+        got = back[prompt_key(d.prompt_ids)]
+        np.testing.assert_array_equal(got.decisions, d.decisions)
+        assert list(got.token_ids) == list(d.token_ids) and got.stop_reason == d.stop_reason
+
+    source = {"model": "tiny", "settings": {"max_new_tokens": MAX_NEW}}
+    own = OwnDecodings(str(tmp_path), 0, source, tok)
+    assert own.load() is None
+    first = own.keep(list(back.values()), ("mean", "last"), SETTINGS)  # the count's pass, from its journal
+    kept = own.keep(decs[3:] + decs[3:4], ("mean", "last"), SETTINGS)  # the next pass: three prompts again
+    assert len(first) == 5 and len(kept) == len(prompts) == kept.replayable
+    replayed = kept.replayed(heads, SETTINGS)
+    assert len(replayed) == len(prompts)  # the base head makes every kept decoding again
+    for d in decs:
+        r = replayed[prompt_key(d.prompt_ids)]
+        assert r.text == d.text
+        np.testing.assert_allclose(r.features, d.features, rtol=1e-6)
+    assert OwnDecodings(str(tmp_path), 0, {**source, "model": "another"}, tok).load() is None
+    assert OwnDecodings(str(tmp_path), 1, source, tok).load() is None  # each rank its own file
+    # the same arrays in memory, without a file, replay the same decodings
+    from sdm_mlx.network.base_decodings import decoded_arrays
+
+    arrays = decoded_arrays(decs, ("mean", "last"), {"max_new_tokens": MAX_NEW, "delimiter": SETTINGS.delimiter,
+                                                     "stop_at_delimiter": True, "max_length": SETTINGS.max_length}, tok)
+    assert set(BaseDecodings.from_arrays(arrays, tok).replayed(heads, SETTINGS)) == set(replayed)
