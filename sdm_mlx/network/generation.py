@@ -99,11 +99,13 @@ class DecodeSettings:
     batch_size: int = 8
     #: the pooled parts of the features (the verification layer's ``feature_parts_``; DESIGN #21's by default)
     feature_parts: tuple = _embed.DEFAULT_FEATURE_PARTS
+    #: each decoding keeps the states that picked its tokens (``Decoded.decisions``), to replay it (DESIGN #26)
+    keep_decisions: bool = False
 
 
 def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: DecodeSettings | None = None, *,
                     features: bool = True, progress: Callable[[int], None] | None = None, prefix_cache=None,
-                    journal=None, keep_decisions: bool = False) -> list:
+                    journal=None) -> list:
     """Greedy joint decoding of each prompt (strings — encoded like mlx-lm's ``generate`` — or token-id lists).
 
     ``settings``: a :class:`DecodeSettings` (None: its defaults).  Decoded by
@@ -124,8 +126,8 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     A :class:`~sdm_mlx.network.decode_journal.GivenDecodings` journal adds decodings known before the pass (the
     base head's): taken as they are, neither decoded nor written.
 
-    ``keep_decisions``: each decoding keeps the states that picked its tokens (``Decoded.decisions``; a journal
-    keeps them too), which replay it under a later W_pos (:mod:`sdm_mlx.network.base_decodings`).
+    With ``settings.keep_decisions`` each decoding keeps the states that picked its tokens (``Decoded.decisions``; a
+    journal keeps them too), which replay it under a later W_pos (:mod:`sdm_mlx.network.base_decodings`).
     """
     from ..decoding.batching import DecodeEngine, DecodeRequest
 
@@ -144,7 +146,7 @@ def greedy_generate(heads: SDMHeads, tokenizer, prompts: Sequence, settings: Dec
     engine = DecodeEngine(heads.model, tokenizer, heads=heads, delimiter=s.delimiter, max_batch=s.batch_size,
                           max_length=s.max_length, prefix_cache=prefix_cache)
     reqs = [DecodeRequest(p, s.max_new_tokens, stop_at_delimiter=s.stop_at_delimiter, features=features,
-                          feature_parts=tuple(s.feature_parts), keep_decisions=keep_decisions)
+                          feature_parts=tuple(s.feature_parts), keep_decisions=s.keep_decisions)
             for p in unique]
     decoded = engine.run(reqs, progress=progress) if journal is None else _journaled(engine, reqs, journal, progress)
     if progress is not None and len(unique) < len(ids):

@@ -86,13 +86,13 @@ class RankWork:
                  base_head: bool = False):
         """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
         ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
-        c, settings = self.config, self.decode_settings(verifier)
-        keep = base_head and self.own_decodings is not None
+        c, settings = self.config, self.decode_settings(verifier, keep_decisions=base_head)
+        keep = settings.keep_decisions
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, rows))
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             gens = greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
-                                   progress=bar.update, journal=journal, keep_decisions=keep)
+                                   progress=bar.update, journal=journal)
         if keep:
             self.keep_base_decodings(gens, settings)
         return gens
@@ -149,26 +149,29 @@ class RankWork:
         part, journaled as ``purpose``; summed over the ranks); ``base_head`` as in :meth:`generate`."""
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
-        settings = self.decode_settings(est)
-        keep = base_head and self.own_decodings is not None
+        settings = self.decode_settings(est, keep_decisions=base_head)
+        keep = settings.keep_decisions
         journal = own = self.journal(purpose)
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, part))
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
-                                verbose=c.verbose, journal=journal, keep_decisions=keep) if part else None
+                                verbose=c.verbose, journal=journal) if part else None
         if keep:
             self.keep_base_decodings(list(own.done().values()), settings)
         if not self.dp.active:
             return counts
         return sum_counts(self.dp, counts)
 
-    def decode_settings(self, verifier=None) -> DecodeSettings:
+    def decode_settings(self, verifier=None, *, keep_decisions: bool = False) -> DecodeSettings:
         """How the run decodes (its generations and its calibration counts): the config's settings; with the
-        ``verifier`` that will judge the generations, pooling the features it was trained on (DESIGN #21)."""
+        ``verifier`` that will judge the generations, pooling the features it was trained on (DESIGN #21);
+        ``keep_decisions`` (a pass at the base head): the decodings keep their decision states when the run keeps
+        base decodings of its own (:mod:`.own_decodings`)."""
         c = self.config
         parts = verifier_parts(verifier) if verifier is not None else _embed.DEFAULT_FEATURE_PARTS
         return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
-                              batch_size=c.generation_batch_size, feature_parts=tuple(parts))
+                              batch_size=c.generation_batch_size, feature_parts=tuple(parts),
+                              keep_decisions=keep_decisions and getattr(self, "own_decodings", None) is not None)
 
     def token_cache(self, pos_rows: Sequence[dict], *, store: str | None = None) -> TokenCache:
         """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered).

@@ -35,8 +35,7 @@ class VerifierAdmitsNothing(SDMError):
 
 
 def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], completions,
-                   settings: DecodeSettings | None = None, *, verbose: bool = False, journal=None,
-                   keep_decisions: bool = False) -> dict:
+                   settings: DecodeSettings | None = None, *, verbose: bool = False, journal=None) -> dict:
     """Alg. 4's selection metric over ``rows`` (the calibration split): greedy joint decoding of each
     ``prompt``, verification of the generated output, and the count of documents admitted by p̂_lower
     with prediction 1 AND (where the row has a ``task_label`` and ``completions`` are known) a task
@@ -44,15 +43,15 @@ def count_verified(heads: SDMHeads, tokenizer, verifier, rows: Sequence[dict], c
     ``completions``: one list for all rows, or ``{task name: list}`` looked up by each row's ``task``;
     ``settings``: how the prompts are decoded (None: :class:`~sdm_mlx.network.generation.DecodeSettings`' defaults);
     ``journal``: a :class:`~sdm_mlx.network.decode_journal.DecodeJournal` that keeps the decodings as they finish
-    (or a :class:`~sdm_mlx.network.decode_journal.GivenDecodings` in front of one); ``keep_decisions``: the
-    decodings keep their decision states (in that journal), as :func:`~sdm_mlx.network.generation.greedy_generate`.
+    (or a :class:`~sdm_mlx.network.decode_journal.GivenDecodings` in front of one; with
+    ``settings.keep_decisions`` it keeps their decision states too).
     """
     t0 = time.perf_counter()
     # the features pooled as the verification layer was trained
     settings = dataclasses.replace(settings or DecodeSettings(), feature_parts=verifier_parts(verifier))
     with Progress(len(rows), "generate (calibration)", unit="doc", enabled=verbose) as bar:
         gens = greedy_generate(heads, tokenizer, [r["prompt"] for r in rows], settings=settings, features=True,
-                               progress=bar.update, journal=journal, keep_decisions=keep_decisions)
+                               progress=bar.update, journal=journal)
     pred = verifier.estimate(generation_features(gens), ids=[r["id"] for r in rows], n_exemplars=0)
     admitted = np.asarray(pred.admitted, dtype=bool)
     verified = admitted & (np.asarray(pred.prediction) == 1)
