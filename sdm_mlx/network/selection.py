@@ -83,7 +83,7 @@ def select_improved(count: int, best: int) -> bool:
 
 def sum_counts(dp: DataParallel, counts: dict | None) -> dict:
     """Alg. 4's selection count and its parts summed over ranks (``seconds``: the slowest rank's)."""
-    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents", "given")
+    keys = ("count", "admitted_pred1", "admitted", "task_correct", "parse_failures", "documents", "given", "replayed")
     local = np.array([counts[k] if counts else 0 for k in keys], dtype=np.int64)
     total = dp.all_sum(local)
     out = {k: int(v) for k, v in zip(keys, total)}

@@ -112,9 +112,17 @@ def test_two_ranks_train_the_same_head_as_one_process(runs):
     # more (test_data_parallel_step_equals_the_one_process_step checks the step itself at 1e-5). The counts and the
     # selected epoch: tests/helpers/count_tolerance.py.
     assert one_m["selected_epoch"] >= 1  # a trained head is compared, not the base
+    # both kept their base-head decodings (one file per rank) and replayed them after each W_pos step
+    assert (tmp / "two" / "base_decodings.rank0.npz").is_file() and (tmp / "two" / "base_decodings.rank1.npz").is_file()
+    assert [e["calibration"]["replayed"] for e in two_m["epochs"]] == [e["calibration"]["replayed"] for e in one_m["epochs"]]
+    assert all(e["calibration"]["replayed"] > 0 for e in one_m["epochs"])
     assert_same_counts_and_selection(two_m, one_m)
-    for key in ("q_mean", "d_mean", "loss"):
-        np.testing.assert_allclose([e[key] for e in two_m["epochs"]], [e[key] for e in one_m["epochs"]], rtol=2e-3,
+    # d_mean: since the passes after a W_pos step replay the base decodings (own_decodings.py), each rank decodes only
+    # the prompts the step changed, in smaller batches than one process: on this tiny run 21 of 100 rows, whose
+    # features then differ by ~1e-6, and 18 rows whose distance sits on a step of the distance eCDF moved by that
+    # step (d 1.0 vs 0.980): d_mean 4.7e-3 relative (AVX-512 Xeon, 2026-11-29). The loss and q stay at 2e-3.
+    for key, rtol in (("q_mean", 2e-3), ("d_mean", 1e-2), ("loss", 2e-3)):
+        np.testing.assert_allclose([e[key] for e in two_m["epochs"]], [e[key] for e in one_m["epochs"]], rtol=rtol,
                                    err_msg=key)
     w1, w2 = load_state(tmp / "one" / "resume").head, load_state(tmp / "two" / "resume").head  # after the last epoch
     assert np.abs(w1 - w2).max() <= 4e-3 * max(1.0, float(np.abs(w1).max()))
@@ -123,7 +131,8 @@ def test_two_ranks_train_the_same_head_as_one_process(runs):
         assert np.abs(w1 - w2).max() <= 4e-3 * max(1.0, float(np.abs(w1).max()))
     assert json.loads(summaries[0])["selected_epoch"] == two_m["selected_epoch"]
     assert (tmp / "two" / "verification_rows.jsonl").read_text() == (tmp / "one" / "verification_rows.jsonl").read_text()
-    assert sorted(os.listdir(tmp / "two")) == sorted(os.listdir(tmp / "one"))
+    per_rank = {"base_decodings.rank1.npz"}  # each rank keeps the base decodings of its part
+    assert sorted(set(os.listdir(tmp / "two")) - per_rank) == sorted(os.listdir(tmp / "one"))
 
 
 @pytest.mark.slow  # needs the runs above; dying ranks of the same runtime: default tier of tests/index/test_sharded.py
