@@ -482,3 +482,38 @@ def test_served_verdict_equals_generate_on_a_heldout_statement(model_path, verif
         assert ver["p_lower"] == pytest.approx(g["p_lower"], rel=1e-4, abs=1e-6)
     finally:
         assert srv.stop() == 0, "".join(srv.lines)
+
+
+#: Texts of other sources than the committed verifier's rows: reviews of a book and a restaurant, two film
+#: reviews, and the first film review with its words scrambled (docs/verified-generation-real.md, "New texts").
+NEW_TEXTS = [
+    {"id": "book-1", "document": "The novel drags through its middle third, and the ending feels unearned."},
+    {"id": "food-1", "document": "Best ramen I have had in years: rich broth, perfect noodles, friendly staff."},
+    {"id": "film-1", "document": "A tender, beautifully acted film that stays with you long after the credits."},
+    {"id": "film-2", "document": "Dull, lifeless and far too long."},
+    {"id": "scr-1", "document": "credits after the long beautifully film with tender a stays you acted that"},
+]
+NEW_TEXT_LABELS = {"book-1": "negative", "food-1": "positive", "film-1": "positive", "film-2": "negative",
+                   "scr-1": "positive"}
+
+
+def test_the_committed_universal_verifier_judges_new_texts_through_generate(model_path, tmp_path):
+    """``sdm-mlx generate --verifier docs/results/universal_qwen15_cpu/verifier`` with the Sentiment task's prompt:
+    the committed verifier of the headline run pools the `last` state it records and judges the model's answers to
+    texts it has never seen.  Measured 2026-11-29: the book, restaurant and short film reviews verified (p̂_lower
+    0.979–0.992), the long film review below the robust min q~, the scrambled one below the model's min q~ (p̂_lower
+    0.77): the assertions keep that margin, not the exact verdicts."""
+    src = tmp_path / "new.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in NEW_TEXTS))
+    out = tmp_path / "out.jsonl"
+    cli("generate", "--model", model_path, "--verifier", ROOT / "docs/results/universal_qwen15_cpu/verifier",
+        "--system", PAPER_SYSTEM, "--prompt-template", PRESETS["sentiment"]["prompt_template"], "--max-tokens", 32,
+        "--input", src, "--output", out, "--on-reject", "return", "--quiet")
+    rows = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(rows) == sorted(NEW_TEXT_LABELS)
+    for i, r in rows.items():
+        assert isinstance(r["verified"], bool) and (r["reason"] is None) == r["verified"], r
+        if r["verified"]:
+            assert r["parsed"] == {"sentiment": NEW_TEXT_LABELS[i]} and r["p_lower"] >= 0.95, r
+    assert sum(rows[i]["verified"] for i in ("book-1", "food-1", "film-1", "film-2")) >= 2
+    assert not rows["scr-1"]["verified"]

@@ -57,7 +57,8 @@ LLM = re.compile(r"\$\{?MODEL\b|^\s*MODEL\s*=|runs/sentiment/", re.M)
 NOT_RUN = {
     "real_llm.md": [("pip install -e '.[tools]'", "downloads a 1.5B model (about 3 GB)"),
                     ("python -m pytest -m real_llm", "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
-    "verified-generation-real.md": [("MODEL=", "the real 1.5B model (7.5 GB per process) and hours of CPU"),
+    "verified-generation-real.md": [("MODEL=", "the real 1.5B model (7.5 GB per process)"),
+                                    ("MODEL=", "the real 1.5B model (7.5 GB per process) and hours of CPU"),
                                     ("python -m pytest -m real_llm -n 0 tests/test_real_llm.py",
                                      "the real-LLM test tier: a 1.5B model, minutes, 8+ GB")],
 }
