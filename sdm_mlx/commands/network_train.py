@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
                            "answers", "overwrite", "restart"),
         "next-token training of W_pos": ("epochs", "beta_min", "beta_max", "learning_rate", "batch_size",
                                          "max_new_tokens", "generation_batch_size", "embed_batch_size",
-                                         "train_step", "compile_step", "reference_head", "seed",
+                                         "checkpoint_minutes", "train_step", "compile_step", "reference_head", "seed",
                                          "distributed_timeout"),
         "verification layer (SDM estimator)": tuple(f for f in NetworkConfig.__dataclass_fields__
                                                     if f in ("verifier", "alpha", "require_admission")

@@ -7,6 +7,7 @@ estimator's (:class:`sdm_mlx.estimator.config.EstimatorConfig`).  No MLX import 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -65,6 +66,8 @@ class NetworkConfig:
     generation_batch_size: int = option(64, "prompts decoded together (continuous batching; every decode step "
                                             "reads the weights once for the whole batch)")
     embed_batch_size: int = option(8, "documents per forward pass for features")
+    checkpoint_minutes: float = option(10.0, "save the training state this often in the middle of an epoch of "
+                                             "W_pos, so a stopped run goes on from there (0: only between epochs)")
     train_step: str = option(
         "auto", "where the W_pos step runs: 'host' (NumPy + BLAS, the loss gradient in closed form, Adam in "
                 "vocabulary row blocks: 7x MLX's on a Linux CPU for Qwen2.5-1.5B's head), 'mlx' (MLX ops: for "
@@ -153,6 +156,10 @@ class NetworkConfig:
             raise InputError(f"distributed_timeout must be a number of seconds > 0, got {self.distributed_timeout!r}")
         if self.beta_min < 0 or self.beta_max < 0:
             raise InputError("beta_min and beta_max must be >= 0")
+        minutes = self.checkpoint_minutes
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not math.isfinite(minutes) or minutes < 0:
+            raise InputError(f"checkpoint_minutes must be a number of minutes >= 0 (0: save only between epochs), "
+                             f"got {minutes!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise InputError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
         if self.base_decodings is not None and not os.path.isfile(os.path.expanduser(str(self.base_decodings))):

@@ -161,15 +161,20 @@ class HostTrainStep:
         self._scratch = [np.empty((self.block_rows, dim), dtype=np.float32) for _ in range(workers)]
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sdm-host-adam") if workers > 1 else None
 
-    def end(self) -> None:
-        """Put W_pos and the Adam state back into the heads and the optimizer (what MLX's step would leave)."""
+    def sync(self) -> None:
+        """Copy W_pos and the Adam state into the heads and the optimizer (what MLX's step would leave), keeping
+        the host copies for the next steps (a checkpoint in the middle of an epoch)."""
         self.heads.pos.weight = mx.array(self.w_pos)
         state = dict(self.optimizer.state)
         state["step"] = mx.array(self.steps, dtype=mx.uint64)
-        self.v_scaled /= self._v_scale()
-        state["pos"] = {"weight": {"m": mx.array(self.m), "v": mx.array(self.v_scaled)}}
+        state["pos"] = {"weight": {"m": mx.array(self.m), "v": mx.array(self.v_scaled / self._v_scale())}}
         self.optimizer.state = state
         mx.eval(self.heads.pos.weight, self.optimizer.state)
+
+    def end(self) -> None:
+        """Put W_pos and the Adam state back into the heads and the optimizer (:meth:`sync`) and free the host
+        copies."""
+        self.sync()
         self.w_ref = self.w_pos = self.m = self.v_scaled = None
         if self._pool is not None:
             self._pool.shutdown()

@@ -13,7 +13,10 @@ count (improving or not), rank 0 writes ``<output>/resume/``, one artifact direc
   shuffle generator's state, the best count, the selected epoch and the metrics so far; between an
   epoch's training and its count, the metrics also hold that epoch's row (:data:`TRAINED_EPOCH`), so a
   run stopped during the count (a decoding pass of the calibration split, hours of a real model on a
-  CPU) resumes with the count, not with the epoch's training.
+  CPU) resumes with the count, not with the epoch's training;
+* in the middle of an epoch's W_pos training, every ``checkpoint_minutes`` (:data:`PARTIAL_EPOCH`): the
+  mini-batches done, so a run stopped there runs only the rest of that epoch, in the same token order and with
+  the epoch's q, d as they were computed before its first step.
 
 Running the same command again continues from that state and ends with the result of an
 uninterrupted run (the per-epoch q, d are generated from the restored W_pos; nothing else carries
@@ -46,6 +49,9 @@ VERSION = 1
 RESUME_DIR = "resume"
 #: the metrics key of an epoch whose W_pos is trained and saved and whose calibration count is still to come
 TRAINED_EPOCH = "trained_epoch"
+#: the metrics key of an epoch saved in the middle of its W_pos training (``checkpoint_minutes``): the mini-batches
+#: done, their loss sums and seconds, the shuffle generator's state before the epoch's draw, and the epoch's q, d
+PARTIAL_EPOCH = "partial_epoch"
 ROWS_FILE = "rows.json"
 #: settings that do not change what the epochs compute (``epochs`` is compared on its own; a state is written
 #: only after the admission check of ``require_admission`` passed; the host and MLX steps compute the same
@@ -53,7 +59,7 @@ ROWS_FILE = "rows.json"
 #: engine decodes and embeds a row the same whatever else is in its batch, tests/decoding; the base decodings
 #: are the base head's own, checked against it: :mod:`.base_decodings`)
 _NOT_COMPARED = ("output_dir", "epochs", "overwrite", "restart", "verbose", "distributed_timeout", "require_admission",
-                 "train_step", "generation_batch_size", "embed_batch_size", "base_decodings")
+                 "train_step", "generation_batch_size", "embed_batch_size", "base_decodings", "checkpoint_minutes")
 #: model files up to this size are compared by SHA-256, larger ones (the weights) by size
 _HASHED_MODEL_FILE = 32 << 20
 
@@ -255,6 +261,17 @@ def reopen_network(path: str, epochs_planned: int) -> None:
         write_json(os.path.join(path, CONFIG_FILE), config)
 
 
+def pending_note(metrics: dict, done: int) -> str:
+    """What of epoch ``done + 1`` a run resumed from ``metrics`` does not run again (for its log line)."""
+    if (metrics.get(TRAINED_EPOCH) or {}).get("epoch") == done + 1:
+        return f"; epoch {done + 1}'s W_pos was trained before the stop, so only its calibration count runs"
+    part = metrics.get(PARTIAL_EPOCH) or {}
+    if part.get("epoch") == done + 1:
+        return (f"; epoch {done + 1} was saved after {part['done']} mini-batches of its W_pos training, so it goes "
+                "on from there")
+    return ""
+
+
 def restore_rng(rng: np.random.Generator, state: dict | None) -> None:
     if state is not None:
         rng.bit_generator.state = state
@@ -320,6 +337,33 @@ class Resumption:
             metrics=metrics or {}, rng_state=rng.bit_generator.state, rows=self.rows,
             verifier_digest=self.verifier_digest, answer_stats=self.answer_stats,
             head=heads.pos.weight if trained else None, optimizer=optimizer_arrays(optimizer) if trained else None))
+
+    def epoch_order(self, heads, rng, optimizer, *, epoch: int, saved: dict, partial: dict | None):
+        """The :class:`~.step.EpochOrder` of epoch ``epoch``: from its start (``partial`` None; ``rng``'s state is
+        kept as the epoch's order) or after the mini-batches of ``partial`` (:data:`PARTIAL_EPOCH`, the shuffle
+        generator set back to the epoch's start).  Its checkpoints save the state with that epoch's progress,
+        ``saved`` holding the run's ``metrics``, ``best``, ``selected`` and the epoch's ``qd`` (q, d, seconds)."""
+        from .step import EpochOrder
+
+        if partial is not None:
+            restore_rng(rng, partial["rng_state"])
+        start = rng.bit_generator.state
+        qd = saved["qd"]
+
+        def checkpoint(done: int, sums: tuple, seconds: float) -> None:
+            mark = {"epoch": epoch, "done": int(done), "sums": list(sums), "seconds": float(seconds),
+                    "rng_state": start, "q": np.asarray(qd["q"], np.float32).tolist(),
+                    "d": np.asarray(qd["d"], np.float32).tolist(), "qd_seconds": float(qd["seconds"])}
+            self.save(heads, rng, optimizer, epochs_completed=epoch - 1, best=saved["best"],
+                      selected=saved["selected"], metrics={**saved["metrics"], PARTIAL_EPOCH: mark})
+            log(f"network-train: epoch {epoch}: saved after {done} mini-batches (a stopped run goes on from here)",
+                self.writer and self.config.verbose)
+
+        every = float(self.config.checkpoint_minutes) * 60.0
+        if partial is None:
+            return EpochOrder(rng, checkpoint=checkpoint if every > 0 else None, every_seconds=every)
+        return EpochOrder(rng, done=int(partial["done"]), sums=tuple(partial["sums"]), seconds=float(partial["seconds"]),
+                          checkpoint=checkpoint if every > 0 else None, every_seconds=every)
 
     def restore(self, heads, rng, optimizer, network_path: str) -> tuple[dict, int, int, int]:
         """Put W_pos, the Adam state and the shuffle generator of the saved epoch back; returns (metrics, best

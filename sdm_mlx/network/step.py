@@ -43,6 +43,23 @@ class MiniBatches(NamedTuple):
     beta_max: float
 
 
+class EpochOrder(NamedTuple):
+    """Which of an epoch's mini-batches run, in which order, and when the trainer saves between them.
+
+    The token shuffle is drawn from ``rng`` (so its state before the draw fixes the epoch's order); ``done``
+    mini-batches were already run, with loss sums ``sums`` in ``seconds`` (an epoch resumed from a checkpoint).
+    ``checkpoint(done, sums, seconds)`` is called after a mini-batch once ``every_seconds`` have passed since the
+    epoch's start or the last checkpoint (never after the last mini-batch; with W_pos and Adam in the heads and
+    the optimizer); None: never."""
+
+    rng: np.random.Generator
+    done: int = 0
+    sums: tuple = (0.0, 0.0, 0.0, 0.0)
+    seconds: float = 0.0
+    checkpoint: Callable | None = None
+    every_seconds: float = 600.0
+
+
 class EpochInputs(NamedTuple):
     """What every epoch of an Alg. 4 run uses, fixed for the run: the verification layer ``est``, the y = 1 training
     rows and the calibration rows, the token cache with its device arrays, the W_pos step and its optimizer."""
@@ -103,11 +120,13 @@ def make_optimizer(learning_rate: float) -> optim.Optimizer:
 
 
 def train_epoch(step: Callable, heads: SDMHeads, optimizer, tokens: EpochTokens, batches: MiniBatches, *,
-                rng: np.random.Generator, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
-    """One epoch over the token cache (token-level shuffle); returns loss / β / timing metrics.
+                order: EpochOrder, progress: Callable | None = None, dp: DataParallel | None = None) -> dict:
+    """One epoch over the token cache (token-level shuffle, ``order``); returns loss / β / timing metrics.
 
     With an active ``dp`` (:mod:`.data_parallel`) the global mini-batches are the same; this rank
-    runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``.
+    runs its slice of each, with ``step(h, t, q, d, beta, n_global)`` from ``make_dp_train_step``, and the ranks
+    checkpoint after the same mini-batch (rank 0's clock decides).  An ``order`` with ``done`` mini-batches runs
+    the rest of the same shuffle.
     """
     hidden, targets, q_tok, d_tok = tokens
     batch_size, beta_min, beta_max = batches
@@ -116,7 +135,7 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, tokens: EpochTokens,
         return {"tokens": 0, "batches": 0, "loss": float("nan"), "nll": float("nan"), "reg": float("nan"),
                 "reg_rescaled": float("nan"), "beta_first": beta_min, "beta_last": beta_min, "seconds": 0.0,
                 "tokens_per_s": 0.0, "step_ms": float("nan")}
-    perm = rng.permutation(n)
+    perm = order.rng.permutation(n)
     nb = math.ceil(n / batch_size)
     betas = beta_schedule(nb, beta_min, beta_max)
     host = getattr(step, "host", False)  # the host step (:mod:`.host_step`) takes NumPy and returns floats
@@ -127,11 +146,13 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, tokens: EpochTokens,
     else:
         on_device = EpochTokens(hidden, targets, mx.array(np.asarray(q_tok, dtype=np.float32)),
                                 mx.array(np.asarray(d_tok, dtype=np.float32)))
-    sums = np.zeros(4)
-    t0 = time.perf_counter()
+    sums = np.array(order.sums, dtype=np.float64)
+    t0 = last = time.perf_counter()
     split = dp is not None and dp.active
+    if progress is not None and order.done:
+        progress(min(order.done * batch_size, n))  # the tokens of the mini-batches run before the checkpoint
     try:
-        for b in range(nb):
+        for b in range(order.done, nb):
             sel = perm[b * batch_size : (b + 1) * batch_size]
             n_b = len(sel)
             if host:
@@ -143,16 +164,30 @@ def train_epoch(step: Callable, heads: SDMHeads, optimizer, tokens: EpochTokens,
             sums += np.array(vals) * n_b
             if progress is not None:
                 progress(n_b, loss=f"{vals[0]:.4f}")
+            if order.checkpoint is not None and b + 1 < nb and _due(time.perf_counter() - last, order, dp):
+                if host:
+                    step.sync()  # W_pos and Adam into the heads and the optimizer, the host copies kept
+                order.checkpoint(b + 1, tuple(float(x) for x in sums), order.seconds + time.perf_counter() - t0)
+                last = time.perf_counter()
     finally:
         if host:  # W_pos and Adam back into MLX, also after Ctrl-C (as MLX's step would have left them)
             step.end()
-    secs = time.perf_counter() - t0
+    secs = order.seconds + time.perf_counter() - t0
     mean = sums / n
     return {
         "tokens": n, "batches": nb, "loss": float(mean[0]), "nll": float(mean[1]), "reg": float(mean[2]),
         "reg_rescaled": float(mean[3]), "beta_first": float(betas[0]), "beta_last": float(betas[-1]),
         "seconds": secs, "tokens_per_s": n / secs if secs > 0 else float("inf"), "step_ms": 1000 * secs / nb,
     }
+
+
+def _due(elapsed: float, order: EpochOrder, dp: DataParallel | None) -> bool:
+    """Whether a checkpoint is due: ``order.every_seconds`` have passed (on rank 0, under ``dp``: every rank
+    checkpoints after the same mini-batch)."""
+    due = elapsed >= order.every_seconds
+    if dp is not None and dp.active:
+        due = bool(dp.all_max(np.array([float(due) if dp.writer else 0.0], dtype=np.float32))[0] > 0)
+    return due
 
 
 def _mlx_step(step, heads, optimizer, sel, tokens: EpochTokens, *, beta_b, dp) -> list:

@@ -54,7 +54,7 @@ from .config import NetworkConfig
 from .artifact import base_model_reference, mark_network_finished, read_network_config, save_network
 from .data_parallel import DataParallel, make_dp_train_step, weight_checksum
 from .rank_work import RankWork
-from .resume import TRAINED_EPOCH, Resumption, discard_state
+from .resume import PARTIAL_EPOCH, TRAINED_EPOCH, Resumption, discard_state, pending_note
 from .selection import VerifierAdmitsNothing, head_label, select_improved
 from .step import EpochInputs, EpochTokens, MiniBatches, make_optimizer, make_step, make_train_step, train_epoch
 from .training_data import (TokenCache, build_verification_rows, completion_token_positions,  # noqa: F401 (re-exported)
@@ -262,14 +262,19 @@ class SDMNetworkTrainer(RankWork):
         """(c) the q, d of the y = 1 training documents, (d) W_pos's epoch over the token cache; saves the trained
         state (epochs finished: ``epoch`` − 1, this epoch's row pending its count) and returns the epoch's row."""
         c, (est, pos_rows, _, cache, hidden, targets, step, optimizer) = self.config, run
-        t0 = time.perf_counter()
-        # epoch 1 decodes before its first step: with the base head (W_pos restored or fresh, a copy of it)
-        q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}", base_head=epoch == 1)
-        t_qd = time.perf_counter() - t0
+        t0, partial = time.perf_counter(), metrics.pop(PARTIAL_EPOCH, None)
+        partial = partial if partial and partial.get("epoch") == epoch else None  # saved in this epoch's middle
+        if partial is None:  # epoch 1 decodes before its first step: with the base head (W_pos a copy of it)
+            q_doc, d_doc, _ = self.document_qd(est, pos_rows, f"train-qd-epoch{epoch}", base_head=epoch == 1)
+        else:  # the epoch's q, d of its first step (W_pos has moved since)
+            q_doc, d_doc = (np.asarray(partial[k], dtype=np.float32) for k in ("q", "d"))
+        t_qd = partial["qd_seconds"] if partial else time.perf_counter() - t0
         q_tok, d_tok = q_doc[cache.doc], d_doc[cache.doc]
+        order = self.resumption.epoch_order(self.heads, self.rng, optimizer, epoch=epoch, partial=partial, saved={
+            "metrics": metrics, "best": best, "selected": selected, "qd": {"q": q_doc, "d": d_doc, "seconds": t_qd}})
         with Progress(len(cache), f"epoch {epoch}/{c.epochs}", unit="tok", enabled=c.verbose) as bar:
             m = train_epoch(step, self.heads, optimizer, EpochTokens(hidden, targets, q_tok, d_tok),
-                            MiniBatches(c.batch_size, c.beta_min, c.beta_max), rng=self.rng, progress=bar.update,
+                            MiniBatches(c.batch_size, c.beta_min, c.beta_max), order=order, progress=bar.update,
                             dp=self.dp)
         self.dp.check_same(weight_checksum(self.heads), f"W_pos after epoch {epoch}")
         row = {"epoch": epoch, **m, "q_mean": float(q_doc.mean()) if len(q_doc) else None,
@@ -300,11 +305,9 @@ class SDMNetworkTrainer(RankWork):
             self.discard_journals()
         else:
             metrics, best, selected, done = self.resumption.restore(self.heads, self.rng, optimizer, self.network_path)
-            pending = (f"; epoch {done + 1}'s W_pos was trained before the stop, so only its calibration count runs"
-                       if (metrics.get(TRAINED_EPOCH) or {}).get("epoch") == done + 1 else "")
             log(f"network-train: resuming after epoch {done} of {c.epochs} (kept: {head_label(selected)}, "
-                f"count {best}); the verification layer and the finished epochs are not run again{pending}",
-                self.dp.writer)
+                f"count {best}); the verification layer and the finished epochs are not run again"
+                f"{pending_note(metrics, done)}", self.dp.writer)
         if self.dp.active:
             step = make_dp_train_step(self.heads, optimizer, self.dp, compile=c.compile_step)
         else:

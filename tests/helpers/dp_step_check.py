@@ -24,7 +24,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 from sdm_mlx.llm.embed import load_model  # noqa: E402
 from sdm_mlx.network.data_parallel import DataParallel, make_dp_train_step  # noqa: E402
 from sdm_mlx.network.heads import SDMHeads  # noqa: E402
-from sdm_mlx.network.step import EpochTokens, MiniBatches  # noqa: E402
+from sdm_mlx.network.step import EpochOrder, EpochTokens, MiniBatches  # noqa: E402
 from sdm_mlx.network.trainer import make_optimizer, make_train_step, train_epoch  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def compare(model, dp: DataParallel, optimizer: str, exchange: str) -> dict:
             step, use = make_dp_train_step(heads, opt, dp, exchange=exchange), dp
         order = np.random.default_rng(1)
         runs[mode] = {"epochs": [train_epoch(step, heads, opt, EpochTokens(H, T, q, d), MiniBatches(11, 0.5, 3.0),
-                                             rng=order, dp=use)
+                                             order=EpochOrder(order), dp=use)
                                  for _ in range(2)], "w": np.array(heads.pos.weight)}
     a, b = runs["single"], runs["data_parallel"]
     return {

@@ -19,7 +19,7 @@ from sdm_mlx.network import (
 from sdm_mlx.network.generation import first_json_object, is_closed
 from sdm_mlx.llm.model import model_dims
 from sdm_mlx.network.loss import rescaled_regularizer
-from sdm_mlx.network.step import EpochTokens, MiniBatches
+from sdm_mlx.network.step import EpochOrder, EpochTokens, MiniBatches
 from sdm_mlx.network.trainer import completion_token_positions, make_optimizer, make_train_step, train_epoch
 from sdm_mlx.llm.verification_data import PAPER_SYSTEM, PRESETS
 from greedy_margins import assert_same_greedy  # tests/helpers/
@@ -219,7 +219,7 @@ def test_beta_resets_every_epoch_and_tokens_are_shuffled():
     rng = np.random.default_rng(0)
     for _ in range(2):
         m = train_epoch(fake_step, _H(), type("O", (), {"state": {}})(), EpochTokens(H, T, np.ones(7), np.ones(7)),
-                        MiniBatches(3, 0.0, 0.1), rng=rng)
+                        MiniBatches(3, 0.0, 0.1), order=EpochOrder(rng))
         assert m["batches"] == 3 and m["beta_first"] == 0.0
     betas = [b for b, _ in seen]
     np.testing.assert_allclose(betas, [0.0, 0.1 / 3, 0.2 / 3] * 2, rtol=1e-6)

@@ -191,6 +191,40 @@ def test_a_run_killed_during_an_epochs_count_resumes_with_the_count_not_the_trai
     assert "trained_epoch" not in metrics(out) and "trained_epoch" not in state(out).metrics
 
 
+def test_a_run_killed_in_the_middle_of_an_epoch_goes_on_from_its_last_checkpoint(tiny, tmp_path):
+    """``--checkpoint-minutes``: the state is also saved in the middle of an epoch's W_pos training (here after
+    every mini-batch).  Killed right after the third checkpoint of epoch 2, the state says 1 epoch finished and 3
+    mini-batches of epoch 2 done; the same command runs only the rest of epoch 2 (the same token order, the q, d
+    computed before its first step, not with the moved W_pos) and ends where the uninterrupted run did."""
+    ref = metrics(tiny["reference"])
+    nb1, nb2 = ref["epochs"][0]["batches"], ref["epochs"][1]["batches"]
+    assert nb1 >= 2 and nb2 >= 5, (nb1, nb2)
+    out = tmp_path / "out"
+    args = train_args(tiny["built"], out, "--checkpoint-minutes", "1e-9")
+    # the states written: the verifier fit, the base count; epoch 1: nb1 - 1 checkpoints, its W_pos, its count;
+    # then epoch 2's first three checkpoints
+    killed = sdm(args, killer=("Resumption.save", 2 + (nb1 - 1) + 2 + 3))
+    assert killed.returncode == -9, killed.stderr
+    saved = state(out)
+    part = saved.metrics["partial_epoch"]
+    assert saved.epochs_completed == 1 and (part["epoch"], part["done"]) == (2, 3)
+    assert len(part["q"]) == len(part["d"]) == ref["train_positive_rows"]
+    again = sdm(args)
+    assert again.returncode == 0, again.stderr
+    assert "epoch 2 was saved after 3 mini-batches of its W_pos training, so it goes on from there" in again.stderr
+    # The host step holds Adam's v scaled by (1 - β1)² / (1 - β2) between steps and a checkpoint saves v itself, so
+    # the resumed epoch starts from v rounded once more than the uninterrupted run's (~6e-8 relative); Adam carries
+    # that into W_pos at ~3e-7 (measured).  Everything else is the uninterrupted run's.
+    m = metrics(out)
+    assert_same_counts_and_selection(m, ref)
+    for key in ("epoch", "tokens", "batches", "q_mean", "d_mean"):
+        assert [e[key] for e in m["epochs"]] == [e[key] for e in ref["epochs"]], key
+    np.testing.assert_allclose([e["loss"] for e in m["epochs"]], [e["loss"] for e in ref["epochs"]], rtol=1e-5)
+    w, w_ref = state(out).head, state(tiny["reference"]).head
+    assert np.abs(w - w_ref).max() <= 1e-5 * max(1.0, float(np.abs(w_ref).max()))
+    assert "partial_epoch" not in m and "partial_epoch" not in state(out).metrics
+
+
 @pytest.mark.slow  # two CLI trainings; the default tier resumes a run killed mid-epoch (test_a_killed_run_continues...)
 def test_a_run_killed_before_its_first_count_skips_the_verifier_fit(tiny, tmp_path):
     """Killed while counting the base head (after the verifier fit): the same command loads the saved verifier
