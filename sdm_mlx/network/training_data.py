@@ -216,17 +216,20 @@ def build_token_cache(heads: SDMHeads, tokenizer, rows: Sequence[dict], config: 
         docs.extend([i] * len(pos))
     known = _given_states(seqs, poss, given)
     run = [i for i in range(len(rows)) if i not in known]
-    if journal is not None and prefix_ids is None:  # every part shares the whole set's prefix, as one pass would
-        prefix_ids = shared_prefix([seqs[i] for i in run], [poss[i] for i in run])
+    # each task's rows run after their own shared prefix (the tasks' templates differ after the system prompt),
+    # computed over the whole set so that every part runs the prefix one pass would; a given prefix_ids (the
+    # data-parallel ranks') stands for every row
+    groups = [None] * len(run) if prefix_ids is not None else [rows[i].get("task") for i in run]
+    prefixes = {None: prefix_ids} if prefix_ids is not None else {
+        g: shared_prefix([seqs[i] for i, k in zip(run, groups) if k == g], [poss[i] for i, k in zip(run, groups) if k == g])
+        for g in dict.fromkeys(groups)}
     with Progress(len(rows), "cache completion states", unit="doc", enabled=verbose) as bar:
         bar.update(len(known))
-        args = ([seqs[i] for i in run], [poss[i] for i in run])
+        args = ([seqs[i] for i in run], [poss[i] for i in run], groups, prefixes)
         if journal is None:
-            ran = token_hidden_states(heads.model, *args, batch_size=batch_size, progress=bar.update,
-                                      prefix_ids=prefix_ids) if run else None
+            ran = _grouped_states(heads, *args, batch_size=batch_size, progress=bar.update) if run else None
         else:
-            ran = _journaled_states(heads, *args, journal, batch_size=batch_size, progress=bar.update,
-                                    prefix_ids=prefix_ids)
+            ran = _journaled_states(heads, *args, journal, batch_size=batch_size, progress=bar.update)
     hidden = _in_row_order(len(rows), poss, known, run, ran, heads.hidden_size)
     targets = np.asarray(tgts, dtype=np.int64) + heads.vocab_size
     if skipped and verbose:
@@ -265,9 +268,24 @@ def _in_row_order(n: int, poss, known: dict, run: list, ran, width: int) -> np.n
     return np.concatenate(parts).astype(np.float32) if parts else np.zeros((0, width), dtype=np.float32)
 
 
-def _journaled_states(heads: SDMHeads, seqs, poss, journal, *, batch_size: int, progress,
-                      prefix_ids) -> np.ndarray:
-    """:func:`token_hidden_states` of ``seqs`` in parts of :data:`TOKEN_CACHE_CHUNK_DOCS` documents, each kept in
+def _grouped_states(heads: SDMHeads, seqs, poss, groups, prefixes: dict, *, batch_size: int, progress) -> np.ndarray:
+    """:func:`token_hidden_states` of ``seqs`` (concatenated in their order), the rows of each group run after that
+    group's prefix (``prefixes[group]``)."""
+    parts: list = [None] * len(seqs)
+    for g in dict.fromkeys(groups):
+        idx = [i for i, k in enumerate(groups) if k == g]
+        h = token_hidden_states(heads.model, [seqs[i] for i in idx], [poss[i] for i in idx], batch_size=batch_size,
+                                progress=progress, prefix_ids=prefixes.get(g))
+        at = 0
+        for i in idx:
+            parts[i], at = h[at:at + len(poss[i])], at + len(poss[i])
+    kept = [p for p in parts if p is not None and len(p)]
+    return np.concatenate(kept).astype(np.float32) if kept else np.zeros((0, heads.hidden_size), dtype=np.float32)
+
+
+def _journaled_states(heads: SDMHeads, seqs, poss, groups, prefixes: dict, journal, *, batch_size: int,
+                      progress) -> np.ndarray:
+    """:func:`_grouped_states` of ``seqs`` in parts of :data:`TOKEN_CACHE_CHUNK_DOCS` documents, each kept in
     (and, when a stopped build is started again, read from) ``journal``."""
     have = journal.chunks()
     parts = []
@@ -279,8 +297,8 @@ def _journaled_states(heads: SDMHeads, seqs, poss, journal, *, batch_size: int, 
             progress(hi - lo)
             parts.append(saved)
             continue
-        h = token_hidden_states(heads.model, seqs[lo:hi], poss[lo:hi], batch_size=batch_size, progress=progress,
-                                prefix_ids=prefix_ids)
+        h = _grouped_states(heads, seqs[lo:hi], poss[lo:hi], groups[lo:hi], prefixes, batch_size=batch_size,
+                            progress=progress)
         h = h if n_tok else np.zeros((0, heads.hidden_size), dtype=np.float32)
         journal.write(f"docs{lo:07d}-{hi:07d}", hidden=np.asarray(h, dtype=np.float32))
         parts.append(h)

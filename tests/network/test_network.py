@@ -569,6 +569,48 @@ def test_a_stopped_token_cache_build_computes_only_the_parts_it_had_not_finished
     assert len(runs) == parts  # the journal of the other rows was discarded, not mixed in
 
 
+def test_each_tasks_rows_run_after_their_own_shared_prefix(phi3, tmp_path, monkeypatch):
+    """Alg. 4 (b) over several tasks (universal verification): the token cache runs each task's rows after that
+    task's shared prefix (the templates differ after the system prompt), with or without a journal, and its states
+    equal whole-sequence passes within 1e-5."""
+    from types import SimpleNamespace
+
+    import sdm_mlx.llm.embed as embed_module
+    import sdm_mlx.network.training_data as training_data
+    from sdm_mlx.llm.embed import chat_text, hidden_states
+    from sdm_mlx.network.training_data import build_token_cache, token_cache_key
+    from sdm_mlx.storage.journal import ChunkJournal
+
+    model, tok = phi3
+    heads = SDMHeads(model)
+    settings = SimpleNamespace(delimiter="}", max_length=500, embed_batch_size=2, verbose=False)
+    rows = []
+    for task in ("sentiment", "factcheck"):
+        comps, template = PRESETS[task]["completions"], PRESETS[task]["prompt_template"]
+        for k, doc in enumerate(["A fine film.", "Water boils at 100 C at sea level.", "Dull and long.",
+                                 "The moon is made of cheese."]):
+            rows.append({"id": f"{task}-{k}", "task": task, "completion": comps[k % 2],
+                         "prompt": chat_text(tok, doc, system=PAPER_SYSTEM, prompt_template=template)})
+    rows = rows[::2] + rows[1::2]  # the tasks interleaved
+    want = []
+    for r in rows:
+        ids, pos, _ = completion_token_positions(tok, r["prompt"], r["completion"], "}", 500)
+        want.append(np.array(hidden_states(model, [ids[: max(pos) + 1]])[0][mx.array(np.array(pos))]))
+    want = np.concatenate(want)
+    prefilled, real = [], embed_module.run_shared_prefix
+    monkeypatch.setattr(embed_module, "run_shared_prefix", lambda m, ids: prefilled.append(list(ids)) or real(m, ids))
+    whole = build_token_cache(heads, tok, rows, settings)
+    np.testing.assert_allclose(whole.hidden, want, atol=1e-5, rtol=1e-5)
+    across = embed_module.common_prefix_length([tok.encode(r["prompt"]) for r in rows])
+    assert len(prefilled) == 2 and all(len(p) > across for p in prefilled)  # one longer prefix per task
+    monkeypatch.setattr(training_data, "TOKEN_CACHE_CHUNK_DOCS", 3)
+    journal = ChunkJournal(str(tmp_path / "token_cache.partial.rank0"), token_cache_key({"model": "tiny"}, rows, "}",
+                                                                                          500))
+    parts = build_token_cache(heads, tok, rows, settings, journal=journal)
+    np.testing.assert_allclose(parts.hidden, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(parts.targets, whole.targets)
+
+
 def test_the_training_q_d_pool_the_parts_the_verifier_was_trained_on(tiny_phi3_path, tmp_path, phi3):
     """Alg. 4 (c): the q, d of each y = 1 training document come from its generation's features, pooled as the
     verification layer was trained (here `last` alone, D wide), and the decodings are journaled in OUTPUT/."""
