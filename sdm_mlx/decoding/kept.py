@@ -28,3 +28,28 @@ def attach_kept(dec, req, states, kv, reason: str) -> None:
     if req.keep_decisions and reason in DECIDED:
         n_dec = len(dec.token_ids) + (reason == "eos")
         dec.decisions = np.array(states[P - 1 : P - 1 + n_dec], dtype=np.float32)
+
+
+def pack_decisions(decisions) -> dict:
+    """The decision states of several decodings (float32 ``[n_i, D]`` each, or None where none were kept) as the
+    arrays every store of them writes: ``decisions`` (flat ``[sum n_i, D]``) and ``decision_offsets`` (``[len + 1]``
+    int64).  States of different widths are refused (:class:`~sdm_mlx.errors.InputError`)."""
+    from ..errors import InputError
+
+    dims = {np.asarray(d).shape[-1] for d in decisions if d is not None and len(d)}
+    if len(dims) > 1:
+        raise InputError(f"decision states of widths {sorted(dims)} cannot be kept together")
+    dim = dims.pop() if dims else 0
+    kept = [np.zeros((0, dim), np.float32) if d is None else np.asarray(d, np.float32).reshape(-1, dim)
+            for d in decisions]
+    return {"decisions": np.concatenate(kept) if kept else np.zeros((0, dim), np.float32),
+            "decision_offsets": np.cumsum([0] + [len(d) for d in kept]).astype(np.int64)}
+
+
+def unpack_decision(arrays, i: int):
+    """Decoding ``i``'s states of :func:`pack_decisions`' ``arrays`` (a mapping), or None when it kept none (or the
+    arrays hold no decisions)."""
+    states, offsets = arrays.get("decisions"), arrays.get("decision_offsets")
+    if states is None or offsets is None or offsets[i + 1] <= offsets[i]:
+        return None
+    return states[offsets[i]:offsets[i + 1]]

@@ -50,6 +50,7 @@ from typing import Sequence
 import numpy as np
 
 from ..decoding.decode_types import Decoded
+from ..decoding.kept import pack_decisions, unpack_decision
 from ..errors import InputError
 from ..llm import embed as _embed
 from ..llm.pooling import check_feature_parts, part_columns
@@ -124,18 +125,10 @@ def _replay_arrays(n: int, width: int, replay: dict) -> dict:
         raise InputError(f"base decodings: replay data for {len(tokens)}, {len(reasons)}, {len(decisions)} decodings "
                          f"of {n}")
     settings = {k: replay["settings"][k] for k in REPLAY_SETTINGS}
-    dims = {np.asarray(d).shape[-1] for d in decisions if d is not None and len(d)}
-    if len(dims) > 1:
-        raise InputError(f"base decodings: decision states of widths {sorted(dims)}")
-    dim = dims.pop() if dims else 0
-    kept = [np.zeros((0, dim), np.float32) if d is None else np.asarray(d, np.float32).reshape(-1, dim)
-            for d in decisions]
     return {"token_ids": np.array([t for ts in tokens for t in ts], dtype=np.int64),
             "token_offsets": np.cumsum([0] + [len(ts) for ts in tokens]).astype(np.int64),
             "stop_reasons": np.array([r if d is not None else "" for r, d in zip(reasons, decisions)], dtype=str),
-            "decisions": np.concatenate(kept) if kept else np.zeros((0, dim), np.float32),
-            "decision_offsets": np.cumsum([0] + [len(d) for d in kept]).astype(np.int64),
-            "decode_settings": np.array(json.dumps(settings, sort_keys=True))}
+            **pack_decisions(decisions), "decode_settings": np.array(json.dumps(settings, sort_keys=True))}
 
 
 class BaseDecodings:
@@ -222,11 +215,11 @@ class BaseDecodings:
         if i is None or self._texts[i] != completion:
             return None
         r = self._replay
-        a, b = int(r["decision_offsets"][i]), int(r["decision_offsets"][i + 1])
-        if b == a:
+        states = unpack_decision(r, i)
+        if states is None:
             return None
         ids = list(self._prompt_ids[i]) + [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
-        return ids, len(self._prompt_ids[i]) - 1, r["decisions"][a:b]
+        return ids, len(self._prompt_ids[i]) - 1, states
 
     def replayed(self, heads, settings, keys=None) -> dict[str, Decoded]:
         """``{prompt_key: Decoded}`` of the decodings that greedy joint decoding with ``heads`` (an
@@ -283,8 +276,7 @@ class BaseDecodings:
             tokens, why, states = [], "given", None
             if r is not None:
                 tokens = [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
-                a, b = int(r["decision_offsets"][i]), int(r["decision_offsets"][i + 1])
-                why, states = str(r["stop_reasons"][i]) or "given", (r["decisions"][a:b] if b > a else None)
+                why, states = str(r["stop_reasons"][i]) or "given", unpack_decision(r, i)
             out.append(Decoded(prompt_ids=list(ids), token_ids=tokens, text=self._texts[i], stop_reason=why,
                                seconds=0.0, features=self._features[i:i + 1], decisions=states))
         return out

@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from ..decoding.decode_types import Decoded
+from ..decoding.kept import pack_decisions, unpack_decision
 from ..storage.journal import ChunkJournal
 
 #: The journals' directory in a network-train run.
@@ -53,17 +54,13 @@ class DecodeJournal(ChunkJournal):
         for arrays in self.chunks().values():
             try:
                 rows, feats = json.loads(str(arrays["rows"])), arrays["features"]
-                states, offsets = arrays.get("decisions"), arrays.get("decision_offsets")
             except (KeyError, ValueError):
                 continue  # a chunk that cannot be read is decoded again
             for i, r in enumerate(rows):
-                kept = None
-                if states is not None and offsets is not None and offsets[i + 1] > offsets[i]:
-                    kept = states[offsets[i]:offsets[i + 1]]
                 out[r["key"]] = Decoded(prompt_ids=r["prompt_ids"], token_ids=r["token_ids"], text=r["text"],
                                         stop_reason=r["stop_reason"], seconds=r["seconds"],
                                         features=feats[i:i + 1] if feats.size else None,
-                                        feature_info=r["feature_info"], decisions=kept)
+                                        feature_info=r["feature_info"], decisions=unpack_decision(arrays, i))
         return out
 
     def add(self, keys: Sequence[str], decoded: Sequence[Decoded]) -> None:
@@ -77,14 +74,7 @@ class DecodeJournal(ChunkJournal):
         has = all(d.features is not None for d in decoded)
         feats = (np.concatenate([np.asarray(d.features, dtype=np.float32).reshape(1, -1) for d in decoded])
                  if has else np.zeros((0, 0), dtype=np.float32))
-        kept = [np.asarray(d.decisions, np.float32) for d in decoded if d.decisions is not None]
-        extra = {}
-        if kept:
-            width = kept[0].shape[-1]
-            states = [np.zeros((0, width), np.float32) if d.decisions is None
-                      else np.asarray(d.decisions, np.float32).reshape(-1, width) for d in decoded]
-            extra = {"decisions": np.concatenate(states),
-                     "decision_offsets": np.cumsum([0] + [len(x) for x in states]).astype(np.int64)}
+        extra = pack_decisions([d.decisions for d in decoded]) if any(d.decisions is not None for d in decoded) else {}
         self.write(f"{self.count():06d}", rows=np.array(json.dumps(rows)), features=feats, **extra)
 
 

@@ -54,8 +54,9 @@ class RankWork:
         self._base_decodings_checked = self.own_decodings is not None  # its own decodings need no check
 
     def keep_base_decodings(self, decoded, settings: DecodeSettings) -> None:
-        """Keep ``decoded`` (a pass at the base head, under ``settings``) with the run's own base decodings."""
-        if self.own_decodings is not None and decoded:
+        """Keep ``decoded`` with the run's own base decodings when ``settings`` kept their decision states (a pass at
+        the base head of a run that keeps its own)."""
+        if settings.keep_decisions and decoded:
             self.base_decodings = self.own_decodings.keep(decoded, settings.feature_parts, settings)
 
     def features_of(self, rows: Sequence[dict], desc: str,
@@ -87,14 +88,12 @@ class RankWork:
         """Greedy generations of ``rows`` with their features (those ``verifier`` was trained on, if given);
         ``base_head``: W_pos is still the base head's copy, so the given base decodings serve."""
         c, settings = self.config, self.decode_settings(verifier, keep_decisions=base_head)
-        keep = settings.keep_decisions
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, rows))
         with Progress(len(rows), desc, unit="doc", enabled=c.verbose) as bar:
             gens = greedy_generate(self.heads, self.tokenizer, [r["prompt"] for r in rows], settings, features=True,
                                    progress=bar.update, journal=journal)
-        if keep:
-            self.keep_base_decodings(gens, settings)
+        self.keep_base_decodings(gens, settings)
         return gens
 
     def given_in_front(self, journal: DecodeJournal | None, settings: DecodeSettings):
@@ -150,13 +149,12 @@ class RankWork:
         c = self.config
         part = [cal_rows[i] for i in self.generation_parts(cal_rows)[self.dp.rank]]
         settings = self.decode_settings(est, keep_decisions=base_head)
-        keep = settings.keep_decisions
         journal = own = self.journal(purpose)
         journal = (self.given_in_front(journal, settings) if base_head
                    else self.replayed_in_front(journal, settings, part))
         counts = count_verified(self.heads, self.tokenizer, est, part, self.completions, settings=settings,
                                 verbose=c.verbose, journal=journal) if part else None
-        if keep:
+        if settings.keep_decisions:  # what this pass decoded is in its journal (also the part before a stop)
             self.keep_base_decodings(list(own.done().values()), settings)
         if not self.dp.active:
             return counts
@@ -171,7 +169,7 @@ class RankWork:
         parts = verifier_parts(verifier) if verifier is not None else _embed.DEFAULT_FEATURE_PARTS
         return DecodeSettings(max_new_tokens=c.max_new_tokens, delimiter=c.delimiter, max_length=c.max_length,
                               batch_size=c.generation_batch_size, feature_parts=tuple(parts),
-                              keep_decisions=keep_decisions and getattr(self, "own_decodings", None) is not None)
+                              keep_decisions=keep_decisions and self.own_decodings is not None)
 
     def token_cache(self, pos_rows: Sequence[dict], *, store: str | None = None) -> TokenCache:
         """The token cache of the y = 1 training rows (with several ranks each runs whole batches; gathered).

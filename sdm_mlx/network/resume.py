@@ -360,10 +360,9 @@ class Resumption:
                 self.writer and self.config.verbose)
 
         every = float(self.config.checkpoint_minutes) * 60.0
-        if partial is None:
-            return EpochOrder(rng, checkpoint=checkpoint if every > 0 else None, every_seconds=every)
-        return EpochOrder(rng, done=int(partial["done"]), sums=tuple(partial["sums"]), seconds=float(partial["seconds"]),
-                          checkpoint=checkpoint if every > 0 else None, every_seconds=every)
+        done = {} if partial is None else {"done": int(partial["done"]), "sums": tuple(partial["sums"]),
+                                           "seconds": float(partial["seconds"])}
+        return EpochOrder(rng, **done, checkpoint=checkpoint if every > 0 else None, every_seconds=every)
 
     def restore(self, heads, rng, optimizer, network_path: str) -> tuple[dict, int, int, int]:
         """Put W_pos, the Adam state and the shuffle generator of the saved epoch back; returns (metrics, best

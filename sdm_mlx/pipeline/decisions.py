@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..decoding.kept import pack_decisions, unpack_decision
 from ..storage.journal import KEY_FILE, ChunkJournal
 
 #: The decision store's directory beside an answers file.
@@ -61,13 +62,12 @@ class DecisionStore:
         keep = [(i, d) for i, d in zip(ids, decoded) if d.decisions is not None]
         if not keep:
             return
-        states = [np.asarray(d.decisions, np.float32) for _, d in keep]
         self._journal.write(
             f"{self._journal.count():06d}", ids=np.array(json.dumps([i for i, _ in keep])),
             token_ids=np.array([t for _, d in keep for t in d.token_ids], dtype=np.int64),
             token_offsets=np.cumsum([0] + [len(d.token_ids) for _, d in keep]).astype(np.int64),
             stop_reasons=np.array([d.stop_reason for _, d in keep], dtype=str),
-            decisions=np.concatenate(states), decision_offsets=np.cumsum([0] + [len(s) for s in states]).astype(np.int64))
+            **pack_decisions([d.decisions for _, d in keep]))
 
     def read(self, wanted=None) -> dict[str, tuple[list, str, np.ndarray]]:
         """``{id: (token_ids, stop_reason, decisions [n, D])}`` of the kept decodings (``wanted``: only these ids;
@@ -75,11 +75,11 @@ class DecisionStore:
         out = {}
         for arrays in self._journal.chunks().values():
             ids = json.loads(str(arrays["ids"]))
-            tok, dec = arrays["token_offsets"], arrays["decision_offsets"]
+            tok = arrays["token_offsets"]
             for k, i in enumerate(ids):
                 if wanted is None or i in wanted:
                     out[i] = ([int(t) for t in arrays["token_ids"][tok[k]:tok[k + 1]]], str(arrays["stop_reasons"][k]),
-                              arrays["decisions"][dec[k]:dec[k + 1]])
+                              unpack_decision(arrays, k))
         return out
 
 
