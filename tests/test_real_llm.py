@@ -501,7 +501,7 @@ def test_the_committed_universal_verifier_judges_new_texts_through_generate(mode
     """``sdm-mlx generate --verifier docs/results/universal_qwen15_cpu/verifier`` with the Sentiment task's prompt:
     the committed verifier of the headline run pools the `last` state it records and judges the model's answers to
     texts it has never seen.  Measured 2026-11-29: the book, restaurant and short film reviews verified (p̂_lower
-    0.979–0.992), the long film review below the robust min q~, the scrambled one below the model's min q~ (p̂_lower
+    0.976–0.992), the long film review below the robust min q~, the scrambled one below the model's min q~ (p̂_lower
     0.77): the assertions keep that margin, not the exact verdicts."""
     src = tmp_path / "new.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in NEW_TEXTS))
