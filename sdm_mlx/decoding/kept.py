@@ -53,3 +53,16 @@ def unpack_decision(arrays, i: int):
     if states is None or offsets is None or offsets[i + 1] <= offsets[i]:
         return None
     return states[offsets[i]:offsets[i + 1]]
+
+
+def pack_token_ids(token_lists, ids: str = "token_ids", offsets: str = "token_offsets") -> dict:
+    """Several decodings' (or prompts') token ids as the arrays every store of them writes: ``ids`` (flat int64) and
+    ``offsets`` (``[len + 1]`` int64)."""
+    return {ids: np.array([t for ts in token_lists for t in ts], dtype=np.int64),
+            offsets: np.cumsum([0] + [len(ts) for ts in token_lists]).astype(np.int64)}
+
+
+def unpack_token_ids(arrays, i: int, ids: str = "token_ids", offsets: str = "token_offsets") -> list[int]:
+    """Entry ``i``'s token ids of :func:`pack_token_ids`' ``arrays`` (a mapping)."""
+    off = arrays[offsets]
+    return [int(t) for t in arrays[ids][off[i]:off[i + 1]]]

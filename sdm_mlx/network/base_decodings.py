@@ -50,7 +50,7 @@ from typing import Sequence
 import numpy as np
 
 from ..decoding.decode_types import Decoded
-from ..decoding.kept import pack_decisions, unpack_decision
+from ..decoding.kept import pack_decisions, pack_token_ids, unpack_decision, unpack_token_ids
 from ..errors import InputError
 from ..llm import embed as _embed
 from ..llm.pooling import check_feature_parts, part_columns
@@ -89,8 +89,7 @@ def base_decoding_arrays(prompts: Sequence[str], texts: Sequence[str], features:
     if prompt_ids is not None:
         if len(prompt_ids) != len(prompts):
             raise InputError(f"base decodings: {len(prompt_ids)} token-id prompts for {len(prompts)} decodings")
-        extra["prompt_token_ids"] = np.array([t for ids in prompt_ids for t in ids], dtype=np.int64)
-        extra["prompt_offsets"] = np.cumsum([0] + [len(ids) for ids in prompt_ids]).astype(np.int64)
+        extra.update(pack_token_ids(prompt_ids, *PROMPT_ID_ARRAYS))
     return {"prompts": np.array(list(prompts), dtype=str), "texts": np.array(list(texts), dtype=str),
             "features": features.reshape(len(prompts), -1),
             "feature_parts": np.array(list(check_feature_parts(feature_parts)), dtype=str), **extra}
@@ -125,8 +124,7 @@ def _replay_arrays(n: int, width: int, replay: dict) -> dict:
         raise InputError(f"base decodings: replay data for {len(tokens)}, {len(reasons)}, {len(decisions)} decodings "
                          f"of {n}")
     settings = {k: replay["settings"][k] for k in REPLAY_SETTINGS}
-    return {"token_ids": np.array([t for ts in tokens for t in ts], dtype=np.int64),
-            "token_offsets": np.cumsum([0] + [len(ts) for ts in tokens]).astype(np.int64),
+    return {**pack_token_ids(tokens),
             "stop_reasons": np.array([r if d is not None else "" for r, d in zip(reasons, decisions)], dtype=str),
             **pack_decisions(decisions), "decode_settings": np.array(json.dumps(settings, sort_keys=True))}
 
@@ -184,10 +182,10 @@ class BaseDecodings:
                              "again with save_base_decodings")
         self._tokenizer = tokenizer
         if all(k in arrays for k in PROMPT_ID_ARRAYS):
-            flat, off = arrays["prompt_token_ids"], arrays["prompt_offsets"]
-            if len(off) != len(prompts) + 1:
-                raise InputError(f"base_decodings {path}: prompt_offsets of {len(off)} for {len(prompts)} prompts")
-            self._prompt_ids = [[int(t) for t in flat[off[i]:off[i + 1]]] for i in range(len(prompts))]
+            if len(arrays["prompt_offsets"]) != len(prompts) + 1:
+                raise InputError(f"base_decodings {path}: prompt_offsets of {len(arrays['prompt_offsets'])} for "
+                                 f"{len(prompts)} prompts")
+            self._prompt_ids = [unpack_token_ids(arrays, i, *PROMPT_ID_ARRAYS) for i in range(len(prompts))]
         else:
             self._prompt_ids = [_embed.encode(tokenizer, p) for p in prompts]
         self._texts = texts
@@ -218,7 +216,7 @@ class BaseDecodings:
         states = unpack_decision(r, i)
         if states is None:
             return None
-        ids = list(self._prompt_ids[i]) + [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
+        ids = list(self._prompt_ids[i]) + unpack_token_ids(r, i)
         return ids, len(self._prompt_ids[i]) - 1, states
 
     def replayed(self, heads, settings, keys=None) -> dict[str, Decoded]:
@@ -275,7 +273,7 @@ class BaseDecodings:
         for i, ids in enumerate(self._prompt_ids):
             tokens, why, states = [], "given", None
             if r is not None:
-                tokens = [int(t) for t in r["token_ids"][r["token_offsets"][i]:r["token_offsets"][i + 1]]]
+                tokens = unpack_token_ids(r, i)
                 why, states = str(r["stop_reasons"][i]) or "given", unpack_decision(r, i)
             out.append(Decoded(prompt_ids=list(ids), token_ids=tokens, text=self._texts[i], stop_reason=why,
                                seconds=0.0, features=self._features[i:i + 1], decisions=states))

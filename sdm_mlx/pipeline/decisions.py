@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..decoding.kept import pack_decisions, unpack_decision
+from ..decoding.kept import pack_decisions, pack_token_ids, unpack_decision, unpack_token_ids
 from ..storage.journal import KEY_FILE, ChunkJournal
 
 #: The decision store's directory beside an answers file.
@@ -64,8 +64,7 @@ class DecisionStore:
             return
         self._journal.write(
             f"{self._journal.count():06d}", ids=np.array(json.dumps([i for i, _ in keep])),
-            token_ids=np.array([t for _, d in keep for t in d.token_ids], dtype=np.int64),
-            token_offsets=np.cumsum([0] + [len(d.token_ids) for _, d in keep]).astype(np.int64),
+            **pack_token_ids([d.token_ids for _, d in keep]),
             stop_reasons=np.array([d.stop_reason for _, d in keep], dtype=str),
             **pack_decisions([d.decisions for _, d in keep]))
 
@@ -75,11 +74,9 @@ class DecisionStore:
         out = {}
         for arrays in self._journal.chunks().values():
             ids = json.loads(str(arrays["ids"]))
-            tok = arrays["token_offsets"]
             for k, i in enumerate(ids):
                 if wanted is None or i in wanted:
-                    out[i] = ([int(t) for t in arrays["token_ids"][tok[k]:tok[k + 1]]], str(arrays["stop_reasons"][k]),
-                              unpack_decision(arrays, k))
+                    out[i] = (unpack_token_ids(arrays, k), str(arrays["stop_reasons"][k]), unpack_decision(arrays, k))
         return out
 
 
